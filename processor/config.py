@@ -1,0 +1,193 @@
+"""Settings: one frozen object, read from a file, the environment and flags.
+
+Precedence, highest first: explicit overrides (CLI flags), environment
+variables (``TOOLSENTRY_…``, nested with ``__``), the YAML/JSON file named by
+``--config`` or ``TOOLSENTRY_CONFIG``, then the defaults below. Every knob is
+documented on its field; ``toolsentry config`` prints the effective values.
+
+librdkafka settings pass through untouched: ``kafka`` applies to every client
+(consumer, producer, admin), ``consumer``/``producer`` only to one. That is
+how a secured cluster is reached, e.g.
+``TOOLSENTRY_KAFKA='{"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", ...}'``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+SIDE_EFFECT_TOPIC_SUFFIXES = (
+    "read_only",
+    "ephemeral_write",
+    "low_risk_internal",
+    "medium_risk_write",
+    "high_risk_external",
+    "critical_mutation",
+)
+
+
+class Topics(BaseModel):
+    """Topic names, all derived from one prefix so a deployment can namespace them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prefix: str = "tool."
+
+    @property
+    def proposals(self) -> str:
+        return f"{self.prefix}proposals"
+
+    @property
+    def observations(self) -> str:
+        return f"{self.prefix}observations"
+
+    @property
+    def results(self) -> str:
+        return f"{self.prefix}results"
+
+    @property
+    def approval_requests(self) -> str:
+        return f"{self.prefix}approval.requests"
+
+    @property
+    def approvals(self) -> str:
+        return f"{self.prefix}approvals"
+
+    @property
+    def reference(self) -> str:
+        return f"{self.prefix}reference"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.prefix}proposals.dlq"
+
+    def execution(self, side_effect_class: str) -> str:
+        """``tool.exec.<class>`` for a side-effect class such as ``READ_ONLY``."""
+        return f"{self.prefix}exec.{side_effect_class.lower()}"
+
+    def all(self) -> list[str]:
+        execs = [f"{self.prefix}exec.{s}" for s in SIDE_EFFECT_TOPIC_SUFFIXES]
+        return [
+            self.proposals,
+            self.observations,
+            self.results,
+            self.approval_requests,
+            self.approvals,
+            self.reference,
+            self.dlq,
+            *execs,
+        ]
+
+
+class StackSettings(BaseModel):
+    """The local development stack: one Kafka broker and one redis-server."""
+
+    model_config = ConfigDict(frozen=True)
+
+    data_dir: Path = Path(".stack")
+    """Broker log dirs, Redis dump, logs and pid files live here."""
+    kafka_port: int = 9092
+    kafka_controller_port: int = 9093
+    kafka_version: str = "4.2.0"
+    kafka_heap: str = "512m"
+    """Enough for a single node on loopback; the log cleaner buffer is sized to fit."""
+    kafka_cache_dir: Path = Path.home() / ".cache" / "toolsentry"
+    """Where the broker jars from Maven Central are kept, outside git, fetched once."""
+    redis_port: int = 6379
+    partitions: int = 6
+    """Partitions per topic created by ``stack up``; caps how many processors share the load."""
+    ready_timeout_s: float = 120.0
+
+
+class Settings(BaseSettings):
+    """Everything the processor, the client and the CLI read."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TOOLSENTRY_",
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="forbid",
+    )
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    kafka: dict[str, Any] = Field(default_factory=dict)
+    """librdkafka settings for every client (security.protocol, sasl.*, ssl.*, ...)."""
+    consumer: dict[str, Any] = Field(default_factory=dict)
+    """librdkafka settings for the processor's consumer only (fetch tuning, ...)."""
+    producer: dict[str, Any] = Field(default_factory=dict)
+    """librdkafka settings for the processor's producer only (linger, compression, ...)."""
+    topics: Topics = Topics()
+    group_id: str = "toolsentry"
+    instance_id: str = Field(default_factory=lambda: os.uname().nodename)
+    """Stable per processor instance: the transactional.id is built from it, so a
+    restarted instance fences its predecessor's open transaction at once instead of
+    waiting for transaction.timeout.ms."""
+    transaction_timeout_ms: int = 15000
+    """Upper bound on how long a crashed instance's open transaction blocks readers."""
+    processing_guarantee: Literal["exactly-once"] = "exactly-once"
+    batch_max_records: int = 500
+    """Records per transaction at most: bigger batches amortise the commit, smaller
+    ones bound latency; the loop takes whatever is ready up to this many."""
+    batch_wait_s: float = 0.02
+    """How long the loop waits for the first record of a batch."""
+    max_record_bytes: int = 1_048_576
+    """A proposal larger than this is not parsed; it goes to the DLQ."""
+    max_arguments_bytes: int = 65_536
+    max_arguments_depth: int = 32
+    contracts_dir: Path = Path("contracts")
+    metrics_port: int = 9464
+    """Prometheus /metrics port; 0 disables the endpoint."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    log_level: str = "INFO"
+    stack: StackSettings = StackSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _FileSource(settings_cls))
+
+    def client_config(self, **extra: Any) -> dict[str, Any]:
+        """Common librdkafka config: bootstrap plus the pass-through settings."""
+        return {"bootstrap.servers": self.bootstrap_servers, **self.kafka, **extra}
+
+    @property
+    def transactional_id(self) -> str:
+        return f"{self.group_id}-{self.instance_id}"
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """Reads the YAML or JSON file named by ``TOOLSENTRY_CONFIG`` (if any)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("TOOLSENTRY_CONFIG")
+        if not path:
+            return {}
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the config file must hold a mapping")
+        return data
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings; ``overrides`` (from flags) win over everything else."""
+    if config_file is not None:
+        os.environ["TOOLSENTRY_CONFIG"] = str(config_file)
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,195 @@
+"""Loading tool contracts: validate every file, compile once, all or nothing.
+
+A contract set is loaded whole or refused whole: a processor never decides
+with half a set. Each problem names the file, the JSON path inside it, and
+the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+from jsonschema import Draft202012Validator, SchemaError
+
+from processor.codec.avro import SCHEMAS_DIR
+from processor.contracts.validation import FORMAT_CHECKER, ArgumentValidator, check_schema
+from processor.model import Lifecycle, SideEffectClass
+
+CONTRACT_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    file: str
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.path}: {self.reason}"
+
+
+class ContractError(Exception):
+    """A contract set was refused; ``problems`` lists every reason found."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{len(problems)} problem(s) in the contract set:\n{lines}")
+
+
+@dataclass(frozen=True, slots=True)
+class Contract:
+    """One version of one tool, compiled for the gates."""
+
+    name: str
+    version: str
+    lifecycle: Lifecycle
+    side_effect_class: SideEffectClass
+    timeout_ms: int
+    confirmation_required: bool
+    post_action_verification_required: bool
+    input_schema: dict[str, Any]
+    validator: ArgumentValidator
+    raw: dict[str, Any]
+    source: str
+
+    @property
+    def version_key(self) -> tuple[int, ...]:
+        return tuple(int(p) for p in self.version.split("."))
+
+    @property
+    def argument_names(self) -> tuple[str, ...]:
+        return tuple(self.input_schema.get("properties", {}))
+
+
+@dataclass(frozen=True)
+class ContractSet:
+    """Every loaded contract, by name, newest version first."""
+
+    by_name: dict[str, tuple[Contract, ...]]
+    fingerprint: str
+    directory: str = ""
+    names: tuple[str, ...] = field(default=())
+    callable_names: tuple[str, ...] = field(default=())
+    """Tools with at least one version that is not sunsetted."""
+
+    def versions(self, name: str) -> tuple[Contract, ...]:
+        return self.by_name.get(name, ())
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.by_name.values())
+
+
+def _meta_validator() -> Any:
+    meta = orjson.loads((SCHEMAS_DIR / "tool-contract.schema.json").read_bytes())
+    return Draft202012Validator(meta, format_checker=FORMAT_CHECKER)
+
+
+def _pointer(path: Any) -> str:
+    return "/" + "/".join(str(p) for p in path) if path else "/"
+
+
+def _read(path: Path) -> Any:
+    text = path.read_bytes()
+    if path.suffix == ".json":
+        return orjson.loads(text)
+    return yaml.safe_load(text)
+
+
+def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract | None:
+    schema = doc["affordance"]["input_schema"]
+    try:
+        check_schema(schema)
+    except SchemaError as exc:
+        where = _pointer(["affordance", "input_schema", *exc.path])
+        problems.append(Problem(rel, where, f"not a valid 2020-12 schema: {exc.message}"))
+        return None
+    except ValueError as exc:
+        problems.append(Problem(rel, "/affordance/input_schema", str(exc)))
+        return None
+    if schema.get("type") != "object":
+        problems.append(Problem(rel, "/affordance/input_schema/type", "arguments must be an object"))
+        return None
+    validator = ArgumentValidator(schema)
+    for i, example in enumerate(doc["affordance"]["examples"]):
+        expected = example.get("valid", True)
+        actual = validator.reference.is_valid(example["arguments"])
+        if actual != expected:
+            verdict = "fails" if expected else "passes"
+            problems.append(
+                Problem(rel, f"/affordance/examples/{i}", f"example {verdict} the input schema")
+            )
+    ident, tx = doc["identity"], doc["transactional"]
+    lc = ident["lifecycle"]
+    return Contract(
+        name=ident["name"],
+        version=ident["version"],
+        lifecycle=Lifecycle(lc["status"], lc["sunset_date"], lc["replacement"]),
+        side_effect_class=SideEffectClass(tx["side_effect_class"]),
+        timeout_ms=doc["runtime"]["timeout_ms"],
+        confirmation_required=tx["confirmation_required"],
+        post_action_verification_required=tx["post_action_verification_required"],
+        input_schema=schema,
+        validator=validator,
+        raw=doc,
+        source=rel,
+    )
+
+
+def load_contracts(directory: Path) -> ContractSet:
+    """Load every contract file under ``directory``; raise ``ContractError`` if any is bad."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ContractError([Problem(str(directory), "/", "no such directory")])
+    meta = _meta_validator()
+    problems: list[Problem] = []
+    contracts: list[Contract] = []
+    digest = hashlib.sha256()
+    files = sorted(p for p in directory.rglob("*") if p.suffix in CONTRACT_SUFFIXES)
+    for path in files:
+        rel = str(path.relative_to(directory))
+        try:
+            doc = _read(path)
+        except Exception as exc:
+            problems.append(Problem(rel, "/", f"cannot be parsed: {exc}"))
+            continue
+        errors = sorted(meta.iter_errors(doc), key=lambda e: list(e.absolute_path))
+        if errors:
+            problems.extend(Problem(rel, _pointer(e.absolute_path), e.message) for e in errors)
+            continue
+        contract = _compile(doc, rel, problems)
+        if contract is not None:
+            contracts.append(contract)
+            digest.update(rel.encode() + b"\0" + orjson.dumps(doc, option=orjson.OPT_SORT_KEYS))
+    if not files:
+        problems.append(Problem(str(directory), "/", "no contract files"))
+    by_name: dict[str, list[Contract]] = {}
+    for c in contracts:
+        by_name.setdefault(c.name, []).append(c)
+    for name, versions in by_name.items():
+        seen: dict[str, str] = {}
+        for c in versions:
+            if c.version in seen:
+                problems.append(
+                    Problem(c.source, "/identity/version", f"{name}@{c.version} also in {seen[c.version]}")
+                )
+            seen[c.version] = c.source
+    if problems:
+        raise ContractError(problems)
+    ordered = {
+        n: tuple(sorted(v, key=lambda c: c.version_key, reverse=True)) for n, v in by_name.items()
+    }
+    return ContractSet(
+        by_name=ordered,
+        fingerprint="sha256:" + digest.hexdigest()[:16],
+        directory=str(directory),
+        names=tuple(sorted(ordered)),
+        callable_names=tuple(
+            n for n in sorted(ordered) if any(c.lifecycle.status != "sunsetted" for c in ordered[n])
+        ),
+    )

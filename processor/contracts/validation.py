@@ -1,0 +1,500 @@
+"""JSON Schema 2020-12 validation of tool arguments, with ECMA-262 patterns.
+
+Two validators share one meaning:
+
+* the *reference* validator is python-jsonschema's ``Draft202012Validator``
+  with the regex-bearing keywords (``pattern``, ``patternProperties``, the
+  ``additionalProperties``/``unevaluatedProperties`` bookkeeping and
+  ``format: regex``) run by ``regress``, an ECMA-262 engine. JSON Schema
+  requires ECMA-262 semantics; Python's ``re`` differs (``\\d`` matches
+  Arabic-Indic digits, ``$`` matches before a trailing newline, no ``\\p{…}``).
+  ``multipleOf`` uses exact decimal arithmetic, because JSON numbers are
+  decimal and ``19.99`` *is* a multiple of ``0.01``.
+* the *fast* validator compiles the subset of keywords tool contracts use into
+  closures that only answer "valid or not" in about a microsecond. A schema
+  with any keyword outside that subset is not compiled, and the reference
+  answers instead. The two are held equal by a differential test over the
+  official test suite and generated instances.
+
+The schema gate asks the fast validator first and the reference only when the
+arguments are invalid, to get every violation with its path.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import re
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from fractions import Fraction
+from functools import lru_cache
+from typing import Any
+
+import jsonschema._keywords as _jsk
+import jsonschema._utils as _jsu
+import regress
+from jsonschema import Draft202012Validator, FormatChecker, ValidationError, validators
+
+Check = Callable[[Any], bool]
+
+
+@lru_cache(maxsize=4096)
+def ecma_regex(pattern: str) -> Any:
+    """Compile an ECMA-262 pattern in unicode mode (code points, ``\\p{…}``)."""
+    return regress.Regex(pattern, "u")
+
+
+def ecma_search(pattern: str, text: str) -> bool:
+    return ecma_regex(pattern).find(text) is not None
+
+
+class _EcmaRe:
+    """Stands in for ``re`` inside jsonschema's keyword helpers.
+
+    python-jsonschema calls ``re.search`` for ``patternProperties`` and for the
+    property bookkeeping of ``additionalProperties``/``unevaluatedProperties``.
+    Routing those calls here keeps one regex dialect across every keyword
+    without copying the library's keyword implementations.
+    """
+
+    @staticmethod
+    def search(pattern: str, text: str) -> bool:
+        return ecma_search(pattern, text)
+
+
+_jsk.re = _EcmaRe()  # type: ignore[attr-defined]
+_jsu.re = _EcmaRe()  # type: ignore[attr-defined]
+
+
+def _exact(x: float | int) -> Fraction | None:
+    """The decimal number the JSON text spelled (``repr`` of a float round-trips it)."""
+    try:
+        return Fraction(repr(x)) if isinstance(x, float) else Fraction(x)
+    except (ValueError, OverflowError):  # inf or nan: never produced by a JSON parse
+        return None
+
+
+def is_multiple_of(value: int | float, divisor: int | float) -> bool:
+    """Exact ``multipleOf`` over decimals: 19.99 is a multiple of 0.01, 1e308 of 0.5."""
+    a, b = _exact(value), _exact(divisor)
+    if a is None or b is None or b == 0:
+        return False
+    return (a % b) == 0
+
+
+def _multiple_of(
+    validator: Any, divisor: Any, instance: Any, schema: Any
+) -> Iterator[ValidationError]:
+    if validator.is_type(instance, "number") and not is_multiple_of(instance, divisor):
+        yield ValidationError(f"{instance!r} is not a multiple of {divisor}")
+
+
+def _pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    if validator.is_type(instance, "string") and not ecma_search(patrn, instance):
+        yield ValidationError(f"{instance!r} does not match {patrn!r}")
+
+
+# --- formats -------------------------------------------------------------------------------
+
+FORMAT_CHECKER = FormatChecker(formats=())
+
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$", re.ASCII)
+_TIME_RE = re.compile(
+    r"^(?P<h>\d{2}):(?P<m>\d{2}):(?P<s>\d{2})(?:\.\d+)?(?P<tz>[Zz]|[+-](?P<th>\d{2}):(?P<tm>\d{2}))$",
+    re.ASCII,
+)
+_DOT_ATOM = re.compile(r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*$")
+_QUOTED_LOCAL = re.compile(r'^"(?:[^"\\\r\n]|\\.)*"$')
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s\\\"<>^`{|}]*$", re.ASCII)
+_HOSTNAME_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$", re.ASCII)
+
+
+@FORMAT_CHECKER.checks("date")
+def _is_date(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    if not _DATE_RE.match(value):
+        return False
+    try:
+        dt.date.fromisoformat(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _valid_time(value: str, date: dt.date | None = None) -> bool:
+    m = _TIME_RE.match(value)
+    if not m:
+        return False
+    h, mi, s = int(m["h"]), int(m["m"]), int(m["s"])
+    if h > 23 or mi > 59 or s > 60:
+        return False
+    if m["th"] is not None and (int(m["th"]) > 23 or int(m["tm"]) > 59):
+        return False
+    if s == 60:
+        # A leap second only exists at 23:59:60 UTC.
+        offset = 0
+        if m["th"] is not None:
+            sign = -1 if value[m.start("tz")] == "-" else 1
+            offset = sign * (int(m["th"]) * 60 + int(m["tm"]))
+        utc_minutes = (h * 60 + mi - offset) % (24 * 60)
+        if utc_minutes != 23 * 60 + 59:
+            return False
+    return True
+
+
+@FORMAT_CHECKER.checks("time")
+def _is_time(value: object) -> bool:
+    return not isinstance(value, str) or _valid_time(value)
+
+
+@FORMAT_CHECKER.checks("date-time")
+def _is_date_time(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    date, sep, time = value.partition("T") if "T" in value else value.partition("t")
+    return bool(sep) and _is_date(date) and _valid_time(time)
+
+
+@FORMAT_CHECKER.checks("email")
+def _is_email(value: object) -> bool:
+    """RFC 5321 mailbox: dot-atom or quoted local part; hostname or address literal."""
+    if not isinstance(value, str):
+        return True
+    local, at, domain = value.rpartition("@")
+    if not at or not local or not domain or not value.isascii():
+        return False
+    if not (_DOT_ATOM.match(local) or _QUOTED_LOCAL.match(local)):
+        return False
+    if domain.startswith("[") and domain.endswith("]"):
+        literal = domain[1:-1]
+        if literal.startswith("IPv6:"):
+            return _is_ipv6(literal[5:])
+        return _is_ipv4(literal)
+    return _is_hostname(domain)
+
+
+@FORMAT_CHECKER.checks("uri")
+def _is_uri(value: object) -> bool:
+    return not isinstance(value, str) or bool(_URI_RE.match(value))
+
+
+@FORMAT_CHECKER.checks("uuid")
+def _is_uuid(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    if len(value) != 36 or value.count("-") != 4:
+        return False
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return all(value[i] == "-" for i in (8, 13, 18, 23))
+
+
+@FORMAT_CHECKER.checks("ipv4")
+def _is_ipv4(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    try:
+        ipaddress.IPv4Address(value)
+    except ValueError:
+        return False
+    return value.isascii()
+
+
+@FORMAT_CHECKER.checks("ipv6")
+def _is_ipv6(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    if "%" in value or not value.isascii():
+        return False
+    try:
+        ipaddress.IPv6Address(value)
+    except ValueError:
+        return False
+    return True
+
+
+@FORMAT_CHECKER.checks("hostname")
+def _is_hostname(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    if not value or len(value) > 253:
+        return False
+    return all(_HOSTNAME_LABEL.match(label) for label in value.split("."))
+
+
+@FORMAT_CHECKER.checks("regex")
+def _is_regex(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    try:
+        ecma_regex(value)
+    except Exception:
+        return False
+    return True
+
+
+ASSERTED_FORMATS = frozenset(FORMAT_CHECKER.checkers)
+
+ReferenceValidator = validators.extend(
+    Draft202012Validator,
+    validators={"pattern": _pattern, "multipleOf": _multiple_of},
+)
+
+
+def reference_validator(schema: Mapping[str, Any]) -> Any:
+    """python-jsonschema 2020-12 with ECMA regexes, decimal multipleOf, asserted formats."""
+    return ReferenceValidator(schema, format_checker=FORMAT_CHECKER)
+
+
+def check_schema(schema: Mapping[str, Any]) -> None:
+    """Raise ``jsonschema.SchemaError`` if ``schema`` is not a valid 2020-12 schema,
+    or ``ValueError`` if a pattern is not an ECMA-262 regex."""
+    Draft202012Validator.check_schema(schema)
+    for where, pattern in _patterns(schema, "#"):
+        try:
+            ecma_regex(pattern)
+        except Exception as exc:
+            raise ValueError(f"{where}: {pattern!r} is not an ECMA-262 regex: {exc}") from exc
+
+
+def _patterns(node: Any, where: str) -> Iterator[tuple[str, str]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "pattern" and isinstance(value, str):
+                yield f"{where}/pattern", value
+            elif key == "patternProperties" and isinstance(value, dict):
+                for p, sub in value.items():
+                    yield f"{where}/patternProperties", p
+                    yield from _patterns(sub, f"{where}/patternProperties/{p}")
+            elif key not in ("enum", "const", "examples", "default"):
+                yield from _patterns(value, f"{where}/{key}")
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _patterns(item, f"{where}/{i}")
+
+
+# --- the fast subset --------------------------------------------------------------------------
+
+_ANNOTATIONS = frozenset(
+    {
+        "$schema", "$id", "$comment", "title", "description", "default", "examples",
+        "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding",
+    }
+)  # fmt: skip
+
+
+class NotCompilable(Exception):
+    """The schema uses a keyword outside the fast subset; use the reference."""
+
+
+def _is_integer(x: Any) -> bool:
+    t = type(x)
+    return t is int or (t is float and x.is_integer())
+
+
+_TYPE_TESTS: dict[str, Check] = {
+    "object": lambda x: type(x) is dict,
+    "array": lambda x: type(x) is list,
+    "string": lambda x: type(x) is str,
+    "boolean": lambda x: type(x) is bool,
+    "null": lambda x: x is None,
+    "number": lambda x: type(x) is int or type(x) is float,
+    "integer": _is_integer,
+}
+
+
+def compile_fast(schema: Any) -> Check:
+    """Compile ``schema`` into a validity test, or raise ``NotCompilable``."""
+    if schema is True:
+        return lambda x: True
+    if schema is False:
+        return lambda x: False
+    if not isinstance(schema, dict):
+        raise NotCompilable("schema is not an object")
+    unknown = set(schema) - _FAST_KEYWORDS - _ANNOTATIONS
+    if unknown:
+        raise NotCompilable(f"keywords outside the fast subset: {sorted(unknown)}")
+    checks: list[Check] = []
+
+    if "type" in schema:
+        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        tests = [_TYPE_TESTS[n] for n in names]
+        if len(tests) == 1:
+            checks.append(tests[0])
+        else:
+            checks.append(lambda x, ts=tests: any(t(x) for t in ts))
+
+    if "enum" in schema:
+        values = schema["enum"]
+        if not all(type(v) is str for v in values):
+            raise NotCompilable("enum with non-string members")
+        allowed = frozenset(values)
+        checks.append(lambda x: type(x) is str and x in allowed)
+
+    if "const" in schema:
+        c = schema["const"]
+        if type(c) not in (str, bool):
+            raise NotCompilable("const other than a string or boolean")
+        checks.append(lambda x, c=c, t=type(c): type(x) is t and x == c)
+
+    if "pattern" in schema:
+        rx = ecma_regex(schema["pattern"])
+        checks.append(lambda x: type(x) is not str or rx.find(x) is not None)
+
+    if "format" in schema and schema["format"] in ASSERTED_FORMATS:
+        fmt = FORMAT_CHECKER.checkers[schema["format"]][0]
+        checks.append(lambda x: type(x) is not str or bool(fmt(x)))
+
+    for key in ("minLength", "maxLength"):
+        if key in schema:
+            n = schema[key]
+            if key == "minLength":
+                checks.append(lambda x, n=n: type(x) is not str or len(x) >= n)
+            else:
+                checks.append(lambda x, n=n: type(x) is not str or len(x) <= n)
+
+    _compile_numeric(schema, checks)
+    _compile_object(schema, checks)
+    _compile_array(schema, checks)
+    _compile_combinators(schema, checks)
+
+    if not checks:
+        return lambda x: True
+    if len(checks) == 1:
+        return checks[0]
+    return lambda x: all(c(x) for c in checks)
+
+
+def _is_number(x: Any) -> bool:
+    t = type(x)
+    return t is int or t is float
+
+
+def _compile_numeric(schema: dict[str, Any], checks: list[Check]) -> None:
+    if "minimum" in schema:
+        lo = schema["minimum"]
+        checks.append(lambda x: not _is_number(x) or x >= lo)
+    if "maximum" in schema:
+        hi = schema["maximum"]
+        checks.append(lambda x: not _is_number(x) or x <= hi)
+    if "exclusiveMinimum" in schema:
+        xlo = schema["exclusiveMinimum"]
+        checks.append(lambda x: not _is_number(x) or x > xlo)
+    if "exclusiveMaximum" in schema:
+        xhi = schema["exclusiveMaximum"]
+        checks.append(lambda x: not _is_number(x) or x < xhi)
+    if "multipleOf" in schema:
+        d = schema["multipleOf"]
+        checks.append(lambda x: not _is_number(x) or is_multiple_of(x, d))
+
+
+def _compile_object(schema: dict[str, Any], checks: list[Check]) -> None:
+    props: dict[str, Check] = {k: compile_fast(v) for k, v in schema.get("properties", {}).items()}
+    required = tuple(schema.get("required", ()))
+    additional = schema.get("additionalProperties", True)
+    extra: Check | None = None if additional is True else compile_fast(additional)
+    min_p = schema.get("minProperties")
+    max_p = schema.get("maxProperties")
+    if not (props or required or extra is not None or min_p is not None or max_p is not None):
+        return
+
+    def check_object(x: Any) -> bool:
+        if type(x) is not dict:
+            return True
+        for r in required:
+            if r not in x:
+                return False
+        if min_p is not None and len(x) < min_p:
+            return False
+        if max_p is not None and len(x) > max_p:
+            return False
+        for k, v in x.items():
+            sub = props.get(k)
+            if sub is not None:
+                if not sub(v):
+                    return False
+            elif extra is not None and not extra(v):
+                return False
+        return True
+
+    checks.append(check_object)
+
+
+def _compile_array(schema: dict[str, Any], checks: list[Check]) -> None:
+    items = compile_fast(schema["items"]) if "items" in schema else None
+    min_i = schema.get("minItems")
+    max_i = schema.get("maxItems")
+    unique = bool(schema.get("uniqueItems", False))
+    if items is None and min_i is None and max_i is None and not unique:
+        return
+
+    def check_array(x: Any) -> bool:
+        if type(x) is not list:
+            return True
+        if min_i is not None and len(x) < min_i:
+            return False
+        if max_i is not None and len(x) > max_i:
+            return False
+        if items is not None and not all(items(i) for i in x):
+            return False
+        if unique:
+            # Only strings are hashed here: JSON equality of other values (1 == 1.0,
+            # true != 1) is left to the library's own helper.
+            if all(type(i) is str for i in x):
+                return len(set(x)) == len(x)
+            return bool(_jsu.uniq(x))
+        return True
+
+    checks.append(check_array)
+
+
+def _compile_combinators(schema: dict[str, Any], checks: list[Check]) -> None:
+    if "allOf" in schema:
+        subs = [compile_fast(s) for s in schema["allOf"]]
+        checks.append(lambda x: all(s(x) for s in subs))
+    if "anyOf" in schema:
+        any_subs = [compile_fast(s) for s in schema["anyOf"]]
+        checks.append(lambda x: any(s(x) for s in any_subs))
+    if "oneOf" in schema:
+        one_subs = [compile_fast(s) for s in schema["oneOf"]]
+        checks.append(lambda x: sum(1 for s in one_subs if s(x)) == 1)
+    if "not" in schema:
+        neg = compile_fast(schema["not"])
+        checks.append(lambda x: not neg(x))
+
+
+_FAST_KEYWORDS = frozenset(
+    {
+        "type", "enum", "const", "pattern", "format", "minLength", "maxLength",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+        "properties", "required", "additionalProperties", "minProperties", "maxProperties",
+        "items", "minItems", "maxItems", "uniqueItems",
+        "allOf", "anyOf", "oneOf", "not",
+    }
+)  # fmt: skip
+
+
+class ArgumentValidator:
+    """A contract's compiled input schema: fast validity plus full error reporting."""
+
+    __slots__ = ("fast", "reference", "schema")
+
+    def __init__(self, schema: Mapping[str, Any]) -> None:
+        self.schema = schema
+        self.reference = reference_validator(schema)
+        try:
+            self.fast: Check | None = compile_fast(schema)
+        except NotCompilable:
+            self.fast = None
+
+    def is_valid(self, instance: Any) -> bool:
+        if self.fast is not None:
+            return self.fast(instance)
+        return bool(self.reference.is_valid(instance))
+
+    def errors(self, instance: Any) -> list[ValidationError]:
+        return list(self.reference.iter_errors(instance))

@@ -1,0 +1,331 @@
+"""Gate 1, parse: bytes to a typed proposal, or a typed refusal.
+
+Three outcomes:
+
+* a ``Proposal`` whose envelope and arguments parsed;
+* a ``Proposal`` plus a ``SYNTACTIC_PARSE_FAIL`` rejection, when the record
+  can be tied to a run (it names a ``run_id``) but the envelope or the
+  arguments are broken: truncated model JSON, NaN, duplicate keys, wrong
+  envelope types, too deep, too large;
+* a ``DeadLetter`` when the record cannot be tied to a run at all.
+
+JSON is strict: RFC 8259 only, UTF-8 only, no NaN/Infinity, no duplicate
+keys anywhere (two ``tenant_id`` keys are an ambiguity attack: parsers that
+keep the first and parsers that keep the last would disagree).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from processor.model import FieldError, Gate, Proposal, Rejection, SourceRecord, TaxonomyClass
+
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+_ID_MAX = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_record_bytes: int = 1_048_576
+    max_arguments_bytes: int = 65_536
+    max_depth: int = 32
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A record that cannot be answered on ``tool.observations``."""
+
+    reason: str
+    detail: str
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise _Duplicate(f"duplicate key {dup!r}")
+    return d
+
+
+def _depth(node: Any) -> int:
+    """Nesting depth of a parsed value, without recursion (the input may be hostile)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(node, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if type(item) is dict:
+            stack.extend((v, depth + 1) for v in item.values())
+        elif type(item) is list:
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def strict_loads(text: bytes | str, max_depth: int) -> Any:
+    """Parse strict JSON; raise ``ValueError`` with a reason a model can act on.
+
+    orjson does the parse (it refuses NaN, invalid UTF-8 and lone surrogates)
+    but keeps the last of duplicate keys. When re-serialising the value gives
+    back the input byte for byte, the input cannot have held a duplicate; any
+    other input (whitespace, escapes, reformatted numbers) is parsed again by
+    the exact, slower parser that refuses duplicates. Compact JSON, which
+    agent runtimes produce, takes the fast path.
+    """
+    value = orjson.loads(text)
+    raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+    # Each level of nesting needs a bracket, so few brackets bound the depth cheaply.
+    if raw.count(b"{") + raw.count(b"[") > max_depth:
+        depth = _depth(value)
+        if depth > max_depth:
+            raise ValueError(f"nested {depth} levels deep; at most {max_depth} are accepted")
+    if orjson.dumps(value) != raw:
+        json.loads(raw, object_pairs_hook=_no_duplicates)
+    return value
+
+
+def _json_error(exc: Exception, text: bytes | str) -> tuple[str, str]:
+    """(code, message) for a parse failure; truncation is called out by name."""
+    if isinstance(exc, _Duplicate):
+        return "duplicate_key", str(exc)
+    if isinstance(exc, json.JSONDecodeError):
+        pos = exc.pos
+        stripped = len(text.rstrip()) if isinstance(text, (bytes, str)) else 0
+        if pos >= stripped:
+            return "truncated", f"the JSON ends before it is complete (at character {pos})"
+        return "invalid_json", f"{exc.msg} at character {pos}"
+    if isinstance(exc, RecursionError):
+        return "too_deep", "nested too deeply"
+    return "invalid_json", str(exc)
+
+
+def _proposal_id(src: SourceRecord) -> str:
+    """Stable id for a proposal that did not carry a usable one."""
+    return f"unidentified:{src.topic}:{src.partition}:{src.offset}"
+
+
+def trace_id_for(proposal_id: str, traceparent: str | None) -> str:
+    if traceparent is not None:
+        m = _TRACEPARENT.match(traceparent)
+        if m:
+            return m.group(1)
+    return hashlib.sha256(proposal_id.encode()).hexdigest()[:32]
+
+
+def _is_id(v: Any) -> bool:
+    return type(v) is str and 0 < len(v) <= _ID_MAX and v.isprintable()
+
+
+def _err(field: str, code: str, message: str, expected: str | None = None,
+         actual: Any = None) -> FieldError:
+    act = None if actual is None else type(actual).__name__ if not isinstance(actual, str) else "string"
+    return FieldError(field, message, code, expected, act)
+
+
+_ENVELOPE_FIELDS = frozenset(
+    {
+        "proposal_id", "created_at", "tenant_id", "run_id", "workflow_id", "step",
+        "principal_token", "tool", "arguments", "arguments_raw", "idempotency_key",
+        "logical_operation_id", "approvals", "active_tools", "traceparent",
+    }
+)  # fmt: skip
+
+
+def parse_proposal(
+    src: SourceRecord, limits: Limits
+) -> tuple[Proposal, Rejection | None, tuple[str, ...]] | DeadLetter:
+    """Parse one input record. Returns (proposal, rejection or None, warnings) or a DeadLetter."""
+    value = src.value
+    if value is None:
+        return DeadLetter("empty", "the record has no value (a tombstone?)")
+    if len(value) > limits.max_record_bytes:
+        return DeadLetter("too_large", f"{len(value)} bytes; at most {limits.max_record_bytes}")
+    try:
+        env = strict_loads(value, limits.max_depth + 4)
+    except Exception as exc:
+        code, message = _json_error(exc, value)
+        return DeadLetter(code, f"envelope is not strict JSON: {message}")
+    if type(env) is not dict:
+        return DeadLetter("not_object", "the envelope is not a JSON object")
+    run_id = env.get("run_id")
+    if not _is_id(run_id):
+        return DeadLetter("no_run_id", "the envelope has no usable run_id (1-256 printable chars)")
+
+    errors: list[FieldError] = []
+    warnings: list[str] = []
+    pid = env.get("proposal_id")
+    if not _is_id(pid):
+        errors.append(_err("proposal_id", "missing_field" if pid is None else "invalid_value",
+                           "proposal_id must be a string of 1-256 printable characters",
+                           "string", pid))
+        pid = _proposal_id(src)
+    tenant = env.get("tenant_id")
+    if not _is_id(tenant):
+        errors.append(_err("tenant_id", "missing_field" if tenant is None else "invalid_value",
+                           "tenant_id must be a string of 1-256 printable characters",
+                           "string", tenant))
+        tenant = None
+
+    tool = env.get("tool")
+    tool_name: str | None = None
+    tool_version: str | None = None
+    if type(tool) is dict:
+        name, version = tool.get("name"), tool.get("version")
+        if type(name) is str and 0 < len(name) <= 128:
+            tool_name = name
+        else:
+            errors.append(_err("tool/name", "missing_field" if name is None else "invalid_value",
+                               "tool.name must be the name of a tool (a string)", "string", name))
+        if version is not None:
+            if type(version) is str and 0 < len(version) <= 64:
+                tool_version = version
+            else:
+                errors.append(_err("tool/version", "invalid_value",
+                                   "tool.version must be a version string such as 1.0.0",
+                                   "string", version))
+        extra = set(tool) - {"name", "version"}
+        if extra:
+            errors.append(_err("tool", "unknown_field",
+                               f"tool has unknown fields {sorted(extra)}; only name and version"))
+    else:
+        errors.append(_err("tool", "missing_field" if tool is None else "invalid_value",
+                           'tool must be an object such as {"name": "lookup_order"}', "object",
+                           tool))
+
+    arguments: Any = None
+    has_args, has_raw = "arguments" in env, "arguments_raw" in env
+    if has_args == has_raw:
+        errors.append(_err("arguments", "missing_field" if not has_args else "ambiguous",
+                           "give exactly one of arguments (an object) or arguments_raw "
+                           "(the model's text)"))
+    elif has_args:
+        arguments = env["arguments"]
+        if type(arguments) is not dict:
+            errors.append(_err("arguments", "invalid_value", "arguments must be a JSON object",
+                               "object", arguments))
+            arguments = None
+        elif len(value) > limits.max_arguments_bytes and (
+            len(orjson.dumps(arguments)) > limits.max_arguments_bytes
+        ):
+            errors.append(_err("arguments", "too_large",
+                               f"arguments exceed {limits.max_arguments_bytes} bytes"))
+            arguments = None
+        elif value.count(b"{") + value.count(b"[") > limits.max_depth:
+            if _depth(arguments) > limits.max_depth:
+                errors.append(_err("arguments", "too_deep",
+                                   f"arguments nest deeper than {limits.max_depth} levels"))
+                arguments = None
+    else:
+        raw = env["arguments_raw"]
+        if type(raw) is not str:
+            errors.append(_err("arguments_raw", "invalid_value",
+                               "arguments_raw must be the model's text as a JSON string",
+                               "string", raw))
+        elif len(raw) > limits.max_arguments_bytes:
+            errors.append(_err("arguments_raw", "too_large",
+                               f"arguments_raw exceeds {limits.max_arguments_bytes} characters"))
+        else:
+            try:
+                arguments = strict_loads(raw.encode("utf-8"), limits.max_depth)
+            except Exception as exc:
+                code, message = _json_error(exc, raw)
+                errors.append(FieldError("arguments_raw", message, code))
+            else:
+                if type(arguments) is not dict:
+                    errors.append(_err("arguments_raw", "invalid_value",
+                                       "the arguments must be one JSON object", "object",
+                                       arguments))
+                    arguments = None
+
+    def opt_str(key: str, limit: int = _ID_MAX) -> str | None:
+        v = env.get(key)
+        if v is None:
+            return None
+        if type(v) is str and 0 < len(v) <= limit and v.isprintable():
+            return v
+        errors.append(_err(key, "invalid_value", f"{key} must be a string of 1-{limit} "
+                           "printable characters", "string", v))
+        return None
+
+    workflow_id = opt_str("workflow_id")
+    created_at = opt_str("created_at", 64)
+    principal_token = opt_str("principal_token", 16_384)
+    idempotency_key = opt_str("idempotency_key")
+    logical_operation_id = opt_str("logical_operation_id")
+    traceparent = opt_str("traceparent", 128)
+    if traceparent is not None and not _TRACEPARENT.match(traceparent):
+        warnings.append("traceparent is not W3C trace context; a trace id was derived instead")
+
+    step = env.get("step")
+    if step is not None and not (type(step) is int and 0 <= step <= 1_000_000):
+        errors.append(_err("step", "invalid_value", "step must be a non-negative integer",
+                           "integer", step))
+        step = None
+
+    active: tuple[str, ...] | None = None
+    raw_active = env.get("active_tools")
+    if raw_active is not None:
+        if type(raw_active) is list and all(type(t) is str for t in raw_active):
+            active = tuple(raw_active)
+        else:
+            errors.append(_err("active_tools", "invalid_value",
+                               "active_tools must be a list of tool names", "array of strings"))
+    approvals = env.get("approvals")
+    if approvals is not None and type(approvals) is not list:
+        errors.append(_err("approvals", "invalid_value", "approvals must be a list",
+                           "array", approvals))
+        approvals = None
+
+    unknown = env.keys() - _ENVELOPE_FIELDS
+    if unknown:
+        warnings.append(f"ignored unknown envelope fields: {', '.join(sorted(unknown)[:10])}")
+
+    proposal = Proposal(
+        proposal_id=pid,
+        run_id=run_id,
+        tenant_id=tenant,
+        created_at=created_at,
+        tool_name=tool_name,
+        tool_version=tool_version,
+        arguments=arguments,
+        workflow_id=workflow_id,
+        step=step,
+        principal_token=principal_token,
+        idempotency_key=idempotency_key,
+        logical_operation_id=logical_operation_id,
+        approvals=tuple(approvals or ()),
+        active_tools=active,
+        traceparent=traceparent,
+        trace_id=trace_id_for(pid, traceparent),
+    )
+    if not errors:
+        return proposal, None, tuple(warnings)
+    return proposal, Rejection(
+        TaxonomyClass.SYNTACTIC_PARSE_FAIL, Gate.PARSE, tuple(errors),
+        _parse_next_action(errors),
+    ), tuple(warnings)
+
+
+def _parse_next_action(errors: list[FieldError]) -> str:
+    first = errors[0]
+    if first.field == "arguments_raw":
+        if first.code == "truncated":
+            return ("Your tool arguments were cut off before the JSON object closed; emit the "
+                    "complete arguments as one JSON object and propose the call again.")
+        if first.code == "duplicate_key":
+            return f"Emit each argument once ({first.message}) and propose the call again."
+        return ("Emit the tool arguments as one valid JSON object (double-quoted keys, no "
+                "trailing commas, no NaN) and propose the call again.")
+    fields = ", ".join(sorted({e.field or "envelope" for e in errors}))
+    return (f"The proposal envelope is malformed ({fields}); the agent runtime must fix the "
+            "envelope before proposing again.")

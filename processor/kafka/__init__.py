@@ -1,0 +1,1 @@
+"""Kafka helpers shared by the processor, the CLI and the local stack."""

@@ -1,0 +1,85 @@
+"""``LocalStack``: the development stack of one Kafka broker and one redis-server.
+
+Owns bringing both services up (jars, install, format, start, readiness, topics) and
+down again. All state lives in ``settings.stack.data_dir`` (pid files, logs, data), so
+any process with the same settings can query or stop a stack another one started.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from processor.config import Settings
+from processor.kafka.topics import ensure_topics
+from processor.stack.kafka import KafkaService
+from processor.stack.process import Service, ServiceStatus
+from processor.stack.redis import RedisService
+
+
+class LocalStack:
+    """Starts and stops the local Kafka broker and redis-server as background processes."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.data_dir = settings.stack.data_dir.expanduser().resolve()
+        # Redis first: it starts in milliseconds while the broker's jars may still download.
+        self._services: dict[str, Service] = {
+            "redis": RedisService(settings.stack, self.data_dir),
+            "kafka": KafkaService(settings.stack, self.data_dir),
+        }
+
+    def _service(self, service: str) -> Service:
+        try:
+            return self._services[service]
+        except KeyError:
+            raise ValueError(
+                f"unknown service {service!r}; expected one of {sorted(self._services)}"
+            ) from None
+
+    def up(self) -> None:
+        """Idempotent: start whatever is not running, wait until all answer, create topics.
+
+        Fetches the broker jars once, installs redis-server only when it is missing,
+        formats the KRaft storage once. A service already running and answering is
+        left alone. Raises ``StackError`` with the log tail when a service fails to
+        start or is not ready within ``settings.stack.ready_timeout_s``.
+        """
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        started: list[Service] = []
+        try:
+            for svc in self._services.values():
+                if svc.spawn():
+                    started.append(svc)
+            for svc in self._services.values():
+                svc.wait_ready()
+        except BaseException:
+            # A half-started stack would make the next up() leave a broken service alone.
+            for svc in started:
+                svc.stop()
+            raise
+        ensure_topics(self.settings, timeout_s=self.settings.stack.ready_timeout_s)
+
+    def down(self) -> None:
+        """SIGTERM each service, wait up to 30 s, then SIGKILL; remove pid files. Idempotent."""
+        for svc in reversed(self._services.values()):
+            svc.stop()
+
+    def status(self) -> dict[str, ServiceStatus]:
+        """``{"kafka": ..., "redis": ...}``; ready means the service answered just now."""
+        return {name: self._services[name].status() for name in ("kafka", "redis")}
+
+    def log_path(self, service: str) -> Path:
+        """The log to read for ``service`` (the broker's server.log, redis's output)."""
+        return self._service(service).log_path()
+
+    def kill(self, service: str) -> None:
+        """SIGKILL ``service`` and wait until it is gone, as a crash would (fault tests)."""
+        self._service(service).kill()
+
+    def start(self, service: str) -> None:
+        """Start ``service`` again if it is not running and wait until it answers."""
+        self._service(service).start()
+
+    def stop(self, service: str) -> None:
+        """Stop ``service`` cleanly (SIGTERM, then SIGKILL after 30 s)."""
+        self._service(service).stop()

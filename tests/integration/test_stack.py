@@ -1,0 +1,221 @@
+"""The local stack against a real broker and a real redis-server: no mocks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka.admin import (  # type: ignore[attr-defined]  # public, untyped re-export
+    AdminClient,
+    ConfigResource,
+    ResourceType,
+)
+
+from processor.config import Settings, StackSettings
+from processor.kafka.topics import ensure_topics, topic_partitions
+from processor.stack import LocalStack
+from tests.conftest import free_ports
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def local_stack(stack_settings: Settings) -> LocalStack:
+    """The session's LocalStack; tests that control services skip on an external stack."""
+    if os.environ.get("TOOLSENTRY_TEST_BOOTSTRAP"):
+        pytest.skip("the stack is external; this test controls a LocalStack")
+    return LocalStack(stack_settings)
+
+
+def _produce(producer: Producer, topic: str, key: bytes, value: bytes) -> tuple[int, int]:
+    """Produce one record and return its (partition, offset) once delivered."""
+    where: list[tuple[int, int]] = []
+
+    def on_delivery(err: KafkaError | None, msg: Message) -> None:
+        assert err is None, err
+        partition, offset = msg.partition(), msg.offset()
+        assert partition is not None and offset is not None
+        where.append((partition, offset))
+
+    producer.produce(topic, key=key, value=value, on_delivery=on_delivery)
+    assert producer.flush(30) == 0
+    assert len(where) == 1
+    return where[0]
+
+
+def _read(settings: Settings, topic: str, partition: int, offset: int, **conf: Any) -> Message:
+    """The record at ``topic[partition]@offset``, read by an assigned (group-less) consumer."""
+    consumer = Consumer(
+        settings.client_config(
+            **{"group.id": f"test-{uuid.uuid4()}", "enable.auto.commit": False, **conf}
+        )
+    )
+    try:
+        consumer.assign([TopicPartition(topic, partition, offset)])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            assert msg.error() is None, msg.error()
+            return msg
+        raise AssertionError(f"nothing read from {topic}[{partition}]@{offset}")
+    finally:
+        consumer.close()
+
+
+def _ping(redis_url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(redis_url, socket_timeout=2).ping())
+    except redis.ConnectionError:
+        return False
+
+
+def test_every_topic_exists_with_configured_partitions(stack_settings: Settings) -> None:
+    for topic in stack_settings.topics.all():
+        assert topic_partitions(stack_settings, topic) == stack_settings.stack.partitions, topic
+
+
+def test_unknown_topic_is_a_lookup_error(stack_settings: Settings) -> None:
+    with pytest.raises(LookupError):
+        topic_partitions(stack_settings, f"missing.{uuid.uuid4()}")
+
+
+def test_reference_topic_is_compacted(stack_settings: Settings) -> None:
+    admin = AdminClient(stack_settings.client_config())
+    resource = ConfigResource(ResourceType.TOPIC, stack_settings.topics.reference)
+    configs = admin.describe_configs([resource])[resource].result(timeout=30)
+    assert configs["cleanup.policy"].value == "compact"
+    other = ConfigResource(ResourceType.TOPIC, stack_settings.topics.proposals)
+    assert (
+        admin.describe_configs([other])[other].result(timeout=30)["cleanup.policy"].value
+        == "delete"
+    )
+
+
+def test_ensure_topics_again_creates_nothing(stack_settings: Settings) -> None:
+    assert ensure_topics(stack_settings) == []
+
+
+def test_produce_and_consume(stack_settings: Settings) -> None:
+    topic = stack_settings.topics.proposals
+    key, value = b"k-" + uuid.uuid4().bytes, b"hello"
+    producer = Producer(stack_settings.client_config())
+    partition, offset = _produce(producer, topic, key, value)
+    msg = _read(stack_settings, topic, partition, offset)
+    assert (msg.key(), msg.value()) == (key, value)
+
+
+def test_transactional_producer_commits(stack_settings: Settings) -> None:
+    topic = stack_settings.topics.results
+    producer = Producer(
+        stack_settings.client_config(**{"transactional.id": f"test-tx-{uuid.uuid4()}"})
+    )
+    producer.init_transactions(60)
+    producer.begin_transaction()
+    key, value = b"tx", uuid.uuid4().bytes
+    partition, offset = _produce(producer, topic, key, value)
+    producer.commit_transaction(60)
+    msg = _read(stack_settings, topic, partition, offset, **{"isolation.level": "read_committed"})
+    assert (msg.key(), msg.value()) == (key, value)
+
+
+def test_redis_ping(stack_settings: Settings) -> None:
+    assert _ping(stack_settings.redis_url)
+
+
+def test_status_reports_ready(local_stack: LocalStack, stack_settings: Settings) -> None:
+    status = local_stack.status()
+    assert set(status) == {"kafka", "redis"}
+    for name, st in status.items():
+        assert st.running and st.ready and st.pid is not None, (name, st)
+        assert st.detail == "ready"
+    assert status["kafka"].address == f"127.0.0.1:{stack_settings.stack.kafka_port}"
+    assert status["redis"].address == f"127.0.0.1:{stack_settings.stack.redis_port}"
+    assert "Kafka Server started" in local_stack.log_path("kafka").read_text()
+    assert "Ready to accept connections" in local_stack.log_path("redis").read_text()
+
+
+def test_second_up_is_a_noop(local_stack: LocalStack) -> None:
+    before = {name: st.pid for name, st in local_stack.status().items()}
+    started = time.monotonic()
+    local_stack.up()
+    assert time.monotonic() - started < 5
+    assert {name: st.pid for name, st in local_stack.status().items()} == before
+
+
+def test_redis_stop_start_round_trip(local_stack: LocalStack, stack_settings: Settings) -> None:
+    old_pid = local_stack.status()["redis"].pid
+    local_stack.stop("redis")
+    st = local_stack.status()["redis"]
+    assert (st.running, st.ready, st.pid) == (False, False, None)
+    assert not _ping(stack_settings.redis_url)
+    local_stack.start("redis")
+    st = local_stack.status()["redis"]
+    assert st.ready and st.pid != old_pid
+    assert _ping(stack_settings.redis_url)
+
+
+def test_redis_kill_start_round_trip(local_stack: LocalStack, stack_settings: Settings) -> None:
+    local_stack.kill("redis")
+    assert not local_stack.status()["redis"].running
+    assert not _ping(stack_settings.redis_url)
+    local_stack.start("redis")
+    assert local_stack.status()["redis"].ready
+    assert _ping(stack_settings.redis_url)
+
+
+def test_unknown_service_is_rejected(local_stack: LocalStack) -> None:
+    with pytest.raises(ValueError, match="unknown service"):
+        local_stack.stop("zookeeper")
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie no one reaped is gone too
+        return f.read().rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_second_independent_stack_up_and_down(tmp_path_factory: pytest.TempPathFactory) -> None:
+    kafka_port, controller_port, redis_port = free_ports(3)
+    settings = Settings(
+        bootstrap_servers=f"127.0.0.1:{kafka_port}",
+        redis_url=f"redis://127.0.0.1:{redis_port}/0",
+        stack=StackSettings(
+            data_dir=tmp_path_factory.mktemp("stack2"),
+            kafka_port=kafka_port,
+            kafka_controller_port=controller_port,
+            redis_port=redis_port,
+            partitions=2,
+        ),
+        metrics_port=0,
+    )
+    stack = LocalStack(settings)
+    try:
+        stack.up()
+        status = stack.status()
+        assert all(st.ready for st in status.values()), status
+        pids = {name: st.pid for name, st in status.items()}
+        assert topic_partitions(settings, settings.topics.proposals) == 2
+    finally:
+        stack.down()
+    for name, pid in pids.items():
+        assert pid is not None and _pid_gone(pid), name
+    assert not any((stack.data_dir / f"{name}.pid").exists() for name in pids)
+    assert not _port_open(kafka_port) and not _port_open(redis_port)
+    assert all(not st.running for st in stack.status().values())
+    stack.down()  # idempotent
