@@ -7,6 +7,9 @@ any process with the same settings can query or stop a stack another one started
 
 from __future__ import annotations
 
+import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from processor.config import Settings
@@ -36,6 +39,14 @@ class LocalStack:
                 f"unknown service {service!r}; expected one of {sorted(self._services)}"
             ) from None
 
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        # Two callers bringing the same data dir up at once must not both spawn a broker.
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with (self.data_dir / "stack.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
     def up(self) -> None:
         """Idempotent: start whatever is not running, wait until all answer, create topics.
 
@@ -44,19 +55,19 @@ class LocalStack:
         left alone. Raises ``StackError`` with the log tail when a service fails to
         start or is not ready within ``settings.stack.ready_timeout_s``.
         """
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        started: list[Service] = []
-        try:
-            for svc in self._services.values():
-                if svc.spawn():
-                    started.append(svc)
-            for svc in self._services.values():
-                svc.wait_ready()
-        except BaseException:
-            # A half-started stack would make the next up() leave a broken service alone.
-            for svc in started:
-                svc.stop()
-            raise
+        with self._locked():
+            started: list[Service] = []
+            try:
+                for svc in self._services.values():
+                    if svc.spawn():
+                        started.append(svc)
+                for svc in self._services.values():
+                    svc.wait_ready()
+            except BaseException:
+                # A half-started stack would make the next up() leave a broken service alone.
+                for svc in started:
+                    svc.stop()
+                raise
         ensure_topics(self.settings, timeout_s=self.settings.stack.ready_timeout_s)
 
     def down(self) -> None:
@@ -78,7 +89,9 @@ class LocalStack:
 
     def start(self, service: str) -> None:
         """Start ``service`` again if it is not running and wait until it answers."""
-        self._service(service).start()
+        svc = self._service(service)
+        with self._locked():
+            svc.start()
 
     def stop(self, service: str) -> None:
         """Stop ``service`` cleanly (SIGTERM, then SIGKILL after 30 s)."""

@@ -124,7 +124,7 @@ class Service(ABC):
         """Whether a process command line is this service (guards against pid reuse)."""
 
     def started_ok(self) -> bool:
-        """Extra readiness condition for a process this object just spawned."""
+        """Extra readiness condition checked before the probe (e.g. a startup log line)."""
         return True
 
     def before_spawn(self) -> None:  # noqa: B027 - an optional hook, empty by default

@@ -1,0 +1,105 @@
+"""Prometheus metrics. Labels stay low-cardinality: tool, class, gate, taxonomy.
+
+Never a tenant, run or proposal id as a label. Unresolved tool names (the
+model can invent any string) are counted under ``tool="unresolved"``.
+Counters are bumped once per batch from a tally, not once per record.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import Counter as PCounter
+from prometheus_client import Gauge, Histogram
+
+from processor.model import Decision, Outcome
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.decisions = PCounter(
+            "toolsentry_decisions_total",
+            "Proposals decided, by tool, gate, taxonomy class and outcome.",
+            ["tool", "gate", "taxonomy", "outcome"],
+            registry=registry,
+        )
+        self.dead_letters = PCounter(
+            "toolsentry_dead_letters_total",
+            "Records sent to the DLQ because they could not be tied to a run.",
+            ["reason"],
+            registry=registry,
+        )
+        self.decision_seconds = Histogram(
+            "toolsentry_decision_seconds",
+            "Time the decision core spent on one proposal.",
+            buckets=(2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 5e-2),
+            registry=registry,
+        )
+        self.batch_records = Histogram(
+            "toolsentry_batch_records",
+            "Records per transaction.",
+            buckets=(1, 5, 10, 50, 100, 250, 500, 1000),
+            registry=registry,
+        )
+        self.batch_seconds = Histogram(
+            "toolsentry_batch_seconds",
+            "Wall time of one batch from first record to committed transaction.",
+            buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+            registry=registry,
+        )
+        self.transactions = PCounter(
+            "toolsentry_transactions_total",
+            "Kafka transactions by result (committed, aborted).",
+            ["result"],
+            registry=registry,
+        )
+        self.consumer_lag = Gauge(
+            "toolsentry_consumer_lag_records",
+            "Records not yet consumed on tool.proposals, by partition (from librdkafka stats).",
+            ["partition"],
+            registry=registry,
+        )
+        self.dependency_errors = PCounter(
+            "toolsentry_dependency_errors_total",
+            "Errors talking to a dependency (kafka, redis).",
+            ["dependency"],
+            registry=registry,
+        )
+        self.contract_set = Gauge(
+            "toolsentry_contract_set_info",
+            "The contract set this instance decides with (value 1; fingerprint as label).",
+            ["fingerprint", "contracts"],
+            registry=registry,
+        )
+        self.assigned_partitions = Gauge(
+            "toolsentry_assigned_partitions",
+            "Partitions of tool.proposals this instance owns.",
+            registry=registry,
+        )
+
+    def record_batch(self, decisions: Iterable[Decision], seconds: float) -> None:
+        tally: Counter[tuple[str, str, str, str]] = Counter()
+        dead: Counter[str] = Counter()
+        n = 0
+        for d in decisions:
+            n += 1
+            self.decision_seconds.observe(d.latency_ms / 1000)
+            if d.outcome is Outcome.DEAD_LETTER:
+                dead[d.dlq_reason or "unknown"] += 1
+                continue
+            tool = d.contract_name or "unresolved"
+            tally[(tool, d.gate.value, d.taxonomy.value, d.outcome.value)] += 1
+        for labels, count in tally.items():
+            self.decisions.labels(*labels).inc(count)
+        for reason, count in dead.items():
+            self.dead_letters.labels(reason).inc(count)
+        self.batch_records.observe(n)
+        self.batch_seconds.observe(seconds)
+
+
+def serve(port: int) -> None:
+    """Expose /metrics on ``port`` (0: do not)."""
+    if port:
+        start_http_server(port)
