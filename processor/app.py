@@ -49,6 +49,20 @@ class Fenced(Exception):
     """Another instance took over this producer's transactional id."""
 
 
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM/SIGINT: installed first thing, so a signal that
+    arrives while the processor is still starting is not lost."""
+    stop = threading.Event()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        logger.info("signal %s: finishing the current batch, then stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
 def consumer_config(settings: Settings) -> dict[str, Any]:
     conf = settings.client_config(
         **{
@@ -93,6 +107,7 @@ class Processor:
         settings: Settings,
         contracts: ContractSet | None = None,
         metrics: Metrics | None = None,
+        stop_requested: threading.Event | None = None,
     ) -> None:
         self.settings = settings
         self.contracts = contracts or load_contracts(settings.contracts_dir)
@@ -100,7 +115,7 @@ class Processor:
         self.limits = Limits(
             settings.max_record_bytes, settings.max_arguments_bytes, settings.max_arguments_depth
         )
-        self._running = threading.Event()
+        self._stop = stop_requested or threading.Event()
         self._assigned: set[tuple[str, int]] = set()
         self.batches_committed = 0
         self.metrics.contract_set.labels(self.contracts.fingerprint, str(len(self.contracts))).set(1)
@@ -109,19 +124,10 @@ class Processor:
 
     def stop(self, *_: Any) -> None:
         """Finish the batch in hand, commit it, close. Safe from a signal handler."""
-        self._running.clear()
-
-    def install_signal_handlers(self) -> None:
-        def handler(signum: int, frame: FrameType | None) -> None:
-            logger.info("signal %s: finishing the current batch, then stopping", signum)
-            self.stop()
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        self._stop.set()
 
     def run(self) -> None:
-        self._running.set()
-        while self._running.is_set():
+        while not self._stop.is_set():
             try:
                 self._run_clients()
             except Fenced:
@@ -146,7 +152,7 @@ class Processor:
                 "processor %s consuming %s (contracts %s, %d versions)",
                 s.instance_id, s.topics.proposals, self.contracts.fingerprint, len(self.contracts),
             )
-            while self._running.is_set():
+            while not self._stop.is_set():
                 messages = consumer.consume(s.batch_max_records, s.batch_wait_s)
                 if messages:
                     self._process_batch(consumer, producer, messages)
@@ -232,7 +238,7 @@ class Processor:
 
     def _retry_kafka(self, what: str, call: Callable[[], None]) -> None:
         delay = 0.2
-        while self._running.is_set():
+        while not self._stop.is_set():
             try:
                 call()
                 return

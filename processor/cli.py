@@ -55,7 +55,9 @@ def run(
     bootstrap_servers: Annotated[str | None, typer.Option(help="Kafka bootstrap servers.")] = None,
 ) -> None:
     """Run one processor instance until SIGTERM/SIGINT (the batch in hand is finished first)."""
-    from processor.app import Processor
+    from processor.app import Processor, stop_on_signals
+
+    stop = stop_on_signals()
     from processor.contracts.registry import ContractError
     from processor.metrics import serve
 
@@ -63,12 +65,11 @@ def run(
                   metrics_port=metrics_port, bootstrap_servers=bootstrap_servers)
     _logging(s.log_level)
     try:
-        processor = Processor(s)
+        processor = Processor(s, stop_requested=stop)
     except ContractError as exc:
         console.print(f"[red]contracts refused[/red]\n{exc}")
         raise typer.Exit(2) from exc
     serve(s.metrics_port)
-    processor.install_signal_handlers()
     processor.run()
 
 

@@ -16,7 +16,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_END,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 
 from processor.codec.avro import codec
 from processor.config import Settings
@@ -62,9 +69,21 @@ class ToolsentryClient:
         parts = sorted(meta.topics[topic].partitions)
         assignment = []
         for p in parts:
-            _, high = self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            high = self._high_watermark(TopicPartition(topic, p))
             assignment.append(TopicPartition(topic, p, high if high >= 0 else OFFSET_END))
         self._consumer.assign(assignment)
+
+    def _high_watermark(self, tp: TopicPartition, timeout: float = 30.0) -> int:
+        """The partition's end; retried while a new topic's leader is being elected."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return int(self._consumer.get_watermark_offsets(tp, timeout=10)[1])
+            except KafkaException as exc:
+                if time.monotonic() > deadline or not exc.args[0].retriable() and \
+                        exc.args[0].code() != KafkaError.NOT_LEADER_FOR_PARTITION:
+                    raise
+                time.sleep(0.2)
 
     def _watch(self) -> None:
         obs = codec("observation")

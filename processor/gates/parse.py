@@ -49,6 +49,10 @@ class _Duplicate(ValueError):
     pass
 
 
+class _TooDeep(ValueError):
+    pass
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     d = dict(pairs)
     if len(d) != len(pairs):
@@ -82,13 +86,19 @@ def strict_loads(text: bytes | str, max_depth: int) -> Any:
     the exact, slower parser that refuses duplicates. Compact JSON, which
     agent runtimes produce, takes the fast path.
     """
-    value = orjson.loads(text)
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        # orjson stops at its own recursion limit (1024); that is nesting, not bad syntax.
+        if "depth limit" in exc.msg or "recursion limit" in exc.msg:
+            raise _TooDeep(f"nested more than {max_depth} levels deep") from exc
+        raise
     raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
     # Each level of nesting needs a bracket, so few brackets bound the depth cheaply.
     if raw.count(b"{") + raw.count(b"[") > max_depth:
         depth = _depth(value)
         if depth > max_depth:
-            raise ValueError(f"nested {depth} levels deep; at most {max_depth} are accepted")
+            raise _TooDeep(f"nested {depth} levels deep; at most {max_depth} are accepted")
     if orjson.dumps(value) != raw:
         json.loads(raw, object_pairs_hook=_no_duplicates)
     return value
@@ -98,6 +108,8 @@ def _json_error(exc: Exception, text: bytes | str) -> tuple[str, str]:
     """(code, message) for a parse failure; truncation is called out by name."""
     if isinstance(exc, _Duplicate):
         return "duplicate_key", str(exc)
+    if isinstance(exc, _TooDeep):
+        return "too_deep", str(exc)
     if isinstance(exc, json.JSONDecodeError):
         pos = exc.pos
         stripped = len(text.rstrip()) if isinstance(text, (bytes, str)) else 0

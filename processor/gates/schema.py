@@ -17,6 +17,7 @@ import difflib
 import re
 from typing import Any
 
+import orjson
 from jsonschema import ValidationError
 
 from processor.contracts.registry import Contract
@@ -53,7 +54,11 @@ def _path(parts: Any) -> str | None:
 
 
 def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value) if not isinstance(value, str) else f'"{value}"'
+    """The value as JSON text (``true``, not Python's ``True``), cut to ``limit``."""
+    try:
+        text = orjson.dumps(value).decode()
+    except TypeError:
+        text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -213,8 +218,14 @@ def check_arguments(arguments: dict[str, Any], contract: Contract) -> Rejection 
     if contract.validator.is_valid(arguments):
         return None
     found: list[tuple[TaxonomyClass, FieldError]] = []
+    seen: set[FieldError] = set()
     for e in contract.validator.errors(arguments):
-        found.extend(_describe(e, contract))
+        # jsonschema yields one ``required`` error per missing property, and each is
+        # described with every missing property: keep each field error once.
+        for cls, fe in _describe(e, contract):
+            if fe not in seen:
+                seen.add(fe)
+                found.append((cls, fe))
         if len(found) >= _MAX_ERRORS:
             break
     if not found:

@@ -1,0 +1,129 @@
+"""Running processors as users run them (``toolsentry run`` subprocesses) and reading topics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, TopicPartition
+
+from processor.codec.avro import codec
+from processor.config import Settings, Topics
+from processor.kafka.topics import ensure_topics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def isolated(settings: Settings, name: str) -> Settings:
+    """The same stack with its own topic prefix and consumer group, topics created."""
+    s = settings.model_copy(update={"topics": Topics(prefix=f"{name}."), "group_id": f"ts-{name}"})
+    ensure_topics(s)
+    return s
+
+
+def settings_env(settings: Settings, instance_id: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLSENTRY_")}
+    env.update(
+        TOOLSENTRY_BOOTSTRAP_SERVERS=settings.bootstrap_servers,
+        TOOLSENTRY_REDIS_URL=settings.redis_url,
+        TOOLSENTRY_TOPICS__PREFIX=settings.topics.prefix,
+        TOOLSENTRY_GROUP_ID=settings.group_id,
+        TOOLSENTRY_INSTANCE_ID=instance_id,
+        TOOLSENTRY_METRICS_PORT="0",
+        TOOLSENTRY_CONTRACTS_DIR=str(ROOT / "contracts"),
+        TOOLSENTRY_CONSUMER='{"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}',
+    )
+    env.update(extra)
+    return env
+
+
+class ProcessorProcess:
+    """One ``toolsentry run`` subprocess, its log in a file."""
+
+    def __init__(self, settings: Settings, instance_id: str, log_dir: Path, **env: str) -> None:
+        self.settings = settings
+        self.instance_id = instance_id
+        self.log_path = log_dir / f"processor-{instance_id}.log"
+        self.env = settings_env(settings, instance_id, **env)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ProcessorProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "processor", "run"],
+            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 60) -> ProcessorProcess:
+        """Until the instance has joined the group and owns partitions."""
+        deadline = time.monotonic() + timeout
+        while "assigned [" not in self.log():
+            if not self.alive() or time.monotonic() > deadline:
+                raise AssertionError(f"processor {self.instance_id} not ready:\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no batch finished, no transaction committed or aborted."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM: the batch in hand is finished and committed, then a clean exit."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def read_all(settings: Settings, topic: str, timeout: float = 30.0, idle: float = 3.0,
+             expect: int | None = None) -> list[Any]:
+    """Every committed record on ``topic`` (read_committed), from the beginning.
+
+    Stops once ``expect`` records are in and the topic has stayed quiet for
+    ``idle`` seconds, or when nothing new arrives for ``idle`` seconds and no
+    count was expected, or at ``timeout``.
+    """
+    consumer = Consumer(settings.client_config(**{
+        "group.id": f"reader-{time.monotonic_ns()}", "enable.auto.commit": False,
+        "isolation.level": "read_committed", "auto.offset.reset": "earliest",
+    }))
+    meta = consumer.list_topics(topic, timeout=10)
+    consumer.assign([TopicPartition(topic, p, 0) for p in meta.topics[topic].partitions])
+    out: list[Any] = []
+    deadline = time.monotonic() + timeout
+    last_new = time.monotonic()
+    try:
+        while time.monotonic() < deadline:
+            batch = consumer.consume(1000, 0.5)
+            got = [m for m in batch if m.error() is None]
+            if got:
+                out.extend(got)
+                last_new = time.monotonic()
+            quiet = time.monotonic() - last_new >= idle
+            if quiet and (expect is None or len(out) >= expect):
+                break
+    finally:
+        consumer.close()
+    return out
+
+
+def observations(settings: Settings, **kw: Any) -> Iterator[dict[str, Any]]:
+    obs = codec("observation")
+    for m in read_all(settings, settings.topics.observations, **kw):
+        yield obs.decode(m.value())

@@ -1,0 +1,196 @@
+"""Each gate's outcome end to end: real broker, a `toolsentry run` subprocess, the client."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from processor.client import ToolsentryClient
+from processor.codec.avro import codec
+from processor.config import Settings
+from processor.contracts.registry import load_contracts
+from processor.kafka.partitioner import partition_for
+from tests.integration.harness import ROOT, ProcessorProcess, isolated, read_all
+
+pytestmark = pytest.mark.integration
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+CANCEL = {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True}
+
+
+class E2E:
+    def __init__(self, settings: Settings, client: ToolsentryClient, proc: ProcessorProcess):
+        self.settings = settings
+        self.client = client
+        self.proc = proc
+
+    def call(self, tool: str, arguments: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        run_id = kw.pop("run_id", f"run-{uuid.uuid4().hex[:8]}")
+        return self.client.call(tool, arguments, run_id=run_id, timeout=60, **kw)
+
+    def calls_for(self, proposal_id: str, side_effect: str) -> list[dict[str, Any]]:
+        topic = self.settings.topics.execution(side_effect)
+        decoded = [codec("approved_call").decode(m.value()) for m in read_all(self.settings, topic, idle=1.5)]
+        return [c for c in decoded if c["proposal_id"] == proposal_id]
+
+
+@pytest.fixture(scope="module")
+def e2e(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
+    settings = isolated(stack_settings, "e2e")
+    proc = ProcessorProcess(settings, "e2e-1", tmp_path_factory.mktemp("logs")).start()
+    client = ToolsentryClient(settings, "acme")
+    try:
+        yield E2E(settings, client, proc)
+    finally:
+        client.close()
+        if proc.alive():
+            assert proc.terminate() == 0, proc.log()[-3000:]
+
+
+def test_valid_call_is_routed_with_a_complete_observation(e2e: E2E) -> None:
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    obs = e2e.call("cancel_order", CANCEL, run_id=run_id, traceparent=TRACEPARENT)
+    contracts = load_contracts(ROOT / "contracts")
+    assert obs["decision"] == "ROUTED"
+    assert obs["gate"] == "route"
+    assert obs["run_id"] == run_id and obs["tenant_id"] == "acme"
+    assert obs["status"]["taxonomy_class"] == "SUCCESS"
+    assert obs["status"]["code"] == 202 and obs["status"]["is_error"] is False
+    assert obs["tool_identity"] == {
+        "name": "cancel_order", "version": "1.0.0", "call_id": obs["proposal_id"],
+        "side_effect_class": "HIGH_RISK_EXTERNAL",
+    }
+    meta = obs["execution_metadata"]
+    assert meta["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    assert meta["idempotency_key"].startswith("ik:") and meta["attempt_number"] == 1
+    assert meta["source_partition"] == partition_for(run_id.encode(), 6)
+    assert obs["verification"]["post_action_verification_required"] is True
+    assert obs["contract_set"] == contracts.fingerprint
+    assert obs["result_payload"]["errors"] == []
+
+    [call] = e2e.calls_for(obs["proposal_id"], "HIGH_RISK_EXTERNAL")
+    assert call["tool_name"] == "cancel_order" and call["tool_version"] == "1.0.0"
+    assert orjson.loads(call["arguments"]) == CANCEL
+    assert call["arguments"] == orjson.dumps(CANCEL, option=orjson.OPT_SORT_KEYS).decode()
+    assert call["idempotency_key"] == meta["idempotency_key"]
+    assert call["payload_hash"].startswith("sha256:")
+    assert call["trace_id"] == meta["trace_id"]
+    deadline_ms = call["deadline"].timestamp() * 1000
+    created_ms = call["created_at"].timestamp() * 1000
+    assert deadline_ms - created_ms == pytest.approx(6000, abs=1)
+
+
+def test_hallucinated_order_id_is_stopped_with_the_lookup_hint(e2e: E2E) -> None:
+    obs = e2e.call("cancel_order", {**CANCEL, "order_id": "ORD-12345"})
+    assert obs["decision"] == "REJECTED" and obs["gate"] == "schema"
+    status = obs["status"]
+    assert status["taxonomy_class"] == "OUT_OF_BOUNDS"
+    assert (status["repairable"], status["retryable"], status["fail_closed"]) == (True, False, False)
+    [err] = obs["result_payload"]["errors"]
+    assert err["field"] == "order_id" and err["code"] == "pattern_mismatch"
+    assert err["actual"] == '"ORD-12345"'
+    assert "call lookup_order" in obs["next_action"] and "WO-12345-A" in obs["next_action"]
+    assert e2e.calls_for(obs["proposal_id"], "HIGH_RISK_EXTERNAL") == []
+
+
+def test_string_for_integer_is_a_type_mismatch_that_says_how_to_fix_it(e2e: E2E) -> None:
+    obs = e2e.call("search_kb", {"query": "return policy", "limit": "10"})
+    assert obs["status"]["taxonomy_class"] == "TYPE_MISMATCH"
+    [err] = obs["result_payload"]["errors"]
+    assert (err["field"], err["expected"], err["actual"]) == ("limit", "integer", "string")
+    assert 'emit 10 not "10"' in obs["next_action"]
+
+
+def test_every_violation_is_reported_and_structure_decides_the_class(e2e: E2E) -> None:
+    obs = e2e.call("create_ticket", {"customer_id": "CUS-4211", "priority": "asap",
+                                     "notify_customer": True})
+    assert obs["status"]["taxonomy_class"] == "STRUCTURAL_VIOLATION"
+    codes = {(e["field"], e["code"]) for e in obs["result_payload"]["errors"]}
+    assert codes == {
+        ("category", "missing_field"), ("summary", "missing_field"),
+        ("notify_customer", "unknown_field"), ("priority", "not_in_enum"),
+        ("customer_id", "pattern_mismatch"),
+    }
+
+
+def test_unknown_and_look_alike_tools_list_the_allowed_tools(e2e: E2E) -> None:
+    for name in ("search_orders", "c\u0430ncel_order"):
+        obs = e2e.call(name, CANCEL)
+        assert obs["gate"] == "resolve"
+        assert obs["status"]["taxonomy_class"] == "STRUCTURAL_VIOLATION"
+        assert obs["result_payload"]["errors"][0]["code"] == "unknown_tool"
+        assert obs["allowed_tools"] == sorted(load_contracts(ROOT / "contracts").names)
+        assert obs["tool_identity"]["name"] == name
+
+
+def test_tool_outside_the_steps_palette_is_refused(e2e: E2E) -> None:
+    obs = e2e.call("cancel_order", CANCEL, active_tools=["lookup_order", "search_kb"])
+    assert obs["result_payload"]["errors"][0]["code"] == "tool_not_active"
+    assert obs["allowed_tools"] == ["lookup_order", "search_kb"]
+    assert e2e.calls_for(obs["proposal_id"], "HIGH_RISK_EXTERNAL") == []
+
+
+def test_truncated_model_json_is_a_parse_failure(e2e: E2E) -> None:
+    obs = e2e.call("cancel_order", None, arguments_raw='{"order_id": "WO-12345-A", "reas')
+    assert obs["gate"] == "parse"
+    assert obs["status"]["taxonomy_class"] == "SYNTACTIC_PARSE_FAIL"
+    assert obs["result_payload"]["errors"][0]["code"] == "truncated"
+    assert "cut off" in obs["next_action"]
+
+
+def test_raw_arguments_that_parse_are_validated_like_objects(e2e: E2E) -> None:
+    obs = e2e.call("cancel_order", None, arguments_raw=orjson.dumps(CANCEL).decode())
+    assert obs["decision"] == "ROUTED"
+
+
+def test_records_that_cannot_be_tied_to_a_run_go_to_the_dlq(e2e: E2E) -> None:
+    marker = uuid.uuid4().hex.encode()
+    bad = [b"not json " + marker, orjson.dumps({"proposal_id": marker.decode()}),
+           b'{"run_id": "r", "run_id": "' + marker + b'"}']
+    for value in bad:
+        e2e.client.send_raw(value, marker)
+    e2e.client.flush()
+    dlq = [m for m in read_all(e2e.settings, e2e.settings.topics.dlq, idle=3, expect=3)
+           if m.key() == marker]
+    assert sorted(m.value() for m in dlq) == sorted(bad)
+    reasons = sorted(dict(m.headers())["toolsentry.error.reason"] for m in dlq)
+    assert reasons == [b"duplicate_key", b"invalid_json", b"no_run_id"]
+    for m in dlq:
+        headers = dict(m.headers())
+        assert headers["toolsentry.source.topic"] == e2e.settings.topics.proposals.encode()
+        assert int(headers["toolsentry.source.offset"]) >= 0
+
+
+def test_one_runs_proposals_keep_their_order(e2e: E2E) -> None:
+    run_id = f"ordered-{uuid.uuid4().hex[:8]}"
+    ids = []
+    for i in range(300):
+        args = CANCEL if i % 3 else {**CANCEL, "order_id": f"BAD-{i}"}
+        ids.append(e2e.client.propose("cancel_order", args, run_id=run_id, step=i))
+    e2e.client.wait(ids[-1], timeout=60)
+    seen = [o for o in (codec("observation").decode(m.value())
+                        for m in read_all(e2e.settings, e2e.settings.topics.observations, idle=1.5))
+            if o["run_id"] == run_id]
+    assert [o["proposal_id"] for o in seen] == ids
+    offsets = [o["execution_metadata"]["source_offset"] for o in seen]
+    assert offsets == sorted(offsets)
+    assert len({o["execution_metadata"]["source_partition"] for o in seen}) == 1
+
+
+def test_sigterm_finishes_and_exits_cleanly(e2e: E2E, tmp_path: Path) -> None:
+    early = ProcessorProcess(e2e.settings, "e2e-early", tmp_path).start()
+    deadline = time.monotonic() + 60
+    while "consuming" not in early.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert early.terminate() == 0, early.log()[-2000:]  # before it has joined the group
+
+    proc = ProcessorProcess(e2e.settings, "e2e-2", tmp_path).start().wait_ready()
+    obs = e2e.call("lookup_order", {"order_id": "WO-12345-A"})
+    assert obs["decision"] == "ROUTED"
+    assert proc.terminate() == 0, proc.log()[-2000:]
