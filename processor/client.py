@@ -48,6 +48,8 @@ class ToolsentryClient:
             )
         )
         self._seen: dict[str, dict[str, Any]] = {}
+        self.arrivals: dict[str, float] = {}
+        """proposal_id -> time.monotonic() when its observation was read."""
         self._cond = threading.Condition()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -89,7 +91,8 @@ class ToolsentryClient:
         obs = codec("observation")
         while not self._closed.is_set():
             try:
-                messages = self._consumer.consume(500, 0.1)
+                first = self._consumer.poll(0.1)
+                messages = [first, *self._consumer.consume(500, 0)] if first is not None else []
             except KafkaException:
                 time.sleep(0.1)
                 continue
@@ -101,9 +104,11 @@ class ToolsentryClient:
                     except ValueError:
                         continue
             if got:
+                now = time.monotonic()
                 with self._cond:
                     for o in got:
                         self._seen.setdefault(o["proposal_id"], o)
+                        self.arrivals.setdefault(o["proposal_id"], now)
                     self._cond.notify_all()
 
     # -- proposing -------------------------------------------------------------------------

@@ -253,7 +253,10 @@ def reference_validator(schema: Mapping[str, Any]) -> Any:
 def check_schema(schema: Mapping[str, Any]) -> None:
     """Raise ``jsonschema.SchemaError`` if ``schema`` is not a valid 2020-12 schema,
     or ``ValueError`` if a pattern is not an ECMA-262 regex."""
-    Draft202012Validator.check_schema(schema)
+    # No format assertion against the metaschema: its ``format: regex`` would be
+    # checked with Python's ``re``, which refuses ECMA-262 (``\\p{Lu}``, ``(?<name>…)``).
+    # Patterns are checked as ECMA-262 regexes below instead.
+    Draft202012Validator.check_schema(schema, format_checker=None)
     for where, pattern in _patterns(schema, "#"):
         try:
             ecma_regex(pattern)

@@ -28,18 +28,14 @@ def isolated(settings: Settings, name: str) -> Settings:
 
 
 def settings_env(settings: Settings, instance_id: str, **extra: str) -> dict[str, str]:
+    """The parent's environment without its TOOLSENTRY_* variables, plus these settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLSENTRY_")}
-    env.update(
-        TOOLSENTRY_BOOTSTRAP_SERVERS=settings.bootstrap_servers,
-        TOOLSENTRY_REDIS_URL=settings.redis_url,
-        TOOLSENTRY_TOPICS__PREFIX=settings.topics.prefix,
-        TOOLSENTRY_GROUP_ID=settings.group_id,
-        TOOLSENTRY_INSTANCE_ID=instance_id,
-        TOOLSENTRY_METRICS_PORT="0",
-        TOOLSENTRY_CONTRACTS_DIR=str(ROOT / "contracts"),
-        TOOLSENTRY_CONSUMER='{"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}',
-    )
-    env.update(extra)
+    consumer = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500, **settings.consumer}
+    test_settings = settings.model_copy(update={
+        "instance_id": instance_id, "metrics_port": 0, "contracts_dir": ROOT / "contracts",
+        "consumer": consumer,
+    })
+    env.update(test_settings.as_env(**extra))
     return env
 
 

@@ -1,0 +1,159 @@
+"""The processors the benchmark compares, each run as its own process.
+
+``python -m bench.modes MODE COUNT`` consumes COUNT records from the topics
+named by the TOOLSENTRY_* environment and prints one JSON line: records/s
+from the first batch to the last commit, and the process's peak RSS.
+
+* ``passthrough`` — the processor's own transactional loop with no gates:
+  each input value is copied to the observations topic. The pipe's limit.
+* ``toolsentry`` — the processor as shipped.
+* ``naive`` — the obvious implementation: one record at a time, validate
+  with python-jsonschema, encode, produce, commit a transaction per record.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
+from jsonschema import Draft202012Validator
+
+from processor.app import Processor, consumer_config, producer_config
+from processor.codec.avro import codec
+from processor.config import Settings
+from processor.contracts.registry import load_contracts
+from processor.model import Decision
+
+
+def peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Timed(Processor):
+    """The shipped processor, stopping itself after ``count`` records."""
+
+    def __init__(self, settings: Settings, count: int) -> None:
+        super().__init__(settings)
+        self.count = count
+        self.first: float | None = None
+        self.last = 0.0
+
+    def decide_batch(self, records: list[Message]) -> list[Decision]:
+        if self.first is None:
+            self.first = time.perf_counter()
+        return super().decide_batch(records)
+
+    def _commit(self, producer: Producer) -> None:
+        super()._commit(producer)
+        self.last = time.perf_counter()
+
+    def watch(self) -> None:
+        while self.records_committed < self.count:
+            time.sleep(0.01)
+        self.stop()
+
+
+class Passthrough(Timed):
+    def decide_batch(self, records: list[Message]) -> list[Decision]:
+        if self.first is None:
+            self.first = time.perf_counter()
+        return []
+
+    def produce_batch(self, producer: Producer, records: list[Message], decisions: list[Decision]) -> None:
+        topic = self.settings.topics.observations
+        for m in records:
+            self._send(producer, topic, m.key(), m.value())
+
+
+def run_loop(processor: Timed) -> dict[str, Any]:
+    threading.Thread(target=processor.watch, daemon=True).start()
+    processor.run()
+    assert processor.first is not None
+    elapsed = processor.last - processor.first
+    return {"records": processor.records_committed, "seconds": elapsed,
+            "per_second": processor.records_committed / elapsed, "rss_mb": peak_rss_mb()}
+
+
+def run_naive(settings: Settings, count: int) -> dict[str, Any]:
+    contracts = load_contracts(settings.contracts_dir)
+    validators = {n: Draft202012Validator(v[0].input_schema) for n, v in contracts.by_name.items()}
+    obs_codec = codec("observation")
+    consumer = Consumer(consumer_config(settings))
+    producer = Producer(producer_config(settings))
+    producer.init_transactions(30)
+    consumer.subscribe([settings.topics.proposals])
+    done, first, last = 0, None, 0.0
+    while done < count:
+        msgs = consumer.consume(1, 0.5)
+        if not msgs or msgs[0].error() is not None:
+            continue
+        m = msgs[0]
+        if first is None:
+            first = time.perf_counter()
+        try:
+            env = orjson.loads(m.value())
+            v = validators.get(env["tool"]["name"])
+            errors = [e.message for e in v.iter_errors(env["arguments"])] if v else ["unknown tool"]
+        except Exception as exc:
+            env, errors = {"proposal_id": "?", "run_id": "?"}, [str(exc)]
+        producer.begin_transaction()
+        producer.produce(settings.topics.observations, key=m.key(),
+                         value=obs_codec.encode(_naive_observation(env, errors)))
+        producer.send_offsets_to_transaction(
+            [TopicPartition(m.topic(), m.partition(), m.offset() + 1)],
+            consumer.consumer_group_metadata())
+        producer.commit_transaction()
+        done += 1
+        last = time.perf_counter()
+    consumer.close()
+    assert first is not None
+    return {"records": done, "seconds": last - first, "per_second": done / (last - first),
+            "rss_mb": peak_rss_mb()}
+
+
+def _naive_observation(env: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+    ok = not errors
+    return {
+        "observation_id": str(env.get("proposal_id")), "proposal_id": str(env.get("proposal_id")),
+        "run_id": str(env.get("run_id")), "tenant_id": env.get("tenant_id"),
+        "decision": "ROUTED" if ok else "REJECTED", "gate": "schema",
+        "tool_identity": {"name": "", "version": None, "call_id": "", "side_effect_class": None},
+        "execution_metadata": {"timestamp": 0, "latency_ms": 0.0, "idempotency_hit": False,
+                               "idempotency_key": None, "trace_id": "", "attempt_number": 1,
+                               "source_partition": 0, "source_offset": 0},
+        "status": {"code": 200 if ok else 422, "is_error": not ok,
+                   "taxonomy_class": "SUCCESS" if ok else "OUT_OF_BOUNDS", "retryable": False,
+                   "repairable": not ok, "requires_approval": False, "fail_closed": False,
+                   "escalate": False},
+        "result_payload": {"data": None, "errors": [{"field": None, "message": e, "code": "x",
+                                                     "expected": None, "actual": None,
+                                                     "hint": None} for e in errors],
+                           "warnings": []},
+        "verification": {"post_action_verification_required": False,
+                         "target_state_reference": None, "expected_state": None,
+                         "delay_seconds": 0},
+        "next_action": "", "allowed_tools": [], "contract_set": None,
+    }
+
+
+def main() -> None:
+    mode, count = sys.argv[1], int(sys.argv[2])
+    settings = Settings()
+    if mode == "naive":
+        result = run_naive(settings, count)
+    else:
+        cls = Passthrough if mode == "passthrough" else Timed
+        result = run_loop(cls(settings, count))
+    print(orjson.dumps({"mode": mode, **result}).decode(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,482 @@
+"""JSON Schema 2020-12 validation: the official test suite, fast vs reference, ECMA-262.
+
+The suite lives outside the repository, at ``$TOOLSENTRY_JSON_SCHEMA_SUITE`` or
+``~/.cache/toolsentry/json-schema-test-suite``; ``scripts/bootstrap.sh --test``
+fetches it. When it is missing these tests fail, they never skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import referencing.jsonschema
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from referencing import Registry
+
+from processor.contracts.registry import Contract, load_contracts
+from processor.contracts.validation import (
+    ASSERTED_FORMATS,
+    FORMAT_CHECKER,
+    ArgumentValidator,
+    NotCompilable,
+    ReferenceValidator,
+    check_schema,
+    compile_fast,
+    ecma_search,
+    is_multiple_of,
+)
+from tests.unit.helpers import CONTRACTS_DIR
+
+SUITE = Path(
+    os.environ.get("TOOLSENTRY_JSON_SCHEMA_SUITE")
+    or Path.home() / ".cache" / "toolsentry" / "json-schema-test-suite"
+)
+TESTS = SUITE / "tests" / "draft2020-12"
+REMOTES = SUITE / "remotes"
+MISSING = (
+    f"the JSON-Schema-Test-Suite is not at {SUITE}: run scripts/bootstrap.sh --test "
+    "(or point TOOLSENTRY_JSON_SCHEMA_SUITE at a checkout)"
+)
+
+# --- known differences, each with its reason --------------------------------------------------
+
+UNASSERTED_FORMATS = frozenset(
+    {
+        "duration",
+        "idn-email",
+        "idn-hostname",
+        "iri",
+        "iri-reference",
+        "json-pointer",
+        "relative-json-pointer",
+        "uri-reference",
+        "uri-template",
+    }
+)
+"""Formats the processor leaves as annotations (2020-12's default): contracts do not use them."""
+
+NOT_A_FORMAT_FILE = frozenset({"unknown", "ecmascript-regex"})
+"""optional/format files that test no particular format of their own name."""
+
+DRAFT7_DEPENDENCIES = (
+    "`dependencies` is the draft-7 keyword; 2020-12 split it into dependentRequired and "
+    "dependentSchemas, so a 2020-12 validator ignores it"
+)
+VOCABULARIES = (
+    "$vocabulary is not supported: a custom metaschema without the validation vocabulary "
+    "still gets validation keywords applied"
+)
+KNOWN_GROUPS = {
+    (
+        "vocabulary.json",
+        "schema that uses custom metaschema with with no validation vocabulary",
+    ): VOCABULARIES,
+}
+
+
+@dataclass(frozen=True)
+class Group:
+    file: str
+    description: str
+    schema: Any
+    tests: tuple[dict[str, Any], ...]
+
+    @property
+    def optional(self) -> bool:
+        return self.file.startswith("optional/")
+
+    @property
+    def expects_invalid(self) -> bool:
+        return any(not t["valid"] for t in self.tests)
+
+
+def known_difference(g: Group) -> str | None:
+    """Why the reference validator disagrees with the suite on this group, or None."""
+    if (g.file, g.description) in KNOWN_GROUPS:
+        return KNOWN_GROUPS[(g.file, g.description)]
+    # Ignoring a keyword or a format only ever wrongly accepts: the groups that
+    # expect some instance to be invalid are exactly the ones that fail.
+    if g.file == "optional/dependencies-compatibility.json" and g.expects_invalid:
+        return DRAFT7_DEPENDENCIES
+    fmt = g.schema.get("format") if isinstance(g.schema, dict) else None
+    if g.file.startswith("optional/format/") and fmt in UNASSERTED_FORMATS and g.expects_invalid:
+        return f"format {fmt!r} is not in ASSERTED_FORMATS, so it stays an annotation"
+    return None
+
+
+def load_groups() -> list[Group]:
+    groups = []
+    for path in sorted(TESTS.rglob("*.json")):
+        rel = path.relative_to(TESTS).as_posix()
+        for raw in json.loads(path.read_text(encoding="utf-8")):
+            groups.append(Group(rel, raw["description"], raw["schema"], tuple(raw["tests"])))
+    return groups
+
+
+GROUPS = load_groups() if TESTS.is_dir() else []
+
+
+def params(with_known_differences: bool) -> list[Any]:
+    if not GROUPS:
+        return [pytest.param(None, id="suite-missing")]
+    out = []
+    seen: dict[str, int] = {}
+    for g in GROUPS:
+        base = f"{g.file}::{g.description}"
+        seen[base] = seen.get(base, 0) + 1
+        ident = base if seen[base] == 1 else f"{base}#{seen[base]}"
+        reason = known_difference(g) if with_known_differences else None
+        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+        out.append(pytest.param(g, id=ident, marks=marks))
+    return out
+
+
+@cache
+def remotes() -> Registry:
+    """The suite's remotes/ folder, served as http://localhost:1234/ (as the suite expects)."""
+    pairs = []
+    for path in sorted(REMOTES.rglob("*.json")):
+        rel = path.relative_to(REMOTES).as_posix()
+        contents = json.loads(path.read_text(encoding="utf-8"))
+        # Remotes of other drafts without $schema would be read as 2020-12 wrongly.
+        if "$schema" not in contents and rel.startswith("draft") and not rel.startswith(
+            "draft2020-12/"
+        ):
+            continue
+        pairs.append((f"http://localhost:1234/{rel}", contents))
+    return Registry().with_contents(pairs, default_specification=referencing.jsonschema.DRAFT202012)
+
+
+def require(group: Group | None) -> Group:
+    if group is None:
+        pytest.fail(MISSING)
+    return group
+
+
+def reference(schema: Any, formats: bool) -> Any:
+    if formats:
+        return ReferenceValidator(schema, registry=remotes(), format_checker=FORMAT_CHECKER)
+    return ReferenceValidator(schema, registry=remotes())
+
+
+def test_suite_is_present() -> None:
+    assert TESTS.is_dir(), MISSING
+    assert (TESTS / "optional" / "ecmascript-regex.json").is_file(), MISSING
+    assert (TESTS / "optional" / "non-bmp-regex.json").is_file(), MISSING
+    assert (TESTS / "optional" / "format" / "regex.json").is_file(), MISSING
+    assert len(GROUPS) > 400
+
+
+def test_known_format_differences_are_exactly_the_unasserted_formats() -> None:
+    assert TESTS.is_dir(), MISSING
+    files = {p.stem for p in (TESTS / "optional" / "format").glob("*.json")}
+    assert UNASSERTED_FORMATS.isdisjoint(ASSERTED_FORMATS)
+    assert files - NOT_A_FORMAT_FILE == UNASSERTED_FORMATS | ASSERTED_FORMATS
+
+
+# --- (a) the reference validator against the suite --------------------------------------------
+
+
+@pytest.mark.parametrize("group", params(with_known_differences=True))
+def test_reference_validator_passes_the_suite(group: Group | None) -> None:
+    """Required tests without format assertion (an annotation); optional ones with it."""
+    g = require(group)
+    validator = reference(g.schema, formats=g.optional)
+    wrong = [
+        (t["description"], t["valid"])
+        for t in g.tests
+        if validator.is_valid(t["data"]) is not t["valid"]
+    ]
+    assert wrong == []
+
+
+# --- (b) the fast validator against the reference ---------------------------------------------
+
+
+@pytest.mark.parametrize("group", params(with_known_differences=False))
+def test_fast_validator_agrees_with_the_reference(group: Group | None) -> None:
+    """Wherever the schema compiles, fast == reference-with-asserted-formats, case by case.
+
+    Both assert the same formats, so this holds on format.json too; against the suite's
+    own verdicts it is checked everywhere but format.json's annotation cases (where the
+    suite expects formats not to be asserted) and the known differences."""
+    g = require(group)
+    try:
+        fast = compile_fast(g.schema)
+    except NotCompilable:
+        return
+    validator = reference(g.schema, formats=True)
+    disagree = [
+        (t["description"], fast(t["data"]))
+        for t in g.tests
+        if fast(t["data"]) is not validator.is_valid(t["data"])
+    ]
+    assert disagree == []
+    if g.file != "format.json" and known_difference(g) is None:
+        wrong = [(t["description"], t["valid"]) for t in g.tests if fast(t["data"]) is not t["valid"]]
+        assert wrong == []
+
+
+def test_fast_validator_compiles_a_good_share_of_the_suite() -> None:
+    assert GROUPS, MISSING
+    compiled = 0
+    for g in GROUPS:
+        try:
+            compile_fast(g.schema)
+        except NotCompilable:
+            continue
+        compiled += 1
+    assert compiled > 150
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#/$defs/x", "$defs": {"x": {}}},
+        {"patternProperties": {"a": {}}},
+        {"prefixItems": [{}]},
+        {"enum": [1, "a"]},
+        {"const": 1},
+        {"properties": {"a": {"dependentRequired": {}}}},
+        {"anyOf": [{"unevaluatedProperties": False}]},
+        [],
+    ],
+)
+def test_schemas_outside_the_fast_subset_are_not_compiled(schema: Any) -> None:
+    with pytest.raises(NotCompilable):
+        compile_fast(schema)
+
+
+# --- (c) fast == reference on the contracts, over generated instances -------------------------
+
+NEAR_MISSES = [
+    "WO-12345-A",
+    "WO-1234-A",
+    "WO-123456-A",
+    "wo-12345-a",
+    "WO-12345-a",
+    "WO-12345-A\n",
+    "\nWO-12345-A",
+    " WO-12345-A",
+    "WO-12345-AB",
+    "WO-\u0661\u0662\u0663\u0664\u0665-A",
+    "WO-\uff11\uff12\uff13\uff14\uff15-A",
+    "ORD-12345",
+    "CUS-004211",
+    "CUS-00421",
+    "CUS-004211\n",
+    "CUS-\u0660\u0660\u0664\u0662\u0661\u0661",
+    "2026-11-22",
+    "2026-02-29",
+    "2024-02-29",
+    "2026-13-01",
+    "2026-11-22\n",
+    "2026-1-22",
+    "\u0662026-11-22",
+    "2026-11-22T10:00:00Z",
+    "\u0660",
+    "10",
+    "true",
+    "",
+    "ab",
+    "abc",
+    "a-b",
+    "A-B",
+    "Bad Tag",
+    "x" * 33,
+    "x" * 200,
+    "x" * 201,
+    "x" * 240,
+    "x" * 241,
+]
+SPECIAL_NUMBERS = [
+    0, 1, -1, 3, 10, 50, 51, 100, 101, 10000, 10001, 2**64,
+    0.0, -0.0, 0.01, 0.1, 0.3, 1.0, 10.0, 10.5, 19.99, 19.999, 9999.99, 10000.0, 10000.01,
+    1e308, 1e-7,
+]  # fmt: skip
+SCALARS = st.one_of(
+    st.sampled_from([*NEAR_MISSES, *SPECIAL_NUMBERS, True, False, None]),
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+)
+VALUES = st.one_of(
+    SCALARS,
+    st.lists(SCALARS, max_size=6),
+    st.dictionaries(st.sampled_from(["a", "order_id"]), SCALARS, max_size=2),
+)
+
+
+def weighted(*choices: tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+    """Pick a strategy by weight (one_of would flatten nested one_ofs into equal branches)."""
+    pool = [strategy for weight, strategy in choices for _ in range(weight)]
+    return st.sampled_from(pool).flatmap(lambda strategy: strategy)
+
+
+EXTRA_KEYS = ["notify_customer", "ORDER_ID", "order_id ", "limit\u200b", ""]
+DROP = object()
+
+
+def _interesting(schema: dict[str, Any]) -> list[Any]:
+    """Values at and around the boundaries a property schema draws."""
+    out: list[Any] = []
+    out += schema.get("enum", [])
+    out += [v[:-1] + v[-1].swapcase() for v in schema.get("enum", []) if v]
+    out += schema.get("examples", [])
+    if "const" in schema:
+        out.append(schema["const"])
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        if key in schema:
+            n = schema[key]
+            out += [n, n - 1, n + 1, n - 0.01, n + 0.01, float(n)]
+    for key in ("minLength", "maxLength"):
+        if key in schema:
+            n = schema[key]
+            out += ["y" * max(n - 1, 0), "y" * n, "y" * (n + 1)]
+    items = schema.get("items")
+    if isinstance(items, dict):
+        out += [["a-b"], ["a-b", "a-b"], ["a-b", "Bad Tag"], ["ab", "cd", "ef", "gh", "ij", "kl"]]
+    return out
+
+
+def _apply(base: dict[str, Any], changes: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in changes:
+        if value is DROP:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def instances(contract: Contract) -> st.SearchStrategy[Any]:
+    """Mutations of the contract's own examples: a few fields set, dropped or added.
+
+    Starting from the examples keeps a good share of instances valid, so both
+    answers of the validators are exercised; any JSON value at the top level too."""
+    props: dict[str, Any] = contract.input_schema.get("properties", {})
+    examples = contract.raw["affordance"]["examples"]
+    bases = [dict(ex["arguments"]) for ex in examples] + [{}]
+    good = [ex["arguments"] for ex in examples if ex.get("valid", True)]
+
+    def value(key: str, sub: dict[str, Any]) -> st.SearchStrategy[Any]:
+        valid = [*sub.get("enum", []), *(g[key] for g in good if key in g)]
+        near = [*_interesting(sub), DROP]
+        return weighted((2, st.sampled_from(valid or near)), (1, st.sampled_from(near)), (1, VALUES))
+
+    pairs = [st.tuples(st.just(k), value(k, sub)) for k, sub in props.items()]
+    pairs.append(st.tuples(st.sampled_from(EXTRA_KEYS), VALUES))
+    objects = st.builds(_apply, st.sampled_from(bases), st.lists(st.one_of(pairs), max_size=3))
+    return weighted((4, objects), (1, VALUES))
+
+
+CONTRACTS = load_contracts(CONTRACTS_DIR)
+CONTRACT_LIST = [c for name in CONTRACTS.names for c in CONTRACTS.versions(name)]
+
+
+@pytest.mark.parametrize("contract", CONTRACT_LIST, ids=lambda c: f"{c.name}@{c.version}")
+def test_contract_schemas_compile_to_the_fast_subset(contract: Contract) -> None:
+    assert contract.validator.fast is not None
+
+
+@pytest.mark.parametrize("contract", CONTRACT_LIST, ids=lambda c: f"{c.name}@{c.version}")
+def test_fast_equals_reference_on_generated_arguments(contract: Contract) -> None:
+    validator: ArgumentValidator = contract.validator
+    fast = validator.fast
+    assert fast is not None
+    seen = {True: 0, False: 0}
+
+    @settings(max_examples=2000, deadline=None, database=None)
+    @given(instances(contract))
+    def check(x: Any) -> None:
+        expected = bool(validator.reference.is_valid(x))
+        assert fast(x) is expected, x
+        seen[expected] += 1
+
+    check()
+    # Both answers were exercised, many times over.
+    assert seen[True] >= 100, seen
+    assert seen[False] >= 500, seen
+
+
+# --- (d) ECMA-262 specifics -------------------------------------------------------------------
+
+
+def test_digit_class_is_ascii_only() -> None:
+    assert ecma_search(r"^\d$", "5") is True
+    assert ecma_search(r"^\d$", "\u0660") is False
+    assert compile_fast({"type": "string", "pattern": r"^\d$"})("\u0660") is False
+    assert ReferenceValidator({"pattern": r"^\d$"}).is_valid("\u0660") is False
+
+
+def test_dollar_does_not_match_before_a_trailing_newline() -> None:
+    assert ecma_search("^a$", "a") is True
+    assert ecma_search("^a$", "a\n") is False
+    assert compile_fast({"pattern": "^a$"})("a\n") is False
+    assert ReferenceValidator({"pattern": "^a$"}).is_valid("a\n") is False
+
+
+def test_unicode_property_escapes_are_supported() -> None:
+    assert ecma_search(r"^\p{Lu}+$", "ÄB") is True
+    assert ecma_search(r"^\p{Lu}+$", "äb") is False
+
+
+def test_pattern_properties_use_ecma_regexes() -> None:
+    schema = {"patternProperties": {r"^\d+$": {"type": "integer"}}, "additionalProperties": False}
+    v = ReferenceValidator(schema)
+    assert v.is_valid({"12": 1}) is True
+    assert v.is_valid({"\u0661\u0662": 1}) is False
+
+
+@pytest.mark.parametrize(
+    ("value", "divisor", "expected"),
+    [
+        (19.99, 0.01, True),
+        (1e308, 0.5, True),
+        (0.3, 0.1, True),
+        (10, 0.01, True),
+        (19.999, 0.01, False),
+        (7, 2, False),
+        (0.0075, 0.0001, True),
+        (1, 0, False),
+    ],
+)
+def test_is_multiple_of_is_exact_over_decimals(value: float, divisor: float, expected: bool) -> None:
+    assert is_multiple_of(value, divisor) is expected
+
+
+def test_reference_and_fast_multiple_of_agree_on_cents() -> None:
+    schema = {"type": "number", "multipleOf": 0.01}
+    assert ReferenceValidator(schema).is_valid(19.99) is True
+    assert compile_fast(schema)(19.99) is True
+    assert ReferenceValidator(schema).is_valid(19.999) is False
+    assert compile_fast(schema)(19.999) is False
+
+
+@pytest.mark.parametrize("pattern", ["(?P<x>a)", "(?i)a", r"\Z", "a{,2}+(?#c)"])
+def test_check_schema_rejects_non_ecma_patterns(pattern: str) -> None:
+    with pytest.raises(ValueError, match="is not an ECMA-262 regex"):
+        check_schema({"type": "string", "pattern": pattern})
+
+
+def test_check_schema_rejects_non_ecma_pattern_properties() -> None:
+    with pytest.raises(ValueError, match="patternProperties"):
+        check_schema({"type": "object", "patternProperties": {"(?P<x>a)": {}}})
+
+
+def test_check_schema_accepts_ecma_patterns() -> None:
+    check_schema({"type": "string", "pattern": r"^(?<year>\d{4})-\p{Nd}$"})
+
+
+def test_format_regex_is_ecma() -> None:
+    v = ReferenceValidator({"format": "regex"}, format_checker=FORMAT_CHECKER)
+    assert v.is_valid("^(?<x>a)$") is True
+    assert v.is_valid("(?P<x>a)") is False
+    assert v.is_valid("\\a") is False
