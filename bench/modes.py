@@ -67,7 +67,9 @@ class Passthrough(Timed):
             self.first = time.perf_counter()
         return []
 
-    def produce_batch(self, producer: Producer, records: list[Message], decisions: list[Decision]) -> None:
+    def produce_batch(
+        self, producer: Producer, records: list[Message], decisions: list[Decision]
+    ) -> None:
         topic = self.settings.topics.observations
         for m in records:
             self._send(producer, topic, m.key(), m.value())
@@ -78,8 +80,12 @@ def run_loop(processor: Timed) -> dict[str, Any]:
     processor.run()
     assert processor.first is not None
     elapsed = processor.last - processor.first
-    return {"records": processor.records_committed, "seconds": elapsed,
-            "per_second": processor.records_committed / elapsed, "rss_mb": peak_rss_mb()}
+    return {
+        "records": processor.records_committed,
+        "seconds": elapsed,
+        "per_second": processor.records_committed / elapsed,
+        "rss_mb": peak_rss_mb(),
+    }
 
 
 def run_naive(settings: Settings, count: int) -> dict[str, Any]:
@@ -105,42 +111,82 @@ def run_naive(settings: Settings, count: int) -> dict[str, Any]:
         except Exception as exc:
             env, errors = {"proposal_id": "?", "run_id": "?"}, [str(exc)]
         producer.begin_transaction()
-        producer.produce(settings.topics.observations, key=m.key(),
-                         value=obs_codec.encode(_naive_observation(env, errors)))
+        producer.produce(
+            settings.topics.observations,
+            key=m.key(),
+            value=obs_codec.encode(_naive_observation(env, errors)),
+        )
         producer.send_offsets_to_transaction(
             [TopicPartition(m.topic(), m.partition(), m.offset() + 1)],
-            consumer.consumer_group_metadata())
+            consumer.consumer_group_metadata(),
+        )
         producer.commit_transaction()
         done += 1
         last = time.perf_counter()
     consumer.close()
     assert first is not None
-    return {"records": done, "seconds": last - first, "per_second": done / (last - first),
-            "rss_mb": peak_rss_mb()}
+    return {
+        "records": done,
+        "seconds": last - first,
+        "per_second": done / (last - first),
+        "rss_mb": peak_rss_mb(),
+    }
 
 
 def _naive_observation(env: dict[str, Any], errors: list[str]) -> dict[str, Any]:
     ok = not errors
     return {
-        "observation_id": str(env.get("proposal_id")), "proposal_id": str(env.get("proposal_id")),
-        "run_id": str(env.get("run_id")), "tenant_id": env.get("tenant_id"),
-        "decision": "ROUTED" if ok else "REJECTED", "gate": "schema",
+        "observation_id": str(env.get("proposal_id")),
+        "proposal_id": str(env.get("proposal_id")),
+        "run_id": str(env.get("run_id")),
+        "tenant_id": env.get("tenant_id"),
+        "decision": "ROUTED" if ok else "REJECTED",
+        "gate": "schema",
         "tool_identity": {"name": "", "version": None, "call_id": "", "side_effect_class": None},
-        "execution_metadata": {"timestamp": 0, "latency_ms": 0.0, "idempotency_hit": False,
-                               "idempotency_key": None, "trace_id": "", "attempt_number": 1,
-                               "source_partition": 0, "source_offset": 0},
-        "status": {"code": 200 if ok else 422, "is_error": not ok,
-                   "taxonomy_class": "SUCCESS" if ok else "OUT_OF_BOUNDS", "retryable": False,
-                   "repairable": not ok, "requires_approval": False, "fail_closed": False,
-                   "escalate": False},
-        "result_payload": {"data": None, "errors": [{"field": None, "message": e, "code": "x",
-                                                     "expected": None, "actual": None,
-                                                     "hint": None} for e in errors],
-                           "warnings": []},
-        "verification": {"post_action_verification_required": False,
-                         "target_state_reference": None, "expected_state": None,
-                         "delay_seconds": 0},
-        "next_action": "", "allowed_tools": [], "contract_set": None,
+        "execution_metadata": {
+            "timestamp": 0,
+            "latency_ms": 0.0,
+            "idempotency_hit": False,
+            "idempotency_key": None,
+            "trace_id": "",
+            "attempt_number": 1,
+            "source_partition": 0,
+            "source_offset": 0,
+        },
+        "status": {
+            "code": 200 if ok else 422,
+            "is_error": not ok,
+            "taxonomy_class": "SUCCESS" if ok else "OUT_OF_BOUNDS",
+            "retryable": False,
+            "repairable": not ok,
+            "requires_approval": False,
+            "fail_closed": False,
+            "escalate": False,
+        },
+        "result_payload": {
+            "data": None,
+            "errors": [
+                {
+                    "field": None,
+                    "message": e,
+                    "code": "x",
+                    "expected": None,
+                    "actual": None,
+                    "hint": None,
+                }
+                for e in errors
+            ],
+            "warnings": [],
+        },
+        "verification": {
+            "post_action_verification_required": False,
+            "target_state_reference": None,
+            "expected_state": None,
+            "delay_seconds": 0,
+        },
+        "next_action": "",
+        "allowed_tools": [],
+        "contract_set": None,
     }
 
 

@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,28 +44,48 @@ def corpus(n: int, seed: int = 7) -> list[tuple[bytes, bytes]]:
     for i in range(n):
         r = rng.random()
         if r < 0.4:
-            tool, args = "cancel_order", {"order_id": f"WO-{i % 100000:05d}-A",
-                                          "reason_code": "customer_request", "confirm": True}
+            tool, args = (
+                "cancel_order",
+                {
+                    "order_id": f"WO-{i % 100000:05d}-A",
+                    "reason_code": "customer_request",
+                    "confirm": True,
+                },
+            )
         elif r < 0.67:
             tool, args = "search_kb", {"query": f"return policy {i}", "limit": 10}
         elif r < 0.8:
-            tool, args = "cancel_order", {"order_id": f"ORD-{i}", "reason_code": "customer_request",
-                                          "confirm": True}
+            tool, args = (
+                "cancel_order",
+                {"order_id": f"ORD-{i}", "reason_code": "customer_request", "confirm": True},
+            )
         elif r < 0.9:
             tool, args = "search_kb", {"query": "refunds", "limit": "10"}
         else:
             tool, args = "lookup_order", {"order_id": f"WO-{i % 100000:05d}-A", "notify": True}
         run_id = f"bench-run-{i % 512}"
-        env = {"proposal_id": f"p-{i}", "created_at": "2026-11-22T02:08:49.000Z",
-               "tenant_id": "acme", "run_id": run_id, "tool": {"name": tool}, "arguments": args,
-               "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+        env = {
+            "proposal_id": f"p-{i}",
+            "created_at": "2026-11-22T02:08:49.000Z",
+            "tenant_id": "acme",
+            "run_id": run_id,
+            "tool": {"name": tool},
+            "arguments": args,
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        }
         out.append((run_id.encode(), orjson.dumps(env)))
     return out
 
 
 def isolated(settings: Settings, name: str) -> Settings:
-    s = settings.model_copy(update={"topics": Topics(prefix=f"{name}."), "group_id": f"g-{name}",
-                                    "instance_id": name, "metrics_port": 0})
+    s = settings.model_copy(
+        update={
+            "topics": Topics(prefix=f"{name}."),
+            "group_id": f"g-{name}",
+            "instance_id": name,
+            "metrics_port": 0,
+        }
+    )
     ensure_topics(s)
     return s
 
@@ -88,9 +107,15 @@ def child_env(settings: Settings) -> dict[str, str]:
 def throughput(settings: Settings, mode: str, records: list[tuple[bytes, bytes]]) -> dict[str, Any]:
     s = isolated(settings, f"bench-{mode}-{int(time.time())}")
     preload(s, records)
-    out = subprocess.run([sys.executable, "-m", "bench.modes", mode, str(len(records))],
-                         cwd=ROOT, env=child_env(s), capture_output=True, text=True, timeout=900,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.modes", mode, str(len(records))],
+        cwd=ROOT,
+        env=child_env(s),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1]
     result: dict[str, Any] = orjson.loads(line)
     return result
@@ -98,14 +123,20 @@ def throughput(settings: Settings, mode: str, records: list[tuple[bytes, bytes]]
 
 def latency(settings: Settings, rate: int, seconds: float) -> dict[str, Any]:
     s = isolated(settings, f"bench-latency-{int(time.time())}")
-    log = tempfile.NamedTemporaryFile(prefix="bench-processor-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "processor", "run"], cwd=ROOT,
-                            env=child_env(s), stdout=log, stderr=subprocess.STDOUT)
+    log_path = Path(tempfile.mkdtemp(prefix="bench-")) / "processor.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "processor", "run"],
+        cwd=ROOT,
+        env=child_env(s),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 60
-        while b"assigned [" not in Path(log.name).read_bytes():
+        while b"assigned [" not in log_path.read_bytes():
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(Path(log.name).read_text()[-2000:])
+                raise RuntimeError(log_path.read_text()[-2000:])
             time.sleep(0.1)
         client = ToolsentryClient(s, "acme")
         sent: dict[str, float] = {}
@@ -128,9 +159,13 @@ def latency(settings: Settings, rate: int, seconds: float) -> dict[str, Any]:
         client.close()
         waited = sorted((arrivals[p] - t) * 1000 for p, t in sent.items())
         offered = total / (max(sent.values()) - start)
-        return {"offered_per_second": offered, "p50_ms": statistics.median(waited),
-                "p99_ms": waited[int(len(waited) * 0.99) - 1], "max_ms": waited[-1],
-                "samples": len(waited)}
+        return {
+            "offered_per_second": offered,
+            "p50_ms": statistics.median(waited),
+            "p99_ms": waited[int(len(waited) * 0.99) - 1],
+            "max_ms": waited[-1],
+            "samples": len(waited),
+        }
     finally:
         proc.terminate()
         proc.wait(30)
@@ -138,11 +173,15 @@ def latency(settings: Settings, rate: int, seconds: float) -> dict[str, Any]:
 
 def decision_core(n: int = 50_000) -> dict[str, float]:
     contracts = load_contracts(ROOT / "contracts")
-    env = {"proposal_id": "p-1", "created_at": "2026-11-22T02:08:49.000Z", "tenant_id": "acme",
-           "run_id": "run-1", "tool": {"name": "cancel_order"},
-           "arguments": {"order_id": "WO-12345-A", "reason_code": "customer_request",
-                         "confirm": True},
-           "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    env = {
+        "proposal_id": "p-1",
+        "created_at": "2026-11-22T02:08:49.000Z",
+        "tenant_id": "acme",
+        "run_id": "run-1",
+        "tool": {"name": "cancel_order"},
+        "arguments": {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True},
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    }
     record = SourceRecord("tool.proposals", 0, 0, b"run-1", orjson.dumps(env), 0)
     limits = Limits()
     timings = []
@@ -155,7 +194,9 @@ def decision_core(n: int = 50_000) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--bootstrap", help="use this running broker instead of a private stack")
     ap.add_argument("--count", type=int, default=40_000, help="proposals for (a) and (b)")
     ap.add_argument("--naive-count", type=int, default=1_500, help="proposals for (c)")
@@ -172,17 +213,23 @@ def main() -> None:
 
         kafka, controller, redis = free_ports(3)
         settings = Settings(
-            bootstrap_servers=f"127.0.0.1:{kafka}", redis_url=f"redis://127.0.0.1:{redis}/0",
+            bootstrap_servers=f"127.0.0.1:{kafka}",
+            redis_url=f"redis://127.0.0.1:{redis}/0",
             metrics_port=0,
-            stack=StackSettings(data_dir=Path(tempfile.mkdtemp(prefix="bench-stack-")),
-                                kafka_port=kafka, kafka_controller_port=controller,
-                                redis_port=redis, partitions=6))
+            stack=StackSettings(
+                data_dir=Path(tempfile.mkdtemp(prefix="bench-stack-")),
+                kafka_port=kafka,
+                kafka_controller_port=controller,
+                redis_port=redis,
+                partitions=6,
+            ),
+        )
         stack = LocalStack(settings)
         stack.up()
     settings = settings.model_copy(update={"contracts_dir": ROOT / "contracts"})
     try:
         records = corpus(args.count)
-        print(f"(d) decision core, cancel_order, in process ...", flush=True)
+        print("(d) decision core, cancel_order, in process ...", flush=True)
         core = decision_core()
         print(f"(a) passthrough, {args.count} proposals ...", flush=True)
         a = throughput(settings, "passthrough", records)
@@ -197,7 +244,9 @@ def main() -> None:
             stack.down()
 
     def row(name: str, r: dict[str, Any]) -> str:
-        return f"  {name:<14} {r['per_second']:>10,.0f} proposals/s   peak RSS {r['rss_mb']:6.1f} MB"
+        return (
+            f"  {name:<14} {r['per_second']:>10,.0f} proposals/s   peak RSS {r['rss_mb']:6.1f} MB"
+        )
 
     print("\nthroughput (same input, own topics, own process)")
     print(row("(a) passthrough", a))
@@ -206,15 +255,25 @@ def main() -> None:
     ratio_ab = b["per_second"] / a["per_second"]
     ratio_bc = b["per_second"] / c["per_second"]
     print("\nratios")
-    print(f"  (b)/(a) = {ratio_ab:6.2f}   target >= 0.50   {'met' if ratio_ab >= 0.5 else 'NOT met'}")
+    print(
+        f"  (b)/(a) = {ratio_ab:6.2f}   target >= 0.50   {'met' if ratio_ab >= 0.5 else 'NOT met'}"
+    )
     print(f"  (b)/(c) = {ratio_bc:6.1f}x  target >= 5x     {'met' if ratio_bc >= 5 else 'NOT met'}")
-    print(f"\n(d) decision core, cancel_order: median {core['median_us']:.1f} us, p99 {core['p99_us']:.1f} us"
-          f"   target median <= 20 us   {'met' if core['median_us'] <= 20 else 'NOT met'}")
-    print(f"\nlatency proposal -> observation at {lat['offered_per_second']:,.0f}/s offered, "
-          f"{lat['samples']} samples: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms, "
-          f"max {lat['max_ms']:.1f} ms   target p99 <= 50 ms   {'met' if lat['p99_ms'] <= 50 else 'NOT met'}")
-    print(f"\nprocessor peak RSS (b): {b['rss_mb']:.1f} MB   target <= 150 MB   "
-          f"{'met' if b['rss_mb'] <= 150 else 'NOT met'}")
+    print(
+        f"\n(d) decision core, cancel_order: median {core['median_us']:.1f} us, "
+        f"p99 {core['p99_us']:.1f} us   target median <= 20 us   "
+        f"{'met' if core['median_us'] <= 20 else 'NOT met'}"
+    )
+    print(
+        f"\nlatency proposal -> observation at {lat['offered_per_second']:,.0f}/s offered, "
+        f"{lat['samples']} samples: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms, "
+        f"max {lat['max_ms']:.1f} ms   target p99 <= 50 ms   "
+        f"{'met' if lat['p99_ms'] <= 50 else 'NOT met'}"
+    )
+    print(
+        f"\nprocessor peak RSS (b): {b['rss_mb']:.1f} MB   target <= 150 MB   "
+        f"{'met' if b['rss_mb'] <= 150 else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from confluent_kafka import (
@@ -125,7 +125,9 @@ class Processor:
         self._assigned: set[tuple[str, int]] = set()
         self.batches_committed = 0
         self.records_committed = 0
-        self.metrics.contract_set.labels(self.contracts.fingerprint, str(len(self.contracts))).set(1)
+        self.metrics.contract_set.labels(self.contracts.fingerprint, str(len(self.contracts))).set(
+            1
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -152,12 +154,17 @@ class Processor:
             consumer = Consumer({**consumer_config(s), "stats_cb": self._on_stats})
             stack.callback(consumer.close)
             consumer.subscribe(
-                [s.topics.proposals], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                [s.topics.proposals],
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
                 on_lost=self._on_revoke,
             )
             logger.info(
                 "processor %s consuming %s (contracts %s, %d versions)",
-                s.instance_id, s.topics.proposals, self.contracts.fingerprint, len(self.contracts),
+                s.instance_id,
+                s.topics.proposals,
+                self.contracts.fingerprint,
+                len(self.contracts),
             )
             while not self._stop.is_set():
                 # Block only for the first record, then take whatever else is already
@@ -169,7 +176,9 @@ class Processor:
                 messages = [first, *consumer.consume(s.batch_max_records - 1, 0)]
                 self._process_batch(consumer, producer, messages)
 
-    def _process_batch(self, consumer: Consumer, producer: Producer, messages: list[Message]) -> None:
+    def _process_batch(
+        self, consumer: Consumer, producer: Producer, messages: list[Message]
+    ) -> None:
         started = time.perf_counter()
         records: list[Message] = []
         for m in messages:
@@ -213,15 +222,29 @@ class Processor:
             self._send(producer, topics.dlq, m.key(), m.value(), dlq_headers(d))
             return
         key = d.proposal.run_id.encode() if d.proposal else m.key()
-        if d.outcome is Outcome.ROUTED and d.side_effect_class is not None:
-            self._send(producer, topics.execution(d.side_effect_class.value), key,
-                       encode_approved_call(d, fp))
-        self._send(producer, topics.observations, key, encode_observation(d, fp))
+        try:
+            call = None
+            if d.outcome is Outcome.ROUTED and d.side_effect_class is not None:
+                call = encode_approved_call(d, fp)
+            observation = encode_observation(d, fp)
+        except Exception as exc:
+            # Not expected; but a record we cannot encode must neither stop the
+            # consumer nor be routed: it is parked in the DLQ with the reason.
+            logger.exception("cannot encode the outputs of %s@%s", m.partition(), m.offset())
+            d.dlq_reason, d.dlq_detail = "encoding_failed", f"{type(exc).__name__}: {exc}"[:500]
+            self._send(producer, topics.dlq, m.key(), m.value(), dlq_headers(d))
+            return
+        if call is not None and d.side_effect_class is not None:
+            self._send(producer, topics.execution(d.side_effect_class.value), key, call)
+        self._send(producer, topics.observations, key, observation)
 
     @staticmethod
     def _send(
-        producer: Producer, topic: str, key: bytes | None, value: bytes | None,
-        headers: list[tuple[str, bytes]] | None = None,
+        producer: Producer,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, str | bytes | None]] | None = None,
     ) -> None:
         while True:
             try:
@@ -292,26 +315,38 @@ class Processor:
             parts = stats.get("topics", {}).get(self.settings.topics.proposals, {})
             for pid, p in parts.get("partitions", {}).items():
                 lag = p.get("consumer_lag", -1)
-                if int(pid) >= 0 and lag >= 0 and (self.settings.topics.proposals, int(pid)) in self._assigned:
+                if (
+                    int(pid) >= 0
+                    and lag >= 0
+                    and (self.settings.topics.proposals, int(pid)) in self._assigned
+                ):
                     self.metrics.consumer_lag.labels(pid).set(lag)
         except Exception:
             logger.debug("unreadable librdkafka stats", exc_info=True)
 
 
+def _where(m: Message) -> tuple[str, int, int]:
+    """(topic, partition, offset) of a consumed record (never None for one without error)."""
+    return cast(str, m.topic()), cast(int, m.partition()), cast(int, m.offset())
+
+
 def _source(m: Message) -> SourceRecord:
+    topic, partition, offset = _where(m)
     ts = m.timestamp()
-    return SourceRecord(m.topic(), m.partition(), m.offset(), m.key(), m.value(), ts[1] if ts else 0)
+    return SourceRecord(topic, partition, offset, m.key(), m.value(), ts[1] if ts else 0)
 
 
 def _next_offsets(records: list[Message]) -> list[TopicPartition]:
     last: dict[tuple[str, int], int] = {}
     for m in records:
-        last[(m.topic(), m.partition())] = m.offset()
+        topic, partition, offset = _where(m)
+        last[(topic, partition)] = offset
     return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
 
 
 def _first_offsets(records: list[Message]) -> list[TopicPartition]:
     first: dict[tuple[str, int], int] = {}
     for m in records:
-        first.setdefault((m.topic(), m.partition()), m.offset())
+        topic, partition, offset = _where(m)
+        first.setdefault((topic, partition), offset)
     return [TopicPartition(t, p, o) for (t, p), o in first.items()]

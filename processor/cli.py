@@ -20,8 +20,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
-stack_app = typer.Typer(help="The local Kafka broker and redis-server (no Docker needed).",
-                        no_args_is_help=True)
+stack_app = typer.Typer(
+    help="The local Kafka broker and redis-server (no Docker needed).", no_args_is_help=True
+)
 contracts_app = typer.Typer(help="Tool contracts: check and list.", no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
 app.add_typer(contracts_app, name="contracts")
@@ -29,8 +30,13 @@ console = Console()
 
 ConfigOpt = Annotated[
     Path | None,
-    typer.Option("--config", "-c", help="YAML/JSON settings file (also TOOLSENTRY_CONFIG).",
-                 exists=True, dir_okay=False),
+    typer.Option(
+        "--config",
+        "-c",
+        help="YAML/JSON settings file (also TOOLSENTRY_CONFIG).",
+        exists=True,
+        dir_okay=False,
+    ),
 ]
 
 
@@ -50,7 +56,9 @@ def _logging(level: str) -> None:
 def run(
     config: ConfigOpt = None,
     instance_id: Annotated[str | None, typer.Option(help="Stable id of this instance.")] = None,
-    contracts_dir: Annotated[Path | None, typer.Option("--contracts", help="Contracts folder.")] = None,
+    contracts_dir: Annotated[
+        Path | None, typer.Option("--contracts", help="Contracts folder.")
+    ] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Prometheus port; 0 disables.")] = None,
     bootstrap_servers: Annotated[str | None, typer.Option(help="Kafka bootstrap servers.")] = None,
 ) -> None:
@@ -61,8 +69,13 @@ def run(
     from processor.contracts.registry import ContractError
     from processor.metrics import serve
 
-    s = _settings(config, instance_id=instance_id, contracts_dir=contracts_dir,
-                  metrics_port=metrics_port, bootstrap_servers=bootstrap_servers)
+    s = _settings(
+        config,
+        instance_id=instance_id,
+        contracts_dir=contracts_dir,
+        metrics_port=metrics_port,
+        bootstrap_servers=bootstrap_servers,
+    )
     _logging(s.log_level)
     try:
         processor = Processor(s, stop_requested=stop)
@@ -146,8 +159,9 @@ def _print_status(s: Settings) -> None:
 
     table = Table("service", "running", "ready", "pid", "address", "detail")
     for name, st in LocalStack(s).status().items():
-        table.add_row(name, str(st.running), str(st.ready), str(st.pid or "-"), st.address,
-                      st.detail)
+        table.add_row(
+            name, str(st.running), str(st.ready), str(st.pid or "-"), st.address, st.detail
+        )
     console.print(table)
 
 
@@ -181,8 +195,9 @@ def contracts_list(
     table = Table("tool", "version", "lifecycle", "side-effect class", "timeout ms")
     for name in cs.names:
         for c in cs.versions(name):
-            table.add_row(name, c.version, c.lifecycle.status, c.side_effect_class.value,
-                          str(c.timeout_ms))
+            table.add_row(
+                name, c.version, c.lifecycle.status, c.side_effect_class.value, str(c.timeout_ms)
+            )
     console.print(table)
 
 

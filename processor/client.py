@@ -36,15 +36,25 @@ class ObservationTimeout(TimeoutError):
 class ToolsentryClient:
     """Thread-safe. One per agent runtime process is enough."""
 
-    def __init__(self, settings: Settings, tenant_id: str, *, principal_token: str | None = None,
-                 watch: bool = True) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        tenant_id: str,
+        *,
+        principal_token: str | None = None,
+        watch: bool = True,
+    ) -> None:
         self.settings = settings
         self.tenant_id = tenant_id
         self.principal_token = principal_token
         self._producer = Producer(
             settings.client_config(
-                **{"enable.idempotence": True, "acks": "all", "linger.ms": 1,
-                   "partitioner": "murmur2_random"}
+                **{
+                    "enable.idempotence": True,
+                    "acks": "all",
+                    "linger.ms": 1,
+                    "partitioner": "murmur2_random",
+                }
             )
         )
         self._seen: dict[str, dict[str, Any]] = {}
@@ -56,9 +66,12 @@ class ToolsentryClient:
         if watch:
             self._consumer = Consumer(
                 settings.client_config(
-                    **{"group.id": f"toolsentry-client-{uuid.uuid4()}",
-                       "enable.auto.commit": False, "isolation.level": "read_committed",
-                       "fetch.wait.max.ms": 20}
+                    **{
+                        "group.id": f"toolsentry-client-{uuid.uuid4()}",
+                        "enable.auto.commit": False,
+                        "isolation.level": "read_committed",
+                        "fetch.wait.max.ms": 20,
+                    }
                 )
             )
             self._assign_from_end()
@@ -82,8 +95,10 @@ class ToolsentryClient:
             try:
                 return int(self._consumer.get_watermark_offsets(tp, timeout=10)[1])
             except KafkaException as exc:
-                if time.monotonic() > deadline or not exc.args[0].retriable() and \
-                        exc.args[0].code() != KafkaError.NOT_LEADER_FOR_PARTITION:
+                if time.monotonic() > deadline or (
+                    not exc.args[0].retriable()
+                    and exc.args[0].code() != KafkaError.NOT_LEADER_FOR_PARTITION
+                ):
                     raise
                 time.sleep(0.2)
 
@@ -98,9 +113,10 @@ class ToolsentryClient:
                 continue
             got = []
             for m in messages:
-                if m.error() is None and m.value():
+                value = m.value()
+                if m.error() is None and value:
                     try:
-                        got.append(obs.decode(m.value()))
+                        got.append(obs.decode(value))
                     except ValueError:
                         continue
             if got:
@@ -130,7 +146,9 @@ class ToolsentryClient:
         pid = proposal_id or str(uuid.uuid4())
         env: dict[str, Any] = {
             "proposal_id": pid,
-            "created_at": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "created_at": datetime.now(UTC)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
             "tenant_id": self.tenant_id,
             "run_id": run_id,
             "tool": {"name": tool} if version is None else {"name": tool, "version": version},
@@ -178,8 +196,15 @@ class ToolsentryClient:
                 self._cond.wait(left)
             return self._seen[proposal_id]
 
-    def call(self, tool: str, arguments: dict[str, Any] | None = None, *, run_id: str,
-             timeout: float = 10.0, **kwargs: Any) -> dict[str, Any]:
+    def call(
+        self,
+        tool: str,
+        arguments: dict[str, Any] | None = None,
+        *,
+        run_id: str,
+        timeout: float = 10.0,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
         """Propose and wait: the synchronous API."""
         return self.wait(self.propose(tool, arguments, run_id=run_id, **kwargs), timeout)
 

@@ -33,45 +33,105 @@ class Step:
 
 
 SCRIPT: tuple[Step, ...] = (
-    Step("look up the customer's recent orders", "lookup_order",
-         {"customer_id": "CUS-004211", "date_from": "2026-11-16", "date_to": "2026-11-22"}),
-    Step("cancel with an invented id (the incident)", "cancel_order",
-         {"order_id": "ORD-12345", "reason_code": "customer_request", "confirm": True},
-         "OUT_OF_BOUNDS"),
-    Step("cancel with the suffix missing", "cancel_order",
-         {"order_id": "WO-12345", "reason_code": "customer_request", "confirm": True},
-         "OUT_OF_BOUNDS"),
+    Step(
+        "look up the customer's recent orders",
+        "lookup_order",
+        {"customer_id": "CUS-004211", "date_from": "2026-11-16", "date_to": "2026-11-22"},
+    ),
+    Step(
+        "cancel with an invented id (the incident)",
+        "cancel_order",
+        {"order_id": "ORD-12345", "reason_code": "customer_request", "confirm": True},
+        "OUT_OF_BOUNDS",
+    ),
+    Step(
+        "cancel with the suffix missing",
+        "cancel_order",
+        {"order_id": "WO-12345", "reason_code": "customer_request", "confirm": True},
+        "OUT_OF_BOUNDS",
+    ),
     Step("follow the hint: look the order up", "lookup_order", {"order_id": "WO-12345-A"}),
-    Step("cancel the real order, confirmed", "cancel_order",
-         {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True}),
-    Step("search with limit as a string", "search_kb",
-         {"query": "how do I return a damaged item", "limit": "10"}, "TYPE_MISMATCH"),
-    Step("search again with an integer", "search_kb",
-         {"query": "how do I return a damaged item", "limit": 10}),
-    Step("invent a notify_customer field", "cancel_order",
-         {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True,
-          "notify_customer": True}, "STRUCTURAL_VIOLATION"),
-    Step("call a tool that does not exist", "search_orders", {"query": "tuesday"},
-         "STRUCTURAL_VIOLATION"),
-    Step("call a look-alike tool name (Cyrillic a)", "c\u0430ncel_order",
-         {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True},
-         "STRUCTURAL_VIOLATION"),
-    Step("call a tool not offered at this step", "refund_order",
-         {"order_id": "WO-12345-A", "amount": 19.99, "currency": "USD", "reason_code": "damaged"},
-         "STRUCTURAL_VIOLATION", {"active_tools": ["lookup_order", "search_kb"]}),
-    Step("stream cut off mid-arguments", "cancel_order", None, "SYNTACTIC_PARSE_FAIL",
-         {"arguments_raw": '{"order_id": "WO-12345-A", "reason_co'}),
-    Step("a ticket with a missing summary and priority 'asap'", "create_ticket",
-         {"customer_id": "CUS-004211", "category": "delivery", "priority": "asap"},
-         "STRUCTURAL_VIOLATION"),
-    Step("refund a negative amount", "refund_order",
-         {"order_id": "WO-12345-A", "amount": -5, "currency": "USD", "reason_code": "damaged"},
-         "OUT_OF_BOUNDS"),
-    Step("refund part of a damaged order", "refund_order",
-         {"order_id": "WO-12345-A", "amount": 19.99, "currency": "USD", "reason_code": "damaged"}),
-    Step("open a ticket for the courier", "create_ticket",
-         {"customer_id": "CUS-004211", "order_id": "WO-12345-A", "category": "delivery",
-          "priority": "normal", "summary": "Parcel arrived crushed; customer wants a replacement."}),
+    Step(
+        "cancel the real order, confirmed",
+        "cancel_order",
+        {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True},
+    ),
+    Step(
+        "search with limit as a string",
+        "search_kb",
+        {"query": "how do I return a damaged item", "limit": "10"},
+        "TYPE_MISMATCH",
+    ),
+    Step(
+        "search again with an integer",
+        "search_kb",
+        {"query": "how do I return a damaged item", "limit": 10},
+    ),
+    Step(
+        "invent a notify_customer field",
+        "cancel_order",
+        {
+            "order_id": "WO-12345-A",
+            "reason_code": "customer_request",
+            "confirm": True,
+            "notify_customer": True,
+        },
+        "STRUCTURAL_VIOLATION",
+    ),
+    Step(
+        "call a tool that does not exist",
+        "search_orders",
+        {"query": "tuesday"},
+        "STRUCTURAL_VIOLATION",
+    ),
+    Step(
+        "call a look-alike tool name (Cyrillic a)",
+        "c\u0430ncel_order",
+        {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True},
+        "STRUCTURAL_VIOLATION",
+    ),
+    Step(
+        "call a tool not offered at this step",
+        "refund_order",
+        {"order_id": "WO-12345-A", "amount": 19.99, "currency": "USD", "reason_code": "damaged"},
+        "STRUCTURAL_VIOLATION",
+        {"active_tools": ["lookup_order", "search_kb"]},
+    ),
+    Step(
+        "stream cut off mid-arguments",
+        "cancel_order",
+        None,
+        "SYNTACTIC_PARSE_FAIL",
+        {"arguments_raw": '{"order_id": "WO-12345-A", "reason_co'},
+    ),
+    Step(
+        "a ticket with a missing summary and priority 'asap'",
+        "create_ticket",
+        {"customer_id": "CUS-004211", "category": "delivery", "priority": "asap"},
+        "STRUCTURAL_VIOLATION",
+    ),
+    Step(
+        "refund a negative amount",
+        "refund_order",
+        {"order_id": "WO-12345-A", "amount": -5, "currency": "USD", "reason_code": "damaged"},
+        "OUT_OF_BOUNDS",
+    ),
+    Step(
+        "refund part of a damaged order",
+        "refund_order",
+        {"order_id": "WO-12345-A", "amount": 19.99, "currency": "USD", "reason_code": "damaged"},
+    ),
+    Step(
+        "open a ticket for the courier",
+        "create_ticket",
+        {
+            "customer_id": "CUS-004211",
+            "order_id": "WO-12345-A",
+            "category": "delivery",
+            "priority": "normal",
+            "summary": "Parcel arrived crushed; customer wants a replacement.",
+        },
+    ),
 )
 
 _STYLE = {"SUCCESS": "green"}
@@ -85,16 +145,25 @@ def play(settings: Settings, tenant: str, timeout: float, console: Console) -> b
     task = progress.add_task(f"run {run_id}", total=len(SCRIPT))
     tally: Counter[str] = Counter()
     mismatches = 0
-    with ToolsentryClient(settings, tenant) as client, Live(Group(table, progress),
-                                                            console=console, refresh_per_second=8):
+    with (
+        ToolsentryClient(settings, tenant) as client,
+        Live(Group(table, progress), console=console, refresh_per_second=8),
+    ):
         for i, step in enumerate(SCRIPT, 1):
             kwargs = dict(step.extra)
             try:
-                obs = client.call(step.tool, step.arguments, run_id=run_id,
-                                  timeout=timeout, **kwargs)
+                obs = client.call(
+                    step.tool, step.arguments, run_id=run_id, timeout=timeout, **kwargs
+                )
             except ObservationTimeout:
-                table.add_row(str(i), step.says, step.tool, "[red]no answer[/red]", "-",
-                              "is the processor running? (toolsentry run)")
+                table.add_row(
+                    str(i),
+                    step.says,
+                    step.tool,
+                    "[red]no answer[/red]",
+                    "-",
+                    "is the processor running? (toolsentry run)",
+                )
                 progress.advance(task)
                 mismatches += 1
                 break
@@ -102,8 +171,14 @@ def play(settings: Settings, tenant: str, timeout: float, console: Console) -> b
             tally[cls] += 1
             mismatches += cls != step.expect
             style = _STYLE.get(cls, "yellow")
-            table.add_row(str(i), step.says, step.tool, obs["decision"],
-                          f"[{style}]{cls}[/{style}]", obs["next_action"])
+            table.add_row(
+                str(i),
+                step.says,
+                step.tool,
+                obs["decision"],
+                f"[{style}]{cls}[/{style}]",
+                obs["next_action"],
+            )
             progress.advance(task)
     summary = Table("taxonomy class", "proposals", title="summary by taxonomy class")
     for cls, n in sorted(tally.items(), key=lambda kv: (-kv[1], kv[0])):

@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram, start_http_server
 from prometheus_client import Counter as PCounter
-from prometheus_client import Gauge, Histogram
 
 from processor.model import Decision, Outcome
 

@@ -53,46 +53,78 @@ class ResponseVector:
 _T = TaxonomyClass
 RESPONSE_VECTORS: dict[TaxonomyClass, ResponseVector] = {
     _T.SUCCESS: ResponseVector(200, False, False, False, False, False, "accepted"),
-    _T.PARTIAL_SUCCESS: ResponseVector(207, False, False, False, False, False,
-                                       "some steps committed, others did not"),
-    _T.SYNTACTIC_PARSE_FAIL: ResponseVector(400, True, False, False, False, False,
-                                            "the proposal or its arguments are not valid JSON"),
-    _T.STRUCTURAL_VIOLATION: ResponseVector(422, True, False, False, False, False,
-                                            "missing, unknown or misplaced fields, or an unknown tool"),
-    _T.TYPE_MISMATCH: ResponseVector(422, True, False, False, False, False,
-                                     "a value has the wrong JSON type"),
-    _T.OUT_OF_BOUNDS: ResponseVector(422, True, False, False, False, False,
-                                     "a value breaks an enum, pattern, range or size limit"),
-    _T.SEMANTIC_INVALIDITY: ResponseVector(422, True, False, False, False, False,
-                                           "well-formed arguments that break a business rule"),
-    _T.PERMISSION_DENIED: ResponseVector(403, False, False, False, True, False,
-                                         "the principal may not make this call"),
-    _T.POLICY_VIOLATION: ResponseVector(403, False, False, False, True, True,
-                                        "the call breaks a safety or governance policy"),
-    _T.STALE_STATE: ResponseVector(409, True, False, False, False, False,
-                                   "the target is not in a state that allows the action"),
-    _T.CONFIRMATION_MISSING: ResponseVector(428, False, False, True, False, False,
-                                            "a valid approval is required first"),
-    _T.BUDGET_EXHAUSTED: ResponseVector(429, False, False, False, True, True,
-                                        "a run, class or cost budget is spent"),
-    _T.RATE_LIMITED: ResponseVector(429, False, True, False, False, False,
-                                    "a rate limit is reached; retry after the delay"),
-    _T.TIMEOUT: ResponseVector(504, False, True, False, False, False,
-                               "the tool did not finish before its deadline"),
-    _T.IDEMPOTENCY_CONFLICT: ResponseVector(409, False, True, False, False, False,
-                                            "the same operation is still in flight"),
-    _T.SIGNATURE_MISMATCH: ResponseVector(409, False, False, False, True, True,
-                                          "an idempotency key was reused for other arguments"),
-    _T.DEPENDENCY_UNAVAILABLE: ResponseVector(503, False, True, False, True, False,
-                                              "a dependency is down"),
-    _T.OBSERVATION_NORMALIZATION_FAIL: ResponseVector(502, False, False, False, False, True,
-                                                      "the tool's result could not be normalised"),
-    _T.COMPENSATION_REQUIRED: ResponseVector(500, False, False, False, True, False,
-                                             "a later step failed after an earlier one committed"),
-    _T.COMPENSATION_FAILED: ResponseVector(500, False, False, True, True, True,
-                                           "compensation failed; state needs reconciliation"),
-    _T.UNKNOWN_ERROR: ResponseVector(500, False, False, False, True, True,
-                                     "an unclassified failure; nothing was executed"),
+    _T.PARTIAL_SUCCESS: ResponseVector(
+        207, False, False, False, False, False, "some steps committed, others did not"
+    ),
+    _T.SYNTACTIC_PARSE_FAIL: ResponseVector(
+        400, True, False, False, False, False, "the proposal or its arguments are not valid JSON"
+    ),
+    _T.STRUCTURAL_VIOLATION: ResponseVector(
+        422,
+        True,
+        False,
+        False,
+        False,
+        False,
+        "missing, unknown or misplaced fields, or an unknown tool",
+    ),
+    _T.TYPE_MISMATCH: ResponseVector(
+        422, True, False, False, False, False, "a value has the wrong JSON type"
+    ),
+    _T.OUT_OF_BOUNDS: ResponseVector(
+        422,
+        True,
+        False,
+        False,
+        False,
+        False,
+        "a value breaks an enum, pattern, range or size limit",
+    ),
+    _T.SEMANTIC_INVALIDITY: ResponseVector(
+        422, True, False, False, False, False, "well-formed arguments that break a business rule"
+    ),
+    _T.PERMISSION_DENIED: ResponseVector(
+        403, False, False, False, True, False, "the principal may not make this call"
+    ),
+    _T.POLICY_VIOLATION: ResponseVector(
+        403, False, False, False, True, True, "the call breaks a safety or governance policy"
+    ),
+    _T.STALE_STATE: ResponseVector(
+        409, True, False, False, False, False, "the target is not in a state that allows the action"
+    ),
+    _T.CONFIRMATION_MISSING: ResponseVector(
+        428, False, False, True, False, False, "a valid approval is required first"
+    ),
+    _T.BUDGET_EXHAUSTED: ResponseVector(
+        429, False, False, False, True, True, "a run, class or cost budget is spent"
+    ),
+    _T.RATE_LIMITED: ResponseVector(
+        429, False, True, False, False, False, "a rate limit is reached; retry after the delay"
+    ),
+    _T.TIMEOUT: ResponseVector(
+        504, False, True, False, False, False, "the tool did not finish before its deadline"
+    ),
+    _T.IDEMPOTENCY_CONFLICT: ResponseVector(
+        409, False, True, False, False, False, "the same operation is still in flight"
+    ),
+    _T.SIGNATURE_MISMATCH: ResponseVector(
+        409, False, False, False, True, True, "an idempotency key was reused for other arguments"
+    ),
+    _T.DEPENDENCY_UNAVAILABLE: ResponseVector(
+        503, False, True, False, True, False, "a dependency is down"
+    ),
+    _T.OBSERVATION_NORMALIZATION_FAIL: ResponseVector(
+        502, False, False, False, False, True, "the tool's result could not be normalised"
+    ),
+    _T.COMPENSATION_REQUIRED: ResponseVector(
+        500, False, False, False, True, False, "a later step failed after an earlier one committed"
+    ),
+    _T.COMPENSATION_FAILED: ResponseVector(
+        500, False, False, True, True, True, "compensation failed; state needs reconciliation"
+    ),
+    _T.UNKNOWN_ERROR: ResponseVector(
+        500, False, False, False, True, True, "an unclassified failure; nothing was executed"
+    ),
 }
 
 

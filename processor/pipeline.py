@@ -49,8 +49,16 @@ def idempotency_key(p: Proposal, contract: Contract, payload_hash: str) -> str:
     if p.idempotency_key is not None:
         return p.idempotency_key
     material = canonical_json(
-        [p.workflow_id, p.run_id, p.tenant_id, None, contract.name, contract.version,
-         p.logical_operation_id, payload_hash]
+        [
+            p.workflow_id,
+            p.run_id,
+            p.tenant_id,
+            None,
+            contract.name,
+            contract.version,
+            p.logical_operation_id,
+            payload_hash,
+        ]
     )
     return "ik:" + hashlib.sha256(material).hexdigest()
 
@@ -97,8 +105,15 @@ def decide(
 def _decide(src: SourceRecord, contracts: ContractSet, limits: Limits, now_ms: int) -> Decision:
     parsed = parse_proposal(src, limits)
     if isinstance(parsed, DeadLetter):
-        return Decision(src, Outcome.DEAD_LETTER, Gate.PARSE, None, dlq_reason=parsed.reason,
-                        dlq_detail=parsed.detail, decided_at_ms=now_ms)
+        return Decision(
+            src,
+            Outcome.DEAD_LETTER,
+            Gate.PARSE,
+            None,
+            dlq_reason=parsed.reason,
+            dlq_detail=parsed.detail,
+            decided_at_ms=now_ms,
+        )
     p, rejection, warnings = parsed
     if rejection is not None:
         return _rejected(src, p, rejection, warnings, now_ms)
@@ -114,7 +129,10 @@ def _decide(src: SourceRecord, contracts: ContractSet, limits: Limits, now_ms: i
         return _rejected(src, p, refusal, warnings, now_ms, contract)
 
     return Decision(
-        src, Outcome.ROUTED, Gate.ROUTE, p,
+        src,
+        Outcome.ROUTED,
+        Gate.ROUTE,
+        p,
         contract_name=contract.name,
         contract_version=contract.version,
         side_effect_class=contract.side_effect_class,
@@ -134,7 +152,10 @@ def _rejected(
     contract: Contract | None = None,
 ) -> Decision:
     return Decision(
-        src, Outcome.REJECTED, rejection.gate, p,
+        src,
+        Outcome.REJECTED,
+        rejection.gate,
+        p,
         contract_name=contract.name if contract else None,
         contract_version=contract.version if contract else None,
         side_effect_class=contract.side_effect_class if contract else None,
@@ -148,7 +169,8 @@ def _internal_error(
     src: SourceRecord, contracts: ContractSet, limits: Limits, now_ms: int, exc: Exception
 ) -> Decision:
     rejection = Rejection(
-        TaxonomyClass.UNKNOWN_ERROR, Gate.INTERNAL,
+        TaxonomyClass.UNKNOWN_ERROR,
+        Gate.INTERNAL,
         (FieldError(None, f"internal error: {type(exc).__name__}", "internal_error"),),
         "Nothing was executed; do not retry this call automatically, hand off to a human.",
     )
@@ -157,9 +179,15 @@ def _internal_error(
     except Exception:
         parsed = DeadLetter("internal_error", f"{type(exc).__name__}: {exc}"[:500])
     if isinstance(parsed, DeadLetter):
-        return Decision(src, Outcome.DEAD_LETTER, Gate.INTERNAL, None,
-                        dlq_reason="internal_error", dlq_detail=f"{type(exc).__name__}"[:500],
-                        decided_at_ms=now_ms)
+        return Decision(
+            src,
+            Outcome.DEAD_LETTER,
+            Gate.INTERNAL,
+            None,
+            dlq_reason="internal_error",
+            dlq_detail=f"{type(exc).__name__}"[:500],
+            decided_at_ms=now_ms,
+        )
     return _rejected(src, parsed[0], rejection, (), now_ms)
 
 

@@ -46,17 +46,114 @@ def crc64_avro(data: bytes) -> int:
     return fp
 
 
+def _zigzag_varint(n: int) -> bytes:
+    n = (n << 1) ^ (n >> 63)
+    if n < 128:
+        return _SMALL[n]
+    out = bytearray()
+    while n > 127:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SMALL = [bytes([i]) for i in range(128)]
+_DOUBLE = struct.Struct("<d").pack
+
+
+class _EncoderSource:
+    """Generates the straight-line Python of an encoder for one Avro schema.
+
+    fastavro's generic writer spends most of its time dispatching on the
+    schema per field; an encoder written out for one schema does only the
+    byte work. It covers the types our records use (records, enums, arrays,
+    null unions, strings, ints, longs, doubles, booleans); ``codec`` checks
+    its output against fastavro's decoder when it is built.
+    """
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.consts: dict[str, Any] = {"_v": _zigzag_varint, "_d": _DOUBLE}
+        self.n = 0
+
+    def var(self) -> str:
+        self.n += 1
+        return f"x{self.n}"
+
+    def emit(self, schema: Any, expr: str, indent: int) -> None:
+        pad = "    " * indent
+        t = schema["type"] if isinstance(schema, dict) else schema
+        if isinstance(schema, list):
+            if len(schema) != 2 or "null" not in schema:
+                raise NotImplementedError("only [null, X] unions")
+            other = schema[1] if schema[0] == "null" else schema[0]
+            null_index = schema.index("null")
+            v = self.var()
+            self.lines.append(f"{pad}{v} = {expr}")
+            self.lines.append(f"{pad}if {v} is None:")
+            self.lines.append(f"{pad}    b += {bytes([null_index * 2])!r}")
+            self.lines.append(f"{pad}else:")
+            self.lines.append(f"{pad}    b += {bytes([(1 - null_index) * 2])!r}")
+            self.emit(other, v, indent + 1)
+        elif t == "record":
+            v = self.var()
+            self.lines.append(f"{pad}{v} = {expr}")
+            for f in schema["fields"]:
+                self.emit(f["type"], f"{v}[{f['name']!r}]", indent)
+        elif t == "enum":
+            table = self.var()
+            self.consts[table] = {s: _zigzag_varint(i) for i, s in enumerate(schema["symbols"])}
+            self.lines.append(f"{pad}b += {table}[{expr}]")
+        elif t == "array":
+            v, item = self.var(), self.var()
+            self.lines.append(f"{pad}{v} = {expr}")
+            self.lines.append(f"{pad}if {v}:")
+            self.lines.append(f"{pad}    b += _v(len({v}))")
+            self.lines.append(f"{pad}    for {item} in {v}:")
+            self.emit(schema["items"], item, indent + 2)
+            self.lines.append(f"{pad}b += b'\\x00'")
+        elif t == "string":
+            v = self.var()
+            self.lines.append(f"{pad}{v} = {expr}.encode()")
+            self.lines.append(f"{pad}b += _v(len({v}))")
+            self.lines.append(f"{pad}b += {v}")
+        elif t in ("int", "long"):
+            self.lines.append(f"{pad}b += _v({expr})")
+        elif t == "boolean":
+            self.lines.append(f"{pad}b += b'\\x01' if {expr} else b'\\x00'")
+        elif t == "double":
+            self.lines.append(f"{pad}b += _d({expr})")
+        else:
+            raise NotImplementedError(f"Avro type {t!r}")
+
+    def build(self, schema: dict[str, Any], header: bytes) -> Any:
+        self.lines = ["def encode(d):", f"    b = bytearray({header!r})"]
+        self.emit(schema, "d", 1)
+        self.lines.append("    return bytes(b)")
+        namespace = dict(self.consts)
+        exec("\n".join(self.lines), namespace)
+        return namespace["encode"]
+
+
 class AvroCodec:
     """One writer schema: encode to single-object bytes, decode them back."""
 
     def __init__(self, schema: dict[str, Any]) -> None:
-        self.parsed = parse_schema(schema)
+        self.parsed: dict[str, Any] = parse_schema(schema)
         self.name: str = self.parsed["name"]
         self.canonical = to_parsing_canonical_form(self.parsed)
         self.fingerprint = crc64_avro(self.canonical.encode())
         self.header = MAGIC + struct.pack("<Q", self.fingerprint)
+        self._encode = _EncoderSource().build(_resolved(self.parsed), self.header)
 
     def encode(self, datum: dict[str, Any]) -> bytes:
+        """Single-object bytes; the datum must already match the schema's types."""
+        result: bytes = self._encode(datum)
+        return result
+
+    def encode_checked(self, datum: dict[str, Any]) -> bytes:
+        """fastavro's validating writer: slower, for data of unknown shape."""
         buf = io.BytesIO()
         buf.write(self.header)
         schemaless_writer(buf, self.parsed, datum)
@@ -65,8 +162,29 @@ class AvroCodec:
     def decode(self, data: bytes) -> dict[str, Any]:
         if data[:10] != self.header:
             raise ValueError(f"not a single-object {self.name} record")
-        result: dict[str, Any] = schemaless_reader(io.BytesIO(data[10:]), self.parsed, None)
+        result = schemaless_reader(io.BytesIO(data[10:]), self.parsed, None)
+        if not isinstance(result, dict):
+            raise ValueError(f"not a {self.name} record")
         return result
+
+
+def _resolved(schema: Any, named: dict[str, Any] | None = None) -> Any:
+    """The schema with references to named types replaced by their definitions."""
+    named = {} if named is None else named
+    if isinstance(schema, str):
+        return named.get(schema, schema)
+    if isinstance(schema, list):
+        return [_resolved(s, named) for s in schema]
+    if schema.get("type") in ("record", "enum", "fixed"):
+        named[schema["name"]] = schema
+    if schema.get("type") == "record":
+        return {
+            **schema,
+            "fields": [{**f, "type": _resolved(f["type"], named)} for f in schema["fields"]],
+        }
+    if schema.get("type") == "array":
+        return {**schema, "items": _resolved(schema["items"], named)}
+    return schema
 
 
 @cache

@@ -124,7 +124,7 @@ def encode_approved_call(d: Decision, contract_set: str | None) -> bytes:
     return codec("approved_call").encode(approved_call_record(d, contract_set))
 
 
-def dlq_headers(d: Decision) -> list[tuple[str, bytes]]:
+def dlq_headers(d: Decision) -> list[tuple[str, str | bytes | None]]:
     s = d.source
     return [
         ("toolsentry.error.class", b"SYNTACTIC_PARSE_FAIL"),

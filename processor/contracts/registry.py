@@ -113,7 +113,9 @@ def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract
         problems.append(Problem(rel, "/affordance/input_schema", str(exc)))
         return None
     if schema.get("type") != "object":
-        problems.append(Problem(rel, "/affordance/input_schema/type", "arguments must be an object"))
+        problems.append(
+            Problem(rel, "/affordance/input_schema/type", "arguments must be an object")
+        )
         return None
     validator = ArgumentValidator(schema)
     for i, example in enumerate(doc["affordance"]["examples"]):
@@ -176,7 +178,11 @@ def load_contracts(directory: Path) -> ContractSet:
         for c in versions:
             if c.version in seen:
                 problems.append(
-                    Problem(c.source, "/identity/version", f"{name}@{c.version} also in {seen[c.version]}")
+                    Problem(
+                        c.source,
+                        "/identity/version",
+                        f"{name}@{c.version} also in {seen[c.version]}",
+                    )
                 )
             seen[c.version] = c.source
     if problems:

@@ -63,8 +63,8 @@ class _EcmaRe:
         return ecma_search(pattern, text)
 
 
-_jsk.re = _EcmaRe()  # type: ignore[attr-defined]
-_jsu.re = _EcmaRe()  # type: ignore[attr-defined]
+_jsk.re = _EcmaRe()
+_jsu.re = _EcmaRe()
 
 
 def _exact(x: float | int) -> Fraction | None:
@@ -110,7 +110,6 @@ _URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s\\\"<>^`{|}]*$", re.ASCII)
 _HOSTNAME_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$", re.ASCII)
 
 
-@FORMAT_CHECKER.checks("date")
 def _is_date(value: object) -> bool:
     if not isinstance(value, str):
         return True
@@ -144,12 +143,10 @@ def _valid_time(value: str, date: dt.date | None = None) -> bool:
     return True
 
 
-@FORMAT_CHECKER.checks("time")
 def _is_time(value: object) -> bool:
     return not isinstance(value, str) or _valid_time(value)
 
 
-@FORMAT_CHECKER.checks("date-time")
 def _is_date_time(value: object) -> bool:
     if not isinstance(value, str):
         return True
@@ -157,7 +154,6 @@ def _is_date_time(value: object) -> bool:
     return bool(sep) and _is_date(date) and _valid_time(time)
 
 
-@FORMAT_CHECKER.checks("email")
 def _is_email(value: object) -> bool:
     """RFC 5321 mailbox: dot-atom or quoted local part; hostname or address literal."""
     if not isinstance(value, str):
@@ -170,17 +166,15 @@ def _is_email(value: object) -> bool:
     if domain.startswith("[") and domain.endswith("]"):
         literal = domain[1:-1]
         if literal.startswith("IPv6:"):
-            return _is_ipv6(literal[5:])
-        return _is_ipv4(literal)
-    return _is_hostname(domain)
+            return bool(_is_ipv6(literal[5:]))
+        return bool(_is_ipv4(literal))
+    return bool(_is_hostname(domain))
 
 
-@FORMAT_CHECKER.checks("uri")
 def _is_uri(value: object) -> bool:
     return not isinstance(value, str) or bool(_URI_RE.match(value))
 
 
-@FORMAT_CHECKER.checks("uuid")
 def _is_uuid(value: object) -> bool:
     if not isinstance(value, str):
         return True
@@ -193,7 +187,6 @@ def _is_uuid(value: object) -> bool:
     return all(value[i] == "-" for i in (8, 13, 18, 23))
 
 
-@FORMAT_CHECKER.checks("ipv4")
 def _is_ipv4(value: object) -> bool:
     if not isinstance(value, str):
         return True
@@ -204,7 +197,6 @@ def _is_ipv4(value: object) -> bool:
     return value.isascii()
 
 
-@FORMAT_CHECKER.checks("ipv6")
 def _is_ipv6(value: object) -> bool:
     if not isinstance(value, str):
         return True
@@ -217,7 +209,6 @@ def _is_ipv6(value: object) -> bool:
     return True
 
 
-@FORMAT_CHECKER.checks("hostname")
 def _is_hostname(value: object) -> bool:
     if not isinstance(value, str):
         return True
@@ -226,7 +217,6 @@ def _is_hostname(value: object) -> bool:
     return all(_HOSTNAME_LABEL.match(label) for label in value.split("."))
 
 
-@FORMAT_CHECKER.checks("regex")
 def _is_regex(value: object) -> bool:
     if not isinstance(value, str):
         return True
@@ -236,6 +226,20 @@ def _is_regex(value: object) -> bool:
         return False
     return True
 
+
+for _name, _check in {
+    "date": _is_date,
+    "time": _is_time,
+    "date-time": _is_date_time,
+    "email": _is_email,
+    "uri": _is_uri,
+    "uuid": _is_uuid,
+    "ipv4": _is_ipv4,
+    "ipv6": _is_ipv6,
+    "hostname": _is_hostname,
+    "regex": _is_regex,
+}.items():
+    FORMAT_CHECKER.checks(_name)(_check)
 
 ASSERTED_FORMATS = frozenset(FORMAT_CHECKER.checkers)
 
@@ -329,7 +333,7 @@ def compile_fast(schema: Any) -> Check:
         if len(tests) == 1:
             checks.append(tests[0])
         else:
-            checks.append(lambda x, ts=tests: any(t(x) for t in ts))
+            checks.append(lambda x: any(t(x) for t in tests))
 
     if "enum" in schema:
         values = schema["enum"]
@@ -342,7 +346,8 @@ def compile_fast(schema: Any) -> Check:
         c = schema["const"]
         if type(c) not in (str, bool):
             raise NotCompilable("const other than a string or boolean")
-        checks.append(lambda x, c=c, t=type(c): type(x) is t and x == c)
+        const_type = type(c)
+        checks.append(lambda x: type(x) is const_type and x == c)
 
     if "pattern" in schema:
         rx = ecma_regex(schema["pattern"])
@@ -352,13 +357,12 @@ def compile_fast(schema: Any) -> Check:
         fmt = FORMAT_CHECKER.checkers[schema["format"]][0]
         checks.append(lambda x: type(x) is not str or bool(fmt(x)))
 
-    for key in ("minLength", "maxLength"):
-        if key in schema:
-            n = schema[key]
-            if key == "minLength":
-                checks.append(lambda x, n=n: type(x) is not str or len(x) >= n)
-            else:
-                checks.append(lambda x, n=n: type(x) is not str or len(x) <= n)
+    if "minLength" in schema:
+        min_len = schema["minLength"]
+        checks.append(lambda x: type(x) is not str or len(x) >= min_len)
+    if "maxLength" in schema:
+        max_len = schema["maxLength"]
+        checks.append(lambda x: type(x) is not str or len(x) <= max_len)
 
     _compile_numeric(schema, checks)
     _compile_object(schema, checks)

@@ -20,7 +20,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -134,13 +134,20 @@ def trace_id_for(proposal_id: str, traceparent: str | None) -> str:
     return hashlib.sha256(proposal_id.encode()).hexdigest()[:32]
 
 
-def _is_id(v: Any) -> bool:
+def _is_id(v: Any) -> TypeGuard[str]:
     return type(v) is str and 0 < len(v) <= _ID_MAX and v.isprintable()
 
 
-def _err(field: str, code: str, message: str, expected: str | None = None,
-         actual: Any = None) -> FieldError:
-    act = None if actual is None else type(actual).__name__ if not isinstance(actual, str) else "string"
+def _err(
+    field: str, code: str, message: str, expected: str | None = None, actual: Any = None
+) -> FieldError:
+    act = (
+        None
+        if actual is None
+        else type(actual).__name__
+        if not isinstance(actual, str)
+        else "string"
+    )
     return FieldError(field, message, code, expected, act)
 
 
@@ -169,23 +176,36 @@ def parse_proposal(
         return DeadLetter(code, f"envelope is not strict JSON: {message}")
     if type(env) is not dict:
         return DeadLetter("not_object", "the envelope is not a JSON object")
-    run_id = env.get("run_id")
-    if not _is_id(run_id):
+    claimed_run = env.get("run_id")
+    if not _is_id(claimed_run):
         return DeadLetter("no_run_id", "the envelope has no usable run_id (1-256 printable chars)")
+    run_id: str = claimed_run
 
     errors: list[FieldError] = []
     warnings: list[str] = []
-    pid = env.get("proposal_id")
-    if not _is_id(pid):
-        errors.append(_err("proposal_id", "missing_field" if pid is None else "invalid_value",
-                           "proposal_id must be a string of 1-256 printable characters",
-                           "string", pid))
-        pid = _proposal_id(src)
+    claimed_pid = env.get("proposal_id")
+    pid = claimed_pid if _is_id(claimed_pid) else _proposal_id(src)
+    if not _is_id(claimed_pid):
+        errors.append(
+            _err(
+                "proposal_id",
+                "missing_field" if claimed_pid is None else "invalid_value",
+                "proposal_id must be a string of 1-256 printable characters",
+                "string",
+                claimed_pid,
+            )
+        )
     tenant = env.get("tenant_id")
     if not _is_id(tenant):
-        errors.append(_err("tenant_id", "missing_field" if tenant is None else "invalid_value",
-                           "tenant_id must be a string of 1-256 printable characters",
-                           "string", tenant))
+        errors.append(
+            _err(
+                "tenant_id",
+                "missing_field" if tenant is None else "invalid_value",
+                "tenant_id must be a string of 1-256 printable characters",
+                "string",
+                tenant,
+            )
+        )
         tenant = None
 
     tool = env.get("tool")
@@ -196,56 +216,112 @@ def parse_proposal(
         if type(name) is str and 0 < len(name) <= 128:
             tool_name = name
         else:
-            errors.append(_err("tool/name", "missing_field" if name is None else "invalid_value",
-                               "tool.name must be the name of a tool (a string)", "string", name))
+            errors.append(
+                _err(
+                    "tool/name",
+                    "missing_field" if name is None else "invalid_value",
+                    "tool.name must be the name of a tool (a string)",
+                    "string",
+                    name,
+                )
+            )
         if version is not None:
             if type(version) is str and 0 < len(version) <= 64:
                 tool_version = version
             else:
-                errors.append(_err("tool/version", "invalid_value",
-                                   "tool.version must be a version string such as 1.0.0",
-                                   "string", version))
+                errors.append(
+                    _err(
+                        "tool/version",
+                        "invalid_value",
+                        "tool.version must be a version string such as 1.0.0",
+                        "string",
+                        version,
+                    )
+                )
         extra = set(tool) - {"name", "version"}
         if extra:
-            errors.append(_err("tool", "unknown_field",
-                               f"tool has unknown fields {sorted(extra)}; only name and version"))
+            errors.append(
+                _err(
+                    "tool",
+                    "unknown_field",
+                    f"tool has unknown fields {sorted(extra)}; only name and version",
+                )
+            )
     else:
-        errors.append(_err("tool", "missing_field" if tool is None else "invalid_value",
-                           'tool must be an object such as {"name": "lookup_order"}', "object",
-                           tool))
+        errors.append(
+            _err(
+                "tool",
+                "missing_field" if tool is None else "invalid_value",
+                'tool must be an object such as {"name": "lookup_order"}',
+                "object",
+                tool,
+            )
+        )
 
     arguments: Any = None
     has_args, has_raw = "arguments" in env, "arguments_raw" in env
     if has_args == has_raw:
-        errors.append(_err("arguments", "missing_field" if not has_args else "ambiguous",
-                           "give exactly one of arguments (an object) or arguments_raw "
-                           "(the model's text)"))
+        errors.append(
+            _err(
+                "arguments",
+                "missing_field" if not has_args else "ambiguous",
+                "give exactly one of arguments (an object) or arguments_raw (the model's text)",
+            )
+        )
     elif has_args:
         arguments = env["arguments"]
         if type(arguments) is not dict:
-            errors.append(_err("arguments", "invalid_value", "arguments must be a JSON object",
-                               "object", arguments))
+            errors.append(
+                _err(
+                    "arguments",
+                    "invalid_value",
+                    "arguments must be a JSON object",
+                    "object",
+                    arguments,
+                )
+            )
             arguments = None
         elif len(value) > limits.max_arguments_bytes and (
             len(orjson.dumps(arguments)) > limits.max_arguments_bytes
         ):
-            errors.append(_err("arguments", "too_large",
-                               f"arguments exceed {limits.max_arguments_bytes} bytes"))
+            errors.append(
+                _err(
+                    "arguments", "too_large", f"arguments exceed {limits.max_arguments_bytes} bytes"
+                )
+            )
             arguments = None
-        elif value.count(b"{") + value.count(b"[") > limits.max_depth:
-            if _depth(arguments) > limits.max_depth:
-                errors.append(_err("arguments", "too_deep",
-                                   f"arguments nest deeper than {limits.max_depth} levels"))
-                arguments = None
+        elif (
+            value.count(b"{") + value.count(b"[") > limits.max_depth
+            and _depth(arguments) > limits.max_depth
+        ):
+            errors.append(
+                _err(
+                    "arguments",
+                    "too_deep",
+                    f"arguments nest deeper than {limits.max_depth} levels",
+                )
+            )
+            arguments = None
     else:
         raw = env["arguments_raw"]
         if type(raw) is not str:
-            errors.append(_err("arguments_raw", "invalid_value",
-                               "arguments_raw must be the model's text as a JSON string",
-                               "string", raw))
+            errors.append(
+                _err(
+                    "arguments_raw",
+                    "invalid_value",
+                    "arguments_raw must be the model's text as a JSON string",
+                    "string",
+                    raw,
+                )
+            )
         elif len(raw) > limits.max_arguments_bytes:
-            errors.append(_err("arguments_raw", "too_large",
-                               f"arguments_raw exceeds {limits.max_arguments_bytes} characters"))
+            errors.append(
+                _err(
+                    "arguments_raw",
+                    "too_large",
+                    f"arguments_raw exceeds {limits.max_arguments_bytes} characters",
+                )
+            )
         else:
             try:
                 arguments = strict_loads(raw.encode("utf-8"), limits.max_depth)
@@ -254,9 +330,15 @@ def parse_proposal(
                 errors.append(FieldError("arguments_raw", message, code))
             else:
                 if type(arguments) is not dict:
-                    errors.append(_err("arguments_raw", "invalid_value",
-                                       "the arguments must be one JSON object", "object",
-                                       arguments))
+                    errors.append(
+                        _err(
+                            "arguments_raw",
+                            "invalid_value",
+                            "the arguments must be one JSON object",
+                            "object",
+                            arguments,
+                        )
+                    )
                     arguments = None
 
     def opt_str(key: str, limit: int = _ID_MAX) -> str | None:
@@ -265,8 +347,15 @@ def parse_proposal(
             return None
         if type(v) is str and 0 < len(v) <= limit and v.isprintable():
             return v
-        errors.append(_err(key, "invalid_value", f"{key} must be a string of 1-{limit} "
-                           "printable characters", "string", v))
+        errors.append(
+            _err(
+                key,
+                "invalid_value",
+                f"{key} must be a string of 1-{limit} printable characters",
+                "string",
+                v,
+            )
+        )
         return None
 
     workflow_id = opt_str("workflow_id")
@@ -280,8 +369,9 @@ def parse_proposal(
 
     step = env.get("step")
     if step is not None and not (type(step) is int and 0 <= step <= 1_000_000):
-        errors.append(_err("step", "invalid_value", "step must be a non-negative integer",
-                           "integer", step))
+        errors.append(
+            _err("step", "invalid_value", "step must be a non-negative integer", "integer", step)
+        )
         step = None
 
     active: tuple[str, ...] | None = None
@@ -290,12 +380,19 @@ def parse_proposal(
         if type(raw_active) is list and all(type(t) is str for t in raw_active):
             active = tuple(raw_active)
         else:
-            errors.append(_err("active_tools", "invalid_value",
-                               "active_tools must be a list of tool names", "array of strings"))
+            errors.append(
+                _err(
+                    "active_tools",
+                    "invalid_value",
+                    "active_tools must be a list of tool names",
+                    "array of strings",
+                )
+            )
     approvals = env.get("approvals")
     if approvals is not None and type(approvals) is not list:
-        errors.append(_err("approvals", "invalid_value", "approvals must be a list",
-                           "array", approvals))
+        errors.append(
+            _err("approvals", "invalid_value", "approvals must be a list", "array", approvals)
+        )
         approvals = None
 
     unknown = env.keys() - _ENVELOPE_FIELDS
@@ -322,22 +419,34 @@ def parse_proposal(
     )
     if not errors:
         return proposal, None, tuple(warnings)
-    return proposal, Rejection(
-        TaxonomyClass.SYNTACTIC_PARSE_FAIL, Gate.PARSE, tuple(errors),
-        _parse_next_action(errors),
-    ), tuple(warnings)
+    return (
+        proposal,
+        Rejection(
+            TaxonomyClass.SYNTACTIC_PARSE_FAIL,
+            Gate.PARSE,
+            tuple(errors),
+            _parse_next_action(errors),
+        ),
+        tuple(warnings),
+    )
 
 
 def _parse_next_action(errors: list[FieldError]) -> str:
     first = errors[0]
     if first.field == "arguments_raw":
         if first.code == "truncated":
-            return ("Your tool arguments were cut off before the JSON object closed; emit the "
-                    "complete arguments as one JSON object and propose the call again.")
+            return (
+                "Your tool arguments were cut off before the JSON object closed; emit the "
+                "complete arguments as one JSON object and propose the call again."
+            )
         if first.code == "duplicate_key":
             return f"Emit each argument once ({first.message}) and propose the call again."
-        return ("Emit the tool arguments as one valid JSON object (double-quoted keys, no "
-                "trailing commas, no NaN) and propose the call again.")
+        return (
+            "Emit the tool arguments as one valid JSON object (double-quoted keys, no "
+            "trailing commas, no NaN) and propose the call again."
+        )
     fields = ", ".join(sorted({e.field or "envelope" for e in errors}))
-    return (f"The proposal envelope is malformed ({fields}); the agent runtime must fix the "
-            "envelope before proposing again.")
+    return (
+        f"The proposal envelope is malformed ({fields}); the agent runtime must fix the "
+        "envelope before proposing again."
+    )

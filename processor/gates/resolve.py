@@ -2,8 +2,9 @@
 
 Refusals are repairable and list the tools the model may call at this step:
 an unknown name (including look-alikes: names are compared byte for byte,
-so a Cyrillic ``а`` in ``cаncel_order`` is simply unknown), a tool outside
-the step's ``active_tools``, an unknown version, a sunsetted version.
+so ``cancel_order`` spelled with a Cyrillic U+0430 for its ``a`` is simply
+unknown), a tool outside the step's ``active_tools``, an unknown version, a
+sunsetted version.
 """
 
 from __future__ import annotations

@@ -87,11 +87,11 @@ def _type_hint(field: str, expected: Any, value: Any) -> str:
         if ("integer" in names and re.fullmatch(r"-?(0|[1-9][0-9]*)", v)) or (
             "number" in names and _NUMERIC.match(v)
         ):
-            return f"{field} must be a number: emit {v} not \"{value}\""
+            return f'{field} must be a number: emit {v} not "{value}"'
         if "boolean" in names and v.lower() in ("true", "false"):
-            return f"{field} must be a boolean: emit {v.lower()} not \"{value}\""
+            return f'{field} must be a boolean: emit {v.lower()} not "{value}"'
     if "string" in names and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return f"{field} must be a string: emit \"{value}\" not {value}"
+        return f'{field} must be a string: emit "{value}" not {value}'
     return f"{field} must be {' or '.join(names)}, not {json_type(value)}"
 
 
@@ -130,53 +130,121 @@ def _describe(e: ValidationError, contract: Contract) -> list[tuple[TaxonomyClas
                 hint += f" (one of: {', '.join(map(str, sub['enum']))})"
             elif via := _obtain_via(sub):
                 hint += f" (obtain it via {via}; never invent it)"
-            out.append((cls, FieldError(full, f"{full} is required", "missing_field",
-                                        json_type_of(sub), None, hint)))
+            out.append(
+                (
+                    cls,
+                    FieldError(
+                        full, f"{full} is required", "missing_field", json_type_of(sub), None, hint
+                    ),
+                )
+            )
         return out
     if kw in ("additionalProperties", "unevaluatedProperties") and isinstance(e.instance, dict):
         allowed = list(schema.get("properties", {}))
         out = []
         for extra in [k for k in e.instance if k not in allowed]:
             full = f"{where}/{extra}" if where else extra
-            hint = f"remove {full}; {'accepted fields: ' + ', '.join(allowed) if allowed else 'no other fields are accepted'}"
-            out.append((cls, FieldError(full, f"{full} is not a field of {contract.name}",
-                                        "unknown_field", None, None, hint)))
+            accepted = f"accepted fields: {', '.join(allowed)}" if allowed else "no other fields"
+            hint = f"remove {full}; {accepted}"
+            out.append(
+                (
+                    cls,
+                    FieldError(
+                        full,
+                        f"{full} is not a field of {contract.name}",
+                        "unknown_field",
+                        None,
+                        None,
+                        hint,
+                    ),
+                )
+            )
         return out
     if kw in ("anyOf", "oneOf"):
         alts = _branch_requirements(e.validator_value)
         if alts:
             hint = f"provide {' or '.join(alts)}"
-            return [(cls, FieldError(where, f"{name} needs one of: {'; '.join(alts)}",
-                                     "missing_alternative", None, None, hint))]
+            return [
+                (
+                    cls,
+                    FieldError(
+                        where,
+                        f"{name} needs one of: {'; '.join(alts)}",
+                        "missing_alternative",
+                        None,
+                        None,
+                        hint,
+                    ),
+                )
+            ]
         if e.context:
             best = max(e.context, key=lambda c: len(list(c.absolute_path)))
             return _describe(best, contract)
     if kw == "type":
         hint = _type_hint(name, e.validator_value, e.instance)
-        expected = e.validator_value if isinstance(e.validator_value, str) else "|".join(e.validator_value)
-        return [(cls, FieldError(where, hint, "type_mismatch", expected,
-                                 json_type(e.instance), hint))]
+        expected = (
+            e.validator_value if isinstance(e.validator_value, str) else "|".join(e.validator_value)
+        )
+        return [
+            (cls, FieldError(where, hint, "type_mismatch", expected, json_type(e.instance), hint))
+        ]
     if kw == "enum":
         values = [str(v) for v in e.validator_value]
         close = difflib.get_close_matches(str(e.instance), values, n=1, cutoff=0.6)
         hint = f"{name} must be one of: {', '.join(values)}"
         if close:
             hint += f" (did you mean {close[0]}?)"
-        return [(cls, FieldError(where, f"{_short(e.instance)} is not an allowed value",
-                                 "not_in_enum", ", ".join(values), _short(e.instance), hint))]
+        return [
+            (
+                cls,
+                FieldError(
+                    where,
+                    f"{_short(e.instance)} is not an allowed value",
+                    "not_in_enum",
+                    ", ".join(values),
+                    _short(e.instance),
+                    hint,
+                ),
+            )
+        ]
     if kw == "const":
         want = _short(e.validator_value)
-        return [(cls, FieldError(where, f"{name} must be {want}", "const_mismatch", want,
-                                 _short(e.instance), f"{name} must be exactly {want}"))]
+        return [
+            (
+                cls,
+                FieldError(
+                    where,
+                    f"{name} must be {want}",
+                    "const_mismatch",
+                    want,
+                    _short(e.instance),
+                    f"{name} must be exactly {want}",
+                ),
+            )
+        ]
     if kw == "pattern":
         example = _example(schema)
         via = _obtain_via(schema)
-        hint = f"{name} must look like {example}" if example else f"{name} must match {e.validator_value}"
+        hint = (
+            f"{name} must look like {example}"
+            if example
+            else f"{name} must match {e.validator_value}"
+        )
         if via:
             hint += f"; call {via} to get it and never construct one"
-        return [(cls, FieldError(where, f"{_short(e.instance)} does not match {e.validator_value}",
-                                 "pattern_mismatch", str(e.validator_value), _short(e.instance),
-                                 hint))]
+        return [
+            (
+                cls,
+                FieldError(
+                    where,
+                    f"{_short(e.instance)} does not match {e.validator_value}",
+                    "pattern_mismatch",
+                    str(e.validator_value),
+                    _short(e.instance),
+                    hint,
+                ),
+            )
+        ]
     bounds = {
         "minimum": ("at least", "below_minimum"),
         "maximum": ("at most", "above_maximum"),
@@ -194,17 +262,32 @@ def _describe(e: ValidationError, contract: Contract) -> list[tuple[TaxonomyClas
         hint = f"{name} must be {rule}"
         return [(cls, FieldError(where, hint, code, rule, _short(e.instance), hint))]
     if kw == "format":
-        example = _example(schema) or {"date": "2026-11-22", "date-time": "2026-11-22T10:00:00Z",
-                                       "email": "name@example.com", "uuid": "4b9f0d1e-5c1a-4d0e-9a51-0b5e6f3c2d10"}.get(
-            str(e.validator_value))
+        example = _example(schema) or {
+            "date": "2026-11-22",
+            "date-time": "2026-11-22T10:00:00Z",
+            "email": "name@example.com",
+            "uuid": "4b9f0d1e-5c1a-4d0e-9a51-0b5e6f3c2d10",
+        }.get(str(e.validator_value))
         hint = f"{name} must be a {e.validator_value}" + (f" like {example}" if example else "")
-        return [(cls, FieldError(where, f"{_short(e.instance)} is not a {e.validator_value}",
-                                 "bad_format", str(e.validator_value), _short(e.instance), hint))]
+        return [
+            (
+                cls,
+                FieldError(
+                    where,
+                    f"{_short(e.instance)} is not a {e.validator_value}",
+                    "bad_format",
+                    str(e.validator_value),
+                    _short(e.instance),
+                    hint,
+                ),
+            )
+        ]
     if kw == "uniqueItems":
         hint = f"{name} must not repeat items"
         return [(cls, FieldError(where, hint, "duplicate_items", None, None, hint))]
-    return [(cls, FieldError(where, e.message[:300], kw, None, None,
-                             f"fix {name}: {e.message[:120]}"))]
+    return [
+        (cls, FieldError(where, e.message[:300], kw, None, None, f"fix {name}: {e.message[:120]}"))
+    ]
 
 
 def json_type_of(schema: Any) -> str | None:
@@ -231,7 +314,8 @@ def check_arguments(arguments: dict[str, Any], contract: Contract) -> Rejection 
     if not found:
         # The fast path and the reference disagree: refuse rather than guess.
         return Rejection(
-            TaxonomyClass.UNKNOWN_ERROR, Gate.SCHEMA,
+            TaxonomyClass.UNKNOWN_ERROR,
+            Gate.SCHEMA,
             (FieldError(None, "validators disagree on these arguments", "validator_disagreement"),),
             "This call cannot be checked; hand off to a human.",
         )

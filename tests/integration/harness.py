@@ -31,10 +31,14 @@ def settings_env(settings: Settings, instance_id: str, **extra: str) -> dict[str
     """The parent's environment without its TOOLSENTRY_* variables, plus these settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLSENTRY_")}
     consumer = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500, **settings.consumer}
-    test_settings = settings.model_copy(update={
-        "instance_id": instance_id, "metrics_port": 0, "contracts_dir": ROOT / "contracts",
-        "consumer": consumer,
-    })
+    test_settings = settings.model_copy(
+        update={
+            "instance_id": instance_id,
+            "metrics_port": 0,
+            "contracts_dir": ROOT / "contracts",
+            "consumer": consumer,
+        }
+    )
     env.update(test_settings.as_env(**extra))
     return env
 
@@ -53,7 +57,10 @@ class ProcessorProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "processor", "run"],
-            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         log.close()
         return self
@@ -63,7 +70,9 @@ class ProcessorProcess:
         deadline = time.monotonic() + timeout
         while "assigned [" not in self.log():
             if not self.alive() or time.monotonic() > deadline:
-                raise AssertionError(f"processor {self.instance_id} not ready:\n{self.log()[-3000:]}")
+                raise AssertionError(
+                    f"processor {self.instance_id} not ready:\n{self.log()[-3000:]}"
+                )
             time.sleep(0.1)
         return self
 
@@ -87,18 +96,29 @@ class ProcessorProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def read_all(settings: Settings, topic: str, timeout: float = 30.0, idle: float = 3.0,
-             expect: int | None = None) -> list[Any]:
+def read_all(
+    settings: Settings,
+    topic: str,
+    timeout: float = 30.0,
+    idle: float = 3.0,
+    expect: int | None = None,
+) -> list[Any]:
     """Every committed record on ``topic`` (read_committed), from the beginning.
 
     Stops once ``expect`` records are in and the topic has stayed quiet for
     ``idle`` seconds, or when nothing new arrives for ``idle`` seconds and no
     count was expected, or at ``timeout``.
     """
-    consumer = Consumer(settings.client_config(**{
-        "group.id": f"reader-{time.monotonic_ns()}", "enable.auto.commit": False,
-        "isolation.level": "read_committed", "auto.offset.reset": "earliest",
-    }))
+    consumer = Consumer(
+        settings.client_config(
+            **{
+                "group.id": f"reader-{time.monotonic_ns()}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest",
+            }
+        )
+    )
     meta = consumer.list_topics(topic, timeout=10)
     consumer.assign([TopicPartition(topic, p, 0) for p in meta.topics[topic].partitions])
     out: list[Any] = []

@@ -38,8 +38,10 @@ def _proposal(rng: random.Random, i: int) -> tuple[str, bytes, bytes, bool]:
     elif kind < 0.66:
         tool, args = "search_kb", {"query": f"return policy {i}", "limit": 10}
     elif kind < 0.77:
-        tool, args = "cancel_order", {"order_id": f"ORD-{i}", "reason_code": "customer_request",
-                                      "confirm": True}
+        tool, args = (
+            "cancel_order",
+            {"order_id": f"ORD-{i}", "reason_code": "customer_request", "confirm": True},
+        )
         valid = False
     elif kind < 0.88:
         tool, args = "search_kb", {"query": "x", "limit": "10"}
@@ -47,8 +49,13 @@ def _proposal(rng: random.Random, i: int) -> tuple[str, bytes, bytes, bool]:
     else:
         tool, args = "no_such_tool", {}
         valid = False
-    env = {"proposal_id": pid, "tenant_id": "acme", "run_id": run_id,
-           "tool": {"name": tool}, "arguments": args}
+    env = {
+        "proposal_id": pid,
+        "tenant_id": "acme",
+        "run_id": run_id,
+        "tool": {"name": tool},
+        "arguments": args,
+    }
     return pid, run_id.encode(), orjson.dumps(env), valid
 
 
@@ -108,13 +115,16 @@ def test_exactly_once_under_kills_and_scaling(stack_settings: Settings, tmp_path
     assert done.is_set(), "the producer did not finish"
     assert kills >= 5
 
-    observations = [codec("observation").decode(m.value()) for m in
-                    read_all(settings, settings.topics.observations, timeout=300, idle=8,
-                             expect=TOTAL)]
+    observations = [
+        codec("observation").decode(m.value())
+        for m in read_all(settings, settings.topics.observations, timeout=300, idle=8, expect=TOTAL)
+    ]
     calls = []
     for suffix in SIDE_EFFECT_TOPIC_SUFFIXES:
-        calls += [codec("approved_call").decode(m.value())
-                  for m in read_all(settings, f"{settings.topics.prefix}exec.{suffix}", idle=2)]
+        calls += [
+            codec("approved_call").decode(m.value())
+            for m in read_all(settings, f"{settings.topics.prefix}exec.{suffix}", idle=2)
+        ]
     assert procs["a"].terminate() == 0, procs["a"].log()[-3000:]
 
     per_proposal = Counter(o["proposal_id"] for o in observations)

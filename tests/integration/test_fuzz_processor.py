@@ -189,8 +189,13 @@ def test_every_hostile_record_gets_exactly_one_observation_or_dlq_entry(
 
 def _minimal_routed_record(size: int) -> bytes:
     """A routable proposal of exactly ``size`` bytes, nearly all of it one ignored field name."""
-    env: dict[str, Any] = {"proposal_id": "big-1", "run_id": "r", "tenant_id": "t",
-                           "tool": {"name": "lookup_order"}, "arguments": {"order_id": "WO-12345-A"}}
+    env: dict[str, Any] = {
+        "proposal_id": "big-1",
+        "run_id": "r",
+        "tenant_id": "t",
+        "tool": {"name": "lookup_order"},
+        "arguments": {"order_id": "WO-12345-A"},
+    }
     base = len(orjson.dumps(env))
     env["x-" + "n" * (size - base - 7)] = 1
     value = orjson.dumps(env)

@@ -36,7 +36,10 @@ class E2E:
 
     def calls_for(self, proposal_id: str, side_effect: str) -> list[dict[str, Any]]:
         topic = self.settings.topics.execution(side_effect)
-        decoded = [codec("approved_call").decode(m.value()) for m in read_all(self.settings, topic, idle=1.5)]
+        decoded = [
+            codec("approved_call").decode(m.value())
+            for m in read_all(self.settings, topic, idle=1.5)
+        ]
         return [c for c in decoded if c["proposal_id"] == proposal_id]
 
 
@@ -63,7 +66,9 @@ def test_valid_call_is_routed_with_a_complete_observation(e2e: E2E) -> None:
     assert obs["status"]["taxonomy_class"] == "SUCCESS"
     assert obs["status"]["code"] == 202 and obs["status"]["is_error"] is False
     assert obs["tool_identity"] == {
-        "name": "cancel_order", "version": "1.0.0", "call_id": obs["proposal_id"],
+        "name": "cancel_order",
+        "version": "1.0.0",
+        "call_id": obs["proposal_id"],
         "side_effect_class": "HIGH_RISK_EXTERNAL",
     }
     meta = obs["execution_metadata"]
@@ -91,7 +96,11 @@ def test_hallucinated_order_id_is_stopped_with_the_lookup_hint(e2e: E2E) -> None
     assert obs["decision"] == "REJECTED" and obs["gate"] == "schema"
     status = obs["status"]
     assert status["taxonomy_class"] == "OUT_OF_BOUNDS"
-    assert (status["repairable"], status["retryable"], status["fail_closed"]) == (True, False, False)
+    assert (status["repairable"], status["retryable"], status["fail_closed"]) == (
+        True,
+        False,
+        False,
+    )
     [err] = obs["result_payload"]["errors"]
     assert err["field"] == "order_id" and err["code"] == "pattern_mismatch"
     assert err["actual"] == '"ORD-12345"'
@@ -108,13 +117,16 @@ def test_string_for_integer_is_a_type_mismatch_that_says_how_to_fix_it(e2e: E2E)
 
 
 def test_every_violation_is_reported_and_structure_decides_the_class(e2e: E2E) -> None:
-    obs = e2e.call("create_ticket", {"customer_id": "CUS-4211", "priority": "asap",
-                                     "notify_customer": True})
+    obs = e2e.call(
+        "create_ticket", {"customer_id": "CUS-4211", "priority": "asap", "notify_customer": True}
+    )
     assert obs["status"]["taxonomy_class"] == "STRUCTURAL_VIOLATION"
     codes = {(e["field"], e["code"]) for e in obs["result_payload"]["errors"]}
     assert codes == {
-        ("category", "missing_field"), ("summary", "missing_field"),
-        ("notify_customer", "unknown_field"), ("priority", "not_in_enum"),
+        ("category", "missing_field"),
+        ("summary", "missing_field"),
+        ("notify_customer", "unknown_field"),
+        ("priority", "not_in_enum"),
         ("customer_id", "pattern_mismatch"),
     }
 
@@ -151,13 +163,19 @@ def test_raw_arguments_that_parse_are_validated_like_objects(e2e: E2E) -> None:
 
 def test_records_that_cannot_be_tied_to_a_run_go_to_the_dlq(e2e: E2E) -> None:
     marker = uuid.uuid4().hex.encode()
-    bad = [b"not json " + marker, orjson.dumps({"proposal_id": marker.decode()}),
-           b'{"run_id": "r", "run_id": "' + marker + b'"}']
+    bad = [
+        b"not json " + marker,
+        orjson.dumps({"proposal_id": marker.decode()}),
+        b'{"run_id": "r", "run_id": "' + marker + b'"}',
+    ]
     for value in bad:
         e2e.client.send_raw(value, marker)
     e2e.client.flush()
-    dlq = [m for m in read_all(e2e.settings, e2e.settings.topics.dlq, idle=3, expect=3)
-           if m.key() == marker]
+    dlq = [
+        m
+        for m in read_all(e2e.settings, e2e.settings.topics.dlq, idle=3, expect=3)
+        if m.key() == marker
+    ]
     assert sorted(m.value() for m in dlq) == sorted(bad)
     reasons = sorted(dict(m.headers())["toolsentry.error.reason"] for m in dlq)
     assert reasons == [b"duplicate_key", b"invalid_json", b"no_run_id"]
@@ -174,9 +192,14 @@ def test_one_runs_proposals_keep_their_order(e2e: E2E) -> None:
         args = CANCEL if i % 3 else {**CANCEL, "order_id": f"BAD-{i}"}
         ids.append(e2e.client.propose("cancel_order", args, run_id=run_id, step=i))
     e2e.client.wait(ids[-1], timeout=60)
-    seen = [o for o in (codec("observation").decode(m.value())
-                        for m in read_all(e2e.settings, e2e.settings.topics.observations, idle=1.5))
-            if o["run_id"] == run_id]
+    seen = [
+        o
+        for o in (
+            codec("observation").decode(m.value())
+            for m in read_all(e2e.settings, e2e.settings.topics.observations, idle=1.5)
+        )
+        if o["run_id"] == run_id
+    ]
     assert [o["proposal_id"] for o in seen] == ids
     offsets = [o["execution_metadata"]["source_offset"] for o in seen]
     assert offsets == sorted(offsets)

@@ -1,0 +1,328 @@
+"""Avro single-object encoding: fingerprints, framing, round trips, a second library's view."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import io
+import json
+import struct
+from typing import Any
+
+import fastavro
+import fastavro.schema
+import orjson
+import pytest
+
+from processor.codec.avro import MAGIC, codec, crc64_avro, decode_any
+from processor.codec.records import (
+    approved_call_record,
+    dlq_headers,
+    encode_approved_call,
+    encode_observation,
+    observation_id,
+    observation_record,
+)
+from processor.contracts.registry import ContractSet
+from processor.model import Decision, Outcome
+from processor.pipeline import decide
+from tests.unit.helpers import (
+    LIMITS,
+    NOW_MS,
+    OFFSET,
+    PARTITION,
+    SCHEMAS_DIR,
+    TOPIC,
+    decide_arguments,
+    decide_envelope,
+    envelope,
+    record,
+)
+
+TIMESTAMP_FIELDS = {"deadline", "created_at"}
+CANONICAL_REFUND = (
+    '{"amount":19.99,"currency":"USD","order_id":"WO-12345-A","reason_code":"damaged"}'
+)
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def _millis(value: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(value / 1000, tz=dt.UTC)
+
+
+def as_decoded(datum: dict[str, Any], timestamps: set[str]) -> dict[str, Any]:
+    """What a reader gets back: timestamp-millis fields come back as aware datetimes."""
+    return {k: _millis(v) if k in timestamps else v for k, v in datum.items()}
+
+
+def observation_as_decoded(datum: dict[str, Any]) -> dict[str, Any]:
+    out = dict(datum)
+    meta = dict(out["execution_metadata"])
+    meta["timestamp"] = _millis(meta["timestamp"])
+    out["execution_metadata"] = meta
+    return out
+
+
+def independent(name: str) -> Any:
+    """The .avsc parsed by fastavro alone, without the processor's codec."""
+    return fastavro.parse_schema(json.loads((SCHEMAS_DIR / f"{name}.avsc").read_text()))
+
+
+def field_names(name: str) -> set[str]:
+    return {f["name"] for f in orjson.loads((SCHEMAS_DIR / f"{name}.avsc").read_bytes())["fields"]}
+
+
+def read_independently(name: str, data: bytes) -> Any:
+    return fastavro.schemaless_reader(io.BytesIO(data[10:]), independent(name), None)
+
+
+@pytest.fixture(scope="module")
+def routed(contracts: ContractSet) -> Decision:
+    d = decide_arguments(
+        contracts,
+        "refund_order",
+        {"order_id": "WO-12345-A", "amount": 19.99, "currency": "USD", "reason_code": "damaged"},
+        traceparent=TRACEPARENT,
+        idempotency_key="ik-explicit",
+    )
+    assert d.outcome is Outcome.ROUTED
+    return d
+
+
+@pytest.fixture(scope="module")
+def rejected(contracts: ContractSet) -> Decision:
+    d = decide_arguments(
+        contracts, "cancel_order", {"order_id": "ORD-12345", "notify": "é ✓"}, unknown_field=1
+    )
+    assert d.outcome is Outcome.REJECTED
+    return d
+
+
+# --- fingerprints and framing -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["observation", "approved_call"])
+def test_fingerprint_matches_fastavro(name: str) -> None:
+    c = codec(name)
+    canonical = fastavro.schema.to_parsing_canonical_form(independent(name))
+    assert canonical == c.canonical
+    theirs = fastavro.schema.fingerprint(canonical, "CRC-64-AVRO")
+    # fastavro prints the fingerprint's bytes in little-endian order.
+    assert bytes.fromhex(theirs) == struct.pack("<Q", crc64_avro(canonical.encode()))
+    assert c.fingerprint == crc64_avro(canonical.encode())
+
+
+@pytest.mark.parametrize("text", ['"int"', '"string"', '{"type":"fixed","name":"f","size":4}', ""])
+def test_crc64_avro_matches_fastavro_on_any_text(text: str) -> None:
+    theirs = bytes.fromhex(fastavro.schema.fingerprint(text, "CRC-64-AVRO"))
+    assert struct.pack("<Q", crc64_avro(text.encode())) == theirs
+
+
+def test_crc64_avro_of_nothing_is_the_empty_fingerprint() -> None:
+    assert crc64_avro(b"") == 0xC15D213AA4D7A795
+
+
+@pytest.mark.parametrize("name", ["observation", "approved_call"])
+def test_single_object_header(name: str, routed: Decision) -> None:
+    c = codec(name)
+    assert MAGIC == b"\xc3\x01"
+    assert c.header == b"\xc3\x01" + struct.pack("<Q", c.fingerprint)
+    assert len(c.header) == 10
+    data = encode_observation(routed, "set") if name == "observation" else encode_approved_call(
+        routed, "set"
+    )
+    assert data[:10] == c.header
+
+
+def test_the_two_schemas_have_different_fingerprints() -> None:
+    assert codec("observation").fingerprint != codec("approved_call").fingerprint
+
+
+# --- round trips ------------------------------------------------------------------------------
+
+
+def test_approved_call_record_fields(routed: Decision) -> None:
+    datum = approved_call_record(routed, "sha256:abc")
+    assert datum == {
+        "call_id": "prop-1",
+        "proposal_id": "prop-1",
+        "run_id": "run-1",
+        "tenant_id": "tenant-1",
+        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
+        "traceparent": TRACEPARENT,
+        "tool_name": "refund_order",
+        "tool_version": "1.0.0",
+        "side_effect_class": "CRITICAL_MUTATION",
+        "arguments": CANONICAL_REFUND,
+        "payload_hash": "sha256:" + hashlib.sha256(CANONICAL_REFUND.encode()).hexdigest(),
+        "idempotency_key": "ik-explicit",
+        "deadline": NOW_MS + 8000,
+        "created_at": NOW_MS,
+        "attempt": 1,
+        "approval_ids": [],
+        "contract_set": "sha256:abc",
+    }
+
+
+def test_approved_call_round_trip(routed: Decision) -> None:
+    datum = approved_call_record(routed, "sha256:abc")
+    data = encode_approved_call(routed, "sha256:abc")
+    expected = as_decoded(datum, TIMESTAMP_FIELDS)
+    assert codec("approved_call").decode(data) == expected
+    assert decode_any(data) == expected
+    assert read_independently("approved_call", data) == expected
+
+
+def test_routed_observation_round_trip(routed: Decision) -> None:
+    datum = observation_record(routed, "sha256:abc")
+    assert datum["decision"] == "ROUTED"
+    assert datum["gate"] == "route"
+    assert datum["status"]["code"] == 202
+    assert datum["status"]["is_error"] is False
+    assert datum["status"]["taxonomy_class"] == "SUCCESS"
+    assert datum["tool_identity"] == {
+        "name": "refund_order",
+        "version": "1.0.0",
+        "call_id": "prop-1",
+        "side_effect_class": "CRITICAL_MUTATION",
+    }
+    assert datum["execution_metadata"]["idempotency_key"] == "ik-explicit"
+    assert datum["execution_metadata"]["source_partition"] == PARTITION
+    assert datum["execution_metadata"]["source_offset"] == OFFSET
+    assert datum["execution_metadata"]["latency_ms"] == routed.latency_ms
+    assert datum["verification"]["post_action_verification_required"] is True
+    assert datum["result_payload"]["errors"] == []
+    data = encode_observation(routed, "sha256:abc")
+    expected = observation_as_decoded(datum)
+    assert codec("observation").decode(data) == expected
+    assert decode_any(data) == expected
+    assert read_independently("observation", data) == expected
+
+
+def test_rejected_observation_round_trip(rejected: Decision) -> None:
+    datum = observation_record(rejected, None)
+    assert datum["decision"] == "REJECTED"
+    assert datum["gate"] == "schema"
+    assert datum["status"]["code"] == 422
+    assert datum["status"]["is_error"] is True
+    assert datum["status"]["repairable"] is True
+    assert datum["status"]["taxonomy_class"] == "STRUCTURAL_VIOLATION"
+    assert datum["execution_metadata"]["idempotency_key"] is None
+    assert datum["result_payload"]["warnings"] == ["ignored unknown envelope fields: unknown_field"]
+    assert {e["code"] for e in datum["result_payload"]["errors"]} == {
+        "unknown_field",
+        "missing_field",
+        "pattern_mismatch",
+    }
+    assert datum["contract_set"] is None
+    data = encode_observation(rejected, None)
+    expected = observation_as_decoded(datum)
+    assert decode_any(data) == expected
+    assert read_independently("observation", data) == expected
+
+
+def test_parse_rejection_observation_round_trip(contracts: ContractSet) -> None:
+    env = envelope()
+    del env["tenant_id"], env["proposal_id"], env["tool"]
+    d = decide_envelope(env, contracts)
+    assert d.outcome is Outcome.REJECTED
+    datum = observation_record(d, "fp")
+    assert datum["tenant_id"] is None
+    assert datum["proposal_id"] == f"unidentified:{TOPIC}:{PARTITION}:{OFFSET}"
+    assert datum["tool_identity"] == {
+        "name": "",
+        "version": None,
+        "call_id": datum["proposal_id"],
+        "side_effect_class": None,
+    }
+    assert datum["status"]["taxonomy_class"] == "SYNTACTIC_PARSE_FAIL"
+    assert datum["status"]["code"] == 400
+    data = encode_observation(d, "fp")
+    assert decode_any(data) == observation_as_decoded(datum)
+
+
+def test_observation_id_is_deterministic_per_source_record(contracts: ContractSet) -> None:
+    a = decide_envelope(envelope(), contracts, offset=7)
+    b = decide_envelope(envelope(proposal_id="other"), contracts, offset=7)
+    c = decide_envelope(envelope(), contracts, offset=8)
+    assert observation_id(a) == observation_id(b)
+    assert observation_id(a) != observation_id(c)
+    assert len(observation_id(a)) == 32
+
+
+def test_dlq_headers(contracts: ContractSet) -> None:
+    d = decide(record(b'{"run_id":"r","run_id":"s"}'), contracts, LIMITS, NOW_MS)
+    assert d.outcome is Outcome.DEAD_LETTER
+    assert dict(dlq_headers(d)) == {
+        "toolsentry.error.class": b"SYNTACTIC_PARSE_FAIL",
+        "toolsentry.error.reason": b"duplicate_key",
+        "toolsentry.error.detail": b"envelope is not strict JSON: duplicate key 'run_id'",
+        "toolsentry.source.topic": TOPIC.encode(),
+        "toolsentry.source.partition": str(PARTITION).encode(),
+        "toolsentry.source.offset": str(OFFSET).encode(),
+    }
+
+
+# --- decode_any -------------------------------------------------------------------------------
+
+
+def test_decode_any_picks_the_schema_by_fingerprint(routed: Decision) -> None:
+    call = decode_any(encode_approved_call(routed, None))
+    obs = decode_any(encode_observation(routed, None))
+    assert set(call) == field_names("approved_call")
+    assert set(obs) == field_names("observation")
+    assert call["payload_hash"].startswith("sha256:")
+    assert obs["observation_id"] == observation_id(routed)
+
+
+def test_decode_any_restricted_to_other_names_refuses(routed: Decision) -> None:
+    with pytest.raises(ValueError, match="unknown schema fingerprint"):
+        decode_any(encode_approved_call(routed, None), names=("observation",))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"garbage",
+        b"\xc3\x01" + b"\x00" * 8 + b"\x02",
+        b"\xc3\x02" + struct.pack("<Q", 0) + b"\x00",
+        b'{"call_id": "x"}',
+    ],
+)
+def test_garbage_raises_value_error(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode_any(data)
+
+
+def test_wrong_codec_refuses(routed: Decision) -> None:
+    with pytest.raises(ValueError, match="not a single-object dev.toolsentry.v1.Observation record"):
+        codec("observation").decode(encode_approved_call(routed, None))
+
+
+def test_header_with_the_wrong_fingerprint_byte_order_is_refused(routed: Decision) -> None:
+    data = encode_approved_call(routed, None)
+    swapped = data[:2] + data[2:10][::-1] + data[10:]
+    with pytest.raises(ValueError):
+        decode_any(swapped)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=EOFError,
+    reason="bug (reported): a valid header followed by a cut-off body raises fastavro's "
+    "EOFError instead of ValueError",
+)
+@pytest.mark.parametrize("cut", [10, 11, 20])
+def test_truncated_body_raises_value_error(cut: int, routed: Decision) -> None:
+    data = encode_approved_call(routed, None)
+    with pytest.raises(ValueError):
+        decode_any(data[:cut])
+
+
+@pytest.mark.xfail(
+    strict=True, reason="bug (reported): bytes after the datum are silently ignored"
+)
+def test_trailing_bytes_are_refused(routed: Decision) -> None:
+    with pytest.raises(ValueError):
+        decode_any(encode_approved_call(routed, None) + b"trailing")

@@ -1,0 +1,258 @@
+"""Loading contracts: the shipped set, and all-or-nothing refusal with file and JSON path."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+
+from processor.contracts.registry import ContractError, Problem, load_contracts
+from processor.model import SideEffectClass
+from tests.unit.helpers import CONTRACTS_DIR
+
+BASE: dict[str, Any] = yaml.safe_load((CONTRACTS_DIR / "cancel_order" / "1.0.0.yaml").read_text())
+
+
+def folder_with(
+    tmp_path: Path, change: Callable[[dict[str, Any]], None], name: str = "bad.yaml"
+) -> Path:
+    """A folder holding one good contract (lookup_order) and a changed cancel_order."""
+    shutil.copy(CONTRACTS_DIR / "lookup_order" / "1.0.0.yaml", tmp_path / "good.yaml")
+    doc = copy.deepcopy(BASE)
+    change(doc)
+    (tmp_path / name).write_text(yaml.safe_dump(doc))
+    return tmp_path
+
+
+def refused(directory: Path) -> list[Problem]:
+    with pytest.raises(ContractError) as info:
+        load_contracts(directory)
+    problems = info.value.problems
+    assert problems
+    for p in problems:
+        assert str(p) in str(info.value)
+    return problems
+
+
+def only(problems: list[Problem]) -> Problem:
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+# --- the shipped contracts --------------------------------------------------------------------
+
+
+def test_shipped_contracts_load() -> None:
+    cs = load_contracts(CONTRACTS_DIR)
+    assert cs.names == ("cancel_order", "create_ticket", "lookup_order", "refund_order", "search_kb")
+    assert cs.callable_names == cs.names
+    assert len(cs) == 5
+    cancel = cs.versions("cancel_order")[0]
+    assert cancel.version == "1.0.0"
+    assert cancel.side_effect_class is SideEffectClass.HIGH_RISK_EXTERNAL
+    assert cancel.timeout_ms == 6000
+    assert cancel.confirmation_required is True
+    assert cancel.post_action_verification_required is True
+    assert cancel.argument_names == ("order_id", "reason_code", "confirm")
+    assert cancel.source == "cancel_order/1.0.0.yaml"
+    assert cancel.validator.fast is not None
+    assert cs.versions("nope") == ()
+
+
+def test_fingerprint_is_stable_across_loads(tmp_path: Path) -> None:
+    a = load_contracts(CONTRACTS_DIR)
+    b = load_contracts(CONTRACTS_DIR)
+    assert a.fingerprint == b.fingerprint
+    assert a.fingerprint.startswith("sha256:")
+    assert len(a.fingerprint) == len("sha256:") + 16
+    copied = tmp_path / "copy"
+    shutil.copytree(CONTRACTS_DIR, copied)
+    assert load_contracts(copied).fingerprint == a.fingerprint
+
+
+def test_fingerprint_changes_with_the_contracts(tmp_path: Path) -> None:
+    shutil.copytree(CONTRACTS_DIR, tmp_path, dirs_exist_ok=True)
+    before = load_contracts(tmp_path).fingerprint
+    path = tmp_path / "search_kb" / "1.0.0.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["runtime"]["timeout_ms"] = 9000
+    path.write_text(yaml.safe_dump(doc))
+    assert load_contracts(tmp_path).fingerprint != before
+
+
+def test_json_contracts_load(tmp_path: Path) -> None:
+    (tmp_path / "cancel_order.json").write_bytes(orjson.dumps(BASE))
+    cs = load_contracts(tmp_path)
+    assert cs.names == ("cancel_order",)
+
+
+def test_ecma_only_pattern_is_accepted(tmp_path: Path) -> None:
+    def ecma(doc: dict[str, Any]) -> None:
+        doc["affordance"]["input_schema"]["properties"]["order_id"]["pattern"] = (
+            r"^WO-(?<n>\p{Nd}{5})-[A-Z]$"
+        )
+
+    cs = load_contracts(folder_with(tmp_path, ecma))
+    assert cs.names == ("cancel_order", "lookup_order")
+    validator = cs.versions("cancel_order")[0].validator
+    assert validator.is_valid({"order_id": "WO-12345-A", "reason_code": "out_of_stock", "confirm": True})
+
+
+# --- all or nothing ---------------------------------------------------------------------------
+
+
+def test_missing_owner(tmp_path: Path) -> None:
+    p = only(refused(folder_with(tmp_path, lambda d: d["identity"].pop("owner"))))
+    assert (p.file, p.path) == ("bad.yaml", "/identity")
+    assert "'owner' is a required property" in p.reason
+
+
+def test_wrong_side_effect_class(tmp_path: Path) -> None:
+    def risky(doc: dict[str, Any]) -> None:
+        doc["transactional"]["side_effect_class"] = "RISKY"
+
+    p = only(refused(folder_with(tmp_path, risky)))
+    assert (p.file, p.path) == ("bad.yaml", "/transactional/side_effect_class")
+    assert "'RISKY' is not one of" in p.reason
+
+
+def test_every_problem_of_a_file_is_listed(tmp_path: Path) -> None:
+    def two(doc: dict[str, Any]) -> None:
+        doc["identity"].pop("owner")
+        doc["runtime"]["timeout_ms"] = "soon"
+
+    problems = refused(folder_with(tmp_path, two))
+    assert sorted((p.file, p.path) for p in problems) == [
+        ("bad.yaml", "/identity"),
+        ("bad.yaml", "/runtime/timeout_ms"),
+    ]
+
+
+def test_lookalike_tool_name_cannot_register(tmp_path: Path) -> None:
+    def lookalike(doc: dict[str, Any]) -> None:
+        doc["identity"]["name"] = "c\u0430ncel_order"
+
+    p = only(refused(folder_with(tmp_path, lookalike)))
+    assert (p.file, p.path) == ("bad.yaml", "/identity/name")
+
+
+@pytest.mark.parametrize(
+    ("change", "path"),
+    [
+        ({"type": 12}, "/affordance/input_schema/type"),
+        ({"minLength": "x"}, "/affordance/input_schema/minLength"),
+        ({"properties": {"order_id": {"type": "text"}}}, "/affordance/input_schema/properties/order_id/type"),
+        ({"required": "order_id"}, "/affordance/input_schema/required"),
+    ],
+)
+def test_invalid_input_schema(change: dict[str, Any], path: str, tmp_path: Path) -> None:
+    def bad(doc: dict[str, Any]) -> None:
+        doc["affordance"]["input_schema"].update(change)
+
+    p = only(refused(folder_with(tmp_path, bad)))
+    assert p.file == "bad.yaml"
+    assert p.path == path
+    assert p.path.startswith("/affordance/input_schema")
+    assert p.reason.startswith("not a valid 2020-12 schema")
+
+
+def test_non_object_input_schema(tmp_path: Path) -> None:
+    def array(doc: dict[str, Any]) -> None:
+        doc["affordance"]["input_schema"]["type"] = "array"
+
+    p = only(refused(folder_with(tmp_path, array)))
+    assert (p.path, p.reason) == ("/affordance/input_schema/type", "arguments must be an object")
+
+
+def test_non_ecma_pattern(tmp_path: Path) -> None:
+    def python_regex(doc: dict[str, Any]) -> None:
+        doc["affordance"]["input_schema"]["properties"]["order_id"]["pattern"] = "(?P<x>WO)"
+
+    p = only(refused(folder_with(tmp_path, python_regex)))
+    assert p.file == "bad.yaml"
+    assert p.path.startswith("/affordance/input_schema")
+    assert "#/properties/order_id/pattern" in p.reason
+    assert "is not an ECMA-262 regex" in p.reason
+
+
+def test_valid_example_that_fails_the_schema(tmp_path: Path) -> None:
+    def bad(doc: dict[str, Any]) -> None:
+        doc["affordance"]["examples"][0]["arguments"]["order_id"] = "ORD-1"
+
+    p = only(refused(folder_with(tmp_path, bad)))
+    assert (p.file, p.path, p.reason) == (
+        "bad.yaml",
+        "/affordance/examples/0",
+        "example fails the input schema",
+    )
+
+
+def test_invalid_example_that_passes_the_schema(tmp_path: Path) -> None:
+    def bad(doc: dict[str, Any]) -> None:
+        doc["affordance"]["examples"][1]["arguments"]["order_id"] = "WO-12345-A"
+
+    p = only(refused(folder_with(tmp_path, bad)))
+    assert (p.file, p.path, p.reason) == (
+        "bad.yaml",
+        "/affordance/examples/1",
+        "example passes the input schema",
+    )
+
+
+def test_duplicate_name_and_version(tmp_path: Path) -> None:
+    def same(doc: dict[str, Any]) -> None:
+        doc["identity"]["name"] = "lookup_order"
+
+    p = only(refused(folder_with(tmp_path, same)))
+    assert p.path == "/identity/version"
+    assert p.reason == "lookup_order@1.0.0 also in bad.yaml"
+    assert p.file == "good.yaml"
+
+
+def test_same_name_other_version_is_fine(tmp_path: Path) -> None:
+    def newer(doc: dict[str, Any]) -> None:
+        doc["identity"]["version"] = "1.0.1"
+
+    shutil.copytree(CONTRACTS_DIR / "cancel_order", tmp_path / "cancel_order")
+    cs = load_contracts(folder_with(tmp_path, newer))
+    assert [c.version for c in cs.versions("cancel_order")] == ["1.0.1", "1.0.0"]
+
+
+def test_empty_folder(tmp_path: Path) -> None:
+    p = only(refused(tmp_path))
+    assert (p.path, p.reason) == ("/", "no contract files")
+
+
+def test_missing_folder(tmp_path: Path) -> None:
+    p = only(refused(tmp_path / "absent"))
+    assert (p.path, p.reason) == ("/", "no such directory")
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("identity: [1,\n", "cannot be parsed"),
+        ("identity: {a: 1}\n  b: 2\n", "cannot be parsed"),
+        ("- 1\n- 2\n", "[1, 2] is not of type 'object'"),
+        ("", "None is not of type 'object'"),
+    ],
+)
+def test_unparseable_or_non_mapping_yaml(text: str, reason: str, tmp_path: Path) -> None:
+    shutil.copy(CONTRACTS_DIR / "lookup_order" / "1.0.0.yaml", tmp_path / "good.yaml")
+    (tmp_path / "bad.yaml").write_text(text)
+    p = only(refused(tmp_path))
+    assert (p.file, p.path) == ("bad.yaml", "/")
+    assert reason in p.reason
+
+
+def test_problems_in_several_files_are_all_listed(tmp_path: Path) -> None:
+    folder_with(tmp_path, lambda d: d["identity"].pop("owner"), name="a.yaml")
+    (tmp_path / "b.yaml").write_text("x: [")
+    problems = refused(tmp_path)
+    assert sorted((p.file, p.path) for p in problems) == [("a.yaml", "/identity"), ("b.yaml", "/")]
