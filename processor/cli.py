@@ -154,6 +154,18 @@ def stack_logs(
         typer.echo(line)
 
 
+@stack_app.command("topics")
+def stack_topics(
+    config: ConfigOpt = None,
+    partitions: Annotated[int | None, typer.Option(help="Partitions for new topics.")] = None,
+) -> None:
+    """Create every topic that is missing on the configured cluster (also for production)."""
+    from processor.kafka.topics import ensure_topics
+
+    created = ensure_topics(_settings(config), partitions)
+    console.print(f"created: {', '.join(created) or 'nothing (all topics exist)'}")
+
+
 def _print_status(s: Settings) -> None:
     from processor.stack import LocalStack
 

@@ -13,7 +13,7 @@ import io
 import struct
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
@@ -140,7 +140,7 @@ class AvroCodec:
     """One writer schema: encode to single-object bytes, decode them back."""
 
     def __init__(self, schema: dict[str, Any]) -> None:
-        self.parsed: dict[str, Any] = parse_schema(schema)
+        self.parsed: dict[str, Any] = cast(dict[str, Any], parse_schema(schema))
         self.name: str = self.parsed["name"]
         self.canonical = to_parsing_canonical_form(self.parsed)
         self.fingerprint = crc64_avro(self.canonical.encode())

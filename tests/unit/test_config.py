@@ -1,0 +1,210 @@
+"""Settings: frozen, env over file over defaults, topic names, the librdkafka configs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from processor.app import consumer_config, producer_config
+from processor.config import Settings, Topics, load_settings
+from processor.model import SideEffectClass
+
+EXEC_TOPICS = [
+    "tool.exec.read_only",
+    "tool.exec.ephemeral_write",
+    "tool.exec.low_risk_internal",
+    "tool.exec.medium_risk_write",
+    "tool.exec.high_risk_external",
+    "tool.exec.critical_mutation",
+]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No TOOLSENTRY_* variable of the caller leaks in; TOOLSENTRY_CONFIG is restored after
+    (load_settings writes it into os.environ)."""
+    for name in list(os.environ):
+        if name.startswith("TOOLSENTRY_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("TOOLSENTRY_CONFIG", "")
+    yield
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "toolsentry.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    s = Settings()
+    assert s.bootstrap_servers == "127.0.0.1:9092"
+    assert s.topics.prefix == "tool."
+    assert s.group_id == "toolsentry"
+    assert s.instance_id == os.uname().nodename
+    assert s.client_config() == {"bootstrap.servers": "127.0.0.1:9092", "socket.nagle.disable": True}
+
+
+def test_settings_are_frozen() -> None:
+    s = Settings()
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        s.bootstrap_servers = "elsewhere:9092"  # type: ignore[misc]
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        s.topics.prefix = "x."  # type: ignore[misc]
+    assert s.bootstrap_servers == "127.0.0.1:9092"
+
+
+def test_unknown_settings_are_refused() -> None:
+    with pytest.raises(pydantic.ValidationError, match="bootstrap_server"):
+        Settings(bootstrap_server="typo:9092")  # type: ignore[call-arg]
+
+
+def test_environment_reaches_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOOLSENTRY_BOOTSTRAP_SERVERS", "broker-1:9093,broker-2:9093")
+    monkeypatch.setenv("TOOLSENTRY_TOPICS__PREFIX", "acme.tool.")
+    monkeypatch.setenv("TOOLSENTRY_KAFKA", '{"security.protocol":"SASL_SSL"}')
+    monkeypatch.setenv("TOOLSENTRY_BATCH_MAX_RECORDS", "77")
+    s = Settings()
+    assert s.bootstrap_servers == "broker-1:9093,broker-2:9093"
+    assert s.topics.prefix == "acme.tool."
+    assert s.topics.proposals == "acme.tool.proposals"
+    assert s.kafka == {"security.protocol": "SASL_SSL"}
+    assert s.batch_max_records == 77
+    assert s.client_config() == {
+        "bootstrap.servers": "broker-1:9093,broker-2:9093",
+        "socket.nagle.disable": True,
+        "security.protocol": "SASL_SSL",
+    }
+    assert s.client_config(**{"client.id": "x"})["client.id"] == "x"
+
+
+def test_pass_through_kafka_settings_win_over_defaults() -> None:
+    s = Settings(kafka={"socket.nagle.disable": False, "bootstrap.servers": "other:1"})
+    assert s.client_config(**{"socket.nagle.disable": True}) == {
+        "bootstrap.servers": "other:1",
+        "socket.nagle.disable": False,
+    }
+
+
+def test_config_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path,
+        "bootstrap_servers: file-broker:9092\n"
+        "group_id: from-file\n"
+        "topics: {prefix: 'f.'}\n"
+        "kafka: {sasl.mechanism: PLAIN}\n"
+        "stack: {partitions: 3}\n",
+    )
+    monkeypatch.setenv("TOOLSENTRY_CONFIG", str(path))
+    s = Settings()
+    assert s.bootstrap_servers == "file-broker:9092"
+    assert s.group_id == "from-file"
+    assert s.topics.dlq == "f.proposals.dlq"
+    assert s.kafka == {"sasl.mechanism": "PLAIN"}
+    assert s.stack.partitions == 3
+
+
+def test_environment_beats_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = write_config(tmp_path, "bootstrap_servers: file:9092\ngroup_id: from-file\n")
+    monkeypatch.setenv("TOOLSENTRY_CONFIG", str(path))
+    monkeypatch.setenv("TOOLSENTRY_BOOTSTRAP_SERVERS", "env:9092")
+    s = Settings()
+    assert s.bootstrap_servers == "env:9092"
+    assert s.group_id == "from-file"
+
+
+def test_overrides_beat_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = write_config(tmp_path, "bootstrap_servers: file:9092\nlog_level: DEBUG\n")
+    monkeypatch.setenv("TOOLSENTRY_BOOTSTRAP_SERVERS", "env:9092")
+    s = load_settings(path, bootstrap_servers="flag:9092", group_id=None)
+    assert s.bootstrap_servers == "flag:9092"
+    assert s.group_id == "toolsentry"
+    assert s.log_level == "DEBUG"
+    assert os.environ["TOOLSENTRY_CONFIG"] == str(path)
+
+
+def test_config_file_must_hold_a_mapping(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TOOLSENTRY_CONFIG", str(write_config(tmp_path, "- a\n- b\n")))
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        Settings()
+
+
+def test_topic_names_derive_from_the_prefix() -> None:
+    t = Topics()
+    assert t.all() == [
+        "tool.proposals",
+        "tool.observations",
+        "tool.results",
+        "tool.approval.requests",
+        "tool.approvals",
+        "tool.reference",
+        "tool.proposals.dlq",
+        *EXEC_TOPICS,
+    ]
+    assert [t.execution(c.value) for c in SideEffectClass] == EXEC_TOPICS
+    acme = Topics(prefix="acme.")
+    assert acme.all() == [name.replace("tool.", "acme.", 1) for name in t.all()]
+    assert acme.execution("CRITICAL_MUTATION") == "acme.exec.critical_mutation"
+
+
+def test_consumer_config() -> None:
+    s = Settings(
+        bootstrap_servers="b:9092",
+        kafka={"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512"},
+        consumer={"fetch.min.bytes": 1024},
+        producer={"compression.type": "zstd"},
+        group_id="grp",
+        instance_id="inst-1",
+    )
+    conf = consumer_config(s)
+    assert conf["bootstrap.servers"] == "b:9092"
+    assert conf["security.protocol"] == "SASL_SSL"
+    assert conf["sasl.mechanism"] == "SCRAM-SHA-512"
+    assert conf["fetch.min.bytes"] == 1024
+    assert "compression.type" not in conf
+    assert conf["group.id"] == "grp"
+    assert conf["isolation.level"] == "read_committed"
+    assert conf["enable.auto.commit"] is False
+    assert conf["enable.auto.offset.store"] is False
+    assert conf["group.instance.id"] == "inst-1"
+    assert "transactional.id" not in conf
+
+
+def test_consumer_without_static_membership() -> None:
+    conf = consumer_config(Settings(static_membership=False, instance_id="inst-1"))
+    assert "group.instance.id" not in conf
+
+
+def test_producer_config() -> None:
+    s = Settings(
+        kafka={"security.protocol": "SASL_SSL"},
+        consumer={"fetch.min.bytes": 1024},
+        producer={"compression.type": "zstd"},
+        group_id="grp",
+        instance_id="inst-1",
+        transaction_timeout_ms=12345,
+    )
+    conf = producer_config(s)
+    assert s.transactional_id == "grp-inst-1"
+    assert conf["transactional.id"] == "grp-inst-1"
+    assert conf["transaction.timeout.ms"] == 12345
+    assert conf["enable.idempotence"] is True
+    assert conf["acks"] == "all"
+    assert conf["security.protocol"] == "SASL_SSL"
+    assert conf["compression.type"] == "zstd"
+    assert "fetch.min.bytes" not in conf
+    assert "isolation.level" not in conf
+
+
+def test_client_configs_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOOLSENTRY_KAFKA", '{"security.protocol":"SASL_SSL"}')
+    monkeypatch.setenv("TOOLSENTRY_GROUP_ID", "g2")
+    monkeypatch.setenv("TOOLSENTRY_INSTANCE_ID", "pod-7")
+    s = Settings()
+    assert consumer_config(s)["security.protocol"] == "SASL_SSL"
+    assert producer_config(s)["security.protocol"] == "SASL_SSL"
+    assert producer_config(s)["transactional.id"] == "g2-pod-7"
