@@ -63,13 +63,22 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+class UnsafeSetting(ValueError):
+    """A pass-through setting would switch off exactly-once processing."""
+
+
+def _enforce(conf: dict[str, Any], fixed: dict[str, Any], where: str) -> dict[str, Any]:
+    """Pass-through settings may tune clients but never change what exactly-once rests on."""
+    for key, value in fixed.items():
+        if key in conf and str(conf[key]).lower() != str(value).lower():
+            raise UnsafeSetting(f"{where}: {key}={conf[key]!r} is not allowed (must be {value!r})")
+        conf[key] = value
+    return conf
+
+
 def consumer_config(settings: Settings) -> dict[str, Any]:
     conf = settings.client_config(
         **{
-            "group.id": settings.group_id,
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "isolation.level": "read_committed",
             "auto.offset.reset": "earliest",
             "session.timeout.ms": 10000,
             "heartbeat.interval.ms": 1000,
@@ -81,16 +90,19 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         # A restarted instance reclaims its partitions at once, without a rebalance.
         conf["group.instance.id"] = settings.instance_id
     conf.update(settings.consumer)
-    return conf
+    fixed = {
+        "group.id": settings.group_id,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "isolation.level": "read_committed",
+    }
+    return _enforce(conf, fixed, "consumer")
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:
     conf = settings.client_config(
         **{
-            "transactional.id": settings.transactional_id,
             "transaction.timeout.ms": settings.transaction_timeout_ms,
-            "enable.idempotence": True,
-            "acks": "all",
             # commit_transaction flushes anyway; lingering only delays the commit.
             "linger.ms": 0,
             # The next transaction's first request often meets the previous commit's
@@ -102,7 +114,12 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         }
     )
     conf.update(settings.producer)
-    return conf
+    fixed = {
+        "transactional.id": settings.transactional_id,
+        "enable.idempotence": True,
+        "acks": "all",
+    }
+    return _enforce(conf, fixed, "producer")
 
 
 class Processor:

@@ -341,12 +341,13 @@ def bad_value_for(r: random.Random, name: str) -> Any:
     """A value that is never valid for envelope field ``name`` (never null for optionals)."""
     if name in STRING_FIELDS:
         limit = STRING_FIELDS[name]
-        return r.choice([
+        makers: list[Callable[[], Any]] = [
             lambda: r.choice([0, 1.5, True, False, [], ["x"], {}, {"id": "x"}, -1, 10**30]),
             lambda: "",
             lambda: r.choice(["a\nb", "\x00", "tab\there", "\u200b", "x\u2028y", "\x7f", "a\rb"]),
             lambda: "y" * (limit + r.randint(1, 3_000)),
-        ])()  # fmt: skip
+        ]  # fmt: skip
+        return r.choice(makers)()
     if name == "tool":
         return r.choice([None, "lookup_order", ["lookup_order"], 7, True,
                          {"name": "lookup_order", "extra": 1}])  # fmt: skip
@@ -479,14 +480,14 @@ def b_schema_invalid(r: random.Random, m: int, max_bytes: int) -> Case:
     tool = r.choice(TOOLS)
     env = envelope(r, m, tool=tool)
     args = valid_arguments(r, tool)
-    typed = {
+    typed: dict[str, tuple[str, Any]] = {
         "lookup_order": ("limit", r.choice(["10", True, 1.5, [], None, {}])),
         "search_kb": ("query", r.choice([5, None, [], ["q", "r"], True])),
         "cancel_order": ("confirm", r.choice(["true", 1, None, []])),
         "create_ticket": ("summary", r.choice([12345678901, None, {}, ["a" * 20]])),
         "refund_order": ("amount", r.choice(["19.99", None, True, [19.99], {"v": 1}])),
     }
-    bounds = {
+    bounds: dict[str, tuple[str, Any]] = {
         "lookup_order": ("limit", r.choice([0, 51, -1, 10**6, 10**30])),
         "search_kb": ("query", r.choice(["ab", "", "q" * 201])),
         "cancel_order": ("reason_code", r.choice(["because", "CUSTOMER_REQUEST", ""])),

@@ -162,7 +162,13 @@ class AvroCodec:
     def decode(self, data: bytes) -> dict[str, Any]:
         if data[:10] != self.header:
             raise ValueError(f"not a single-object {self.name} record")
-        result = schemaless_reader(io.BytesIO(data[10:]), self.parsed, None)
+        body = io.BytesIO(data[10:])
+        try:
+            result = schemaless_reader(body, self.parsed, None)
+        except Exception as exc:  # fastavro raises EOFError, UnicodeDecodeError, IndexError...
+            raise ValueError(f"corrupt {self.name} record: {type(exc).__name__}") from exc
+        if body.tell() != len(data) - 10:
+            raise ValueError(f"{len(data) - 10 - body.tell()} bytes after the {self.name} record")
         if not isinstance(result, dict):
             raise ValueError(f"not a {self.name} record")
         return result

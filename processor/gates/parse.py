@@ -397,7 +397,10 @@ def parse_proposal(
 
     unknown = env.keys() - _ENVELOPE_FIELDS
     if unknown:
-        warnings.append(f"ignored unknown envelope fields: {', '.join(sorted(unknown)[:10])}")
+        # Names are clipped: a record near the size limit with one huge field name must
+        # not make an observation too large to produce (the batch would retry for ever).
+        names = (n if len(n) <= 64 else n[:61] + "..." for n in sorted(unknown)[:10])
+        warnings.append(f"ignored unknown envelope fields: {', '.join(names)}")
 
     proposal = Proposal(
         proposal_id=pid,

@@ -46,7 +46,10 @@ def test_defaults() -> None:
     assert s.topics.prefix == "tool."
     assert s.group_id == "toolsentry"
     assert s.instance_id == os.uname().nodename
-    assert s.client_config() == {"bootstrap.servers": "127.0.0.1:9092", "socket.nagle.disable": True}
+    assert s.client_config() == {
+        "bootstrap.servers": "127.0.0.1:9092",
+        "socket.nagle.disable": True,
+    }
 
 
 def test_settings_are_frozen() -> None:
@@ -208,3 +211,33 @@ def test_client_configs_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     assert consumer_config(s)["security.protocol"] == "SASL_SSL"
     assert producer_config(s)["security.protocol"] == "SASL_SSL"
     assert producer_config(s)["transactional.id"] == "g2-pod-7"
+
+
+@pytest.mark.parametrize(
+    ("field", "setting"),
+    [
+        ("kafka", {"isolation.level": "read_uncommitted"}),
+        ("consumer", {"enable.auto.commit": True}),
+        ("producer", {"enable.idempotence": False}),
+        ("kafka", {"transactional.id": "someone-else"}),
+        ("producer", {"acks": "1"}),
+    ],
+)
+def test_pass_through_settings_cannot_switch_off_exactly_once(
+    field: str, setting: dict[str, object]
+) -> None:
+    from processor.app import UnsafeSetting, consumer_config, producer_config
+
+    s = Settings(**{field: setting})  # type: ignore[arg-type]
+    with pytest.raises(UnsafeSetting):
+        consumer_config(s)
+        producer_config(s)
+
+
+def test_pass_through_settings_that_agree_with_exactly_once_are_accepted() -> None:
+    from processor.app import consumer_config, producer_config
+
+    s = Settings(kafka={"acks": "all", "security.protocol": "PLAINTEXT"},
+                 consumer={"isolation.level": "read_committed", "fetch.wait.max.ms": 10})
+    assert consumer_config(s)["fetch.wait.max.ms"] == 10
+    assert producer_config(s)["acks"] == "all"

@@ -51,7 +51,6 @@ OBS = codec("observation")
 CALL = codec("approved_call")
 
 
-
 def fuzz(examples: int) -> settings:
     return settings(
         max_examples=examples,

@@ -50,7 +50,13 @@ def only(problems: list[Problem]) -> Problem:
 
 def test_shipped_contracts_load() -> None:
     cs = load_contracts(CONTRACTS_DIR)
-    assert cs.names == ("cancel_order", "create_ticket", "lookup_order", "refund_order", "search_kb")
+    assert cs.names == (
+        "cancel_order",
+        "create_ticket",
+        "lookup_order",
+        "refund_order",
+        "search_kb",
+    )
     assert cs.callable_names == cs.names
     assert len(cs) == 5
     cancel = cs.versions("cancel_order")[0]
@@ -101,7 +107,9 @@ def test_ecma_only_pattern_is_accepted(tmp_path: Path) -> None:
     cs = load_contracts(folder_with(tmp_path, ecma))
     assert cs.names == ("cancel_order", "lookup_order")
     validator = cs.versions("cancel_order")[0].validator
-    assert validator.is_valid({"order_id": "WO-12345-A", "reason_code": "out_of_stock", "confirm": True})
+    assert validator.is_valid(
+        {"order_id": "WO-12345-A", "reason_code": "out_of_stock", "confirm": True}
+    )
 
 
 # --- all or nothing ---------------------------------------------------------------------------
@@ -147,7 +155,10 @@ def test_lookalike_tool_name_cannot_register(tmp_path: Path) -> None:
     [
         ({"type": 12}, "/affordance/input_schema/type"),
         ({"minLength": "x"}, "/affordance/input_schema/minLength"),
-        ({"properties": {"order_id": {"type": "text"}}}, "/affordance/input_schema/properties/order_id/type"),
+        (
+            {"properties": {"order_id": {"type": "text"}}},
+            "/affordance/input_schema/properties/order_id/type",
+        ),
         ({"required": "order_id"}, "/affordance/input_schema/required"),
     ],
 )

@@ -147,7 +147,8 @@ def test_unknown_version(versioned: ContractSet) -> None:
         "cancel_order has no version 3.0.0 (known: 2.0.0, 1.1.0, 1.0.0, 0.10.0, 0.9.0)"
     )
     assert r.next_action == (
-        "Propose cancel_order without a version, or with one of: 2.0.0, 1.1.0, 1.0.0, 0.10.0, 0.9.0."
+        "Propose cancel_order without a version, or with one of: "
+        "2.0.0, 1.1.0, 1.0.0, 0.10.0, 0.9.0."
     )
 
 

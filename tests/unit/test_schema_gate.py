@@ -145,9 +145,7 @@ def test_enum_typo_is_out_of_bounds_with_a_suggestion(contracts: ContractSet) ->
 
 
 def test_enum_far_off_has_no_suggestion(contracts: ContractSet) -> None:
-    d = rejected(
-        contracts, "cancel_order", cancel(reason_code="zzz"), TaxonomyClass.OUT_OF_BOUNDS
-    )
+    d = rejected(contracts, "cancel_order", cancel(reason_code="zzz"), TaxonomyClass.OUT_OF_BOUNDS)
     (err,) = errors(d)
     assert err.code == "not_in_enum"
     assert err.hint is not None
@@ -190,7 +188,9 @@ def test_lookups_come_first_in_next_action(contracts: ContractSet) -> None:
     args = cancel(order_id="ORD-1", reason_code="customer_requst")
     d = rejected(contracts, "cancel_order", args, TaxonomyClass.OUT_OF_BOUNDS)
     assert d.rejection is not None
-    assert d.rejection.next_action.startswith("order_id must look like WO-12345-A; call lookup_order")
+    assert d.rejection.next_action.startswith(
+        "order_id must look like WO-12345-A; call lookup_order"
+    )
 
 
 # --- other keywords ---------------------------------------------------------------------------
@@ -250,7 +250,11 @@ def test_refund_amount_maximum(contracts: ContractSet) -> None:
     args = dict(VALID_ARGUMENTS["refund_order"], amount=10000.01)
     d = rejected(contracts, "refund_order", args, TaxonomyClass.OUT_OF_BOUNDS)
     (err,) = errors(d)
-    assert (err.field, err.code, err.hint) == ("amount", "above_maximum", "amount must be at most 10000")
+    assert (err.field, err.code, err.hint) == (
+        "amount",
+        "above_maximum",
+        "amount must be at most 10000",
+    )
     routed(contracts, "refund_order", dict(VALID_ARGUMENTS["refund_order"], amount=10000))
 
 
@@ -312,9 +316,7 @@ def test_fractional_float_is_not_an_integer(contracts: ContractSet) -> None:
     assert (err.field, err.expected, err.actual) == ("limit", "integer", "number")
 
 
-@pytest.mark.parametrize(
-    ("query", "code"), [("ab", "too_short"), ("x" * 201, "too_long")]
-)
+@pytest.mark.parametrize(("query", "code"), [("ab", "too_short"), ("x" * 201, "too_long")])
 def test_string_lengths(query: str, code: str, contracts: ContractSet) -> None:
     d = rejected(contracts, "search_kb", {"query": query}, TaxonomyClass.OUT_OF_BOUNDS)
     (err,) = errors(d)
@@ -414,7 +416,12 @@ def test_idempotency_key_changes_with_the_arguments(contracts: ContractSet) -> N
 
 @pytest.mark.parametrize(
     "field",
-    [{"run_id": "run-2"}, {"tenant_id": "tenant-2"}, {"workflow_id": "wf"}, {"logical_operation_id": "op"}],
+    [
+        {"run_id": "run-2"},
+        {"tenant_id": "tenant-2"},
+        {"workflow_id": "wf"},
+        {"logical_operation_id": "op"},
+    ],
 )
 def test_idempotency_key_binds_the_run_and_operation(
     field: dict[str, str], contracts: ContractSet

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import referencing.jsonschema
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from referencing import Registry
 
@@ -146,8 +146,10 @@ def remotes() -> Registry:
         rel = path.relative_to(REMOTES).as_posix()
         contents = json.loads(path.read_text(encoding="utf-8"))
         # Remotes of other drafts without $schema would be read as 2020-12 wrongly.
-        if "$schema" not in contents and rel.startswith("draft") and not rel.startswith(
-            "draft2020-12/"
+        if (
+            "$schema" not in contents
+            and rel.startswith("draft")
+            and not rel.startswith("draft2020-12/")
         ):
             continue
         pairs.append((f"http://localhost:1234/{rel}", contents))
@@ -220,7 +222,9 @@ def test_fast_validator_agrees_with_the_reference(group: Group | None) -> None:
     ]
     assert disagree == []
     if g.file != "format.json" and known_difference(g) is None:
-        wrong = [(t["description"], t["valid"]) for t in g.tests if fast(t["data"]) is not t["valid"]]
+        wrong = [
+            (t["description"], t["valid"]) for t in g.tests if fast(t["data"]) is not t["valid"]
+        ]
         assert wrong == []
 
 
@@ -369,7 +373,9 @@ def instances(contract: Contract) -> st.SearchStrategy[Any]:
     def value(key: str, sub: dict[str, Any]) -> st.SearchStrategy[Any]:
         valid = [*sub.get("enum", []), *(g[key] for g in good if key in g)]
         near = [*_interesting(sub), DROP]
-        return weighted((2, st.sampled_from(valid or near)), (1, st.sampled_from(near)), (1, VALUES))
+        return weighted(
+            (2, st.sampled_from(valid or near)), (1, st.sampled_from(near)), (1, VALUES)
+        )
 
     pairs = [st.tuples(st.just(k), value(k, sub)) for k, sub in props.items()]
     pairs.append(st.tuples(st.sampled_from(EXTRA_KEYS), VALUES))
@@ -393,7 +399,12 @@ def test_fast_equals_reference_on_generated_arguments(contract: Contract) -> Non
     assert fast is not None
     seen = {True: 0, False: 0}
 
-    @settings(max_examples=2000, deadline=None, database=None)
+    @settings(
+        max_examples=2000,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(instances(contract))
     def check(x: Any) -> None:
         expected = bool(validator.reference.is_valid(x))
@@ -448,7 +459,9 @@ def test_pattern_properties_use_ecma_regexes() -> None:
         (1, 0, False),
     ],
 )
-def test_is_multiple_of_is_exact_over_decimals(value: float, divisor: float, expected: bool) -> None:
+def test_is_multiple_of_is_exact_over_decimals(
+    value: float, divisor: float, expected: bool
+) -> None:
     assert is_multiple_of(value, divisor) is expected
 
 
