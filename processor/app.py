@@ -34,7 +34,12 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from processor.codec.records import dlq_headers, encode_approved_call, encode_observation
+from processor.codec.records import (
+    dlq_headers,
+    dlq_value,
+    encode_approved_call,
+    encode_observation,
+)
 from processor.config import Settings
 from processor.contracts.registry import ContractSet, load_contracts
 from processor.gates.parse import Limits
@@ -236,7 +241,7 @@ class Processor:
         topics = self.settings.topics
         fp = self.contracts.fingerprint
         if d.outcome is Outcome.DEAD_LETTER:
-            self._send(producer, topics.dlq, m.key(), m.value(), dlq_headers(d))
+            self._send(producer, topics.dlq, m.key(), dlq_value(m.value()), dlq_headers(d))
             return
         key = d.proposal.run_id.encode() if d.proposal else m.key()
         try:
@@ -249,7 +254,7 @@ class Processor:
             # consumer nor be routed: it is parked in the DLQ with the reason.
             logger.exception("cannot encode the outputs of %s@%s", m.partition(), m.offset())
             d.dlq_reason, d.dlq_detail = "encoding_failed", f"{type(exc).__name__}: {exc}"[:500]
-            self._send(producer, topics.dlq, m.key(), m.value(), dlq_headers(d))
+            self._send(producer, topics.dlq, m.key(), dlq_value(m.value()), dlq_headers(d))
             return
         if call is not None and d.side_effect_class is not None:
             self._send(producer, topics.execution(d.side_effect_class.value), key, call)

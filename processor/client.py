@@ -33,6 +33,10 @@ class ObservationTimeout(TimeoutError):
     pass
 
 
+class DeliveryError(RuntimeError):
+    """The broker refused or never acknowledged a proposal."""
+
+
 class ToolsentryClient:
     """Thread-safe. One per agent runtime process is enough."""
 
@@ -57,6 +61,7 @@ class ToolsentryClient:
                 }
             )
         )
+        self._failed: list[KafkaError] = []
         self._seen: dict[str, dict[str, Any]] = {}
         self.arrivals: dict[str, float] = {}
         """proposal_id -> time.monotonic() when its observation was read."""
@@ -171,16 +176,29 @@ class ToolsentryClient:
         """Publish bytes as they are (for tests and replays of what a model emitted)."""
         while True:
             try:
-                self._producer.produce(self.settings.topics.proposals, value=value, key=key)
+                self._producer.produce(
+                    self.settings.topics.proposals,
+                    value=value,
+                    key=key,
+                    on_delivery=self._delivered,
+                )
                 break
             except BufferError:
                 self._producer.poll(0.05)
         self._producer.poll(0)
 
+    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
+        if err is not None:
+            self._failed.append(err)
+
     def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every proposal is acknowledged; raise if any could not be delivered."""
         remaining = self._producer.flush(timeout)
         if remaining:
             raise TimeoutError(f"{remaining} proposals not delivered")
+        if self._failed:
+            failed, self._failed = self._failed, []
+            raise DeliveryError(f"{len(failed)} proposals were not delivered: {failed[0]}")
 
     # -- observations ----------------------------------------------------------------------
 

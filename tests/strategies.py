@@ -136,6 +136,13 @@ def parse_fail(*fields: str, codes: Iterable[str] | None = None) -> Expect:
                   frozenset(fields), frozenset(codes) if codes is not None else None)  # fmt: skip
 
 
+def strict_fail(*codes: str) -> Expect:
+    """Refused by the strict parser: answered with SYNTACTIC_PARSE_FAIL when the run
+    and proposal can still be told apart, else dead-lettered, for one of ``codes``."""
+    return Expect(frozenset({"REJECTED", "DEAD_LETTER"}), frozenset(codes), "parse",
+                  frozenset({"SYNTACTIC_PARSE_FAIL"}), frozenset(), frozenset(codes))  # fmt: skip
+
+
 ROUTED = Expect(frozenset({"ROUTED"}))
 NOT_ROUTED = Expect(frozenset({"REJECTED", "DEAD_LETTER"}))
 UNKNOWN_TOOL = Expect(frozenset({"REJECTED"}), None, "resolve",
@@ -626,7 +633,9 @@ def b_duplicate_key(r: random.Random, m: int, max_bytes: int) -> Case:
             text = json.dumps(env).encode()[:-1] + (
                 b', "arguments": ' + inner + b', "tool": {"name": "lookup_order", "name": "x"}}'
             )
-    return Case("duplicate_key", text, run_key(r, env), dlq("duplicate_key"), m)
+    # Duplicates among the envelope's own keys leave the identity ambiguous: DLQ.
+    expect = dlq("duplicate_key") if where == 0 else strict_fail("duplicate_key")
+    return Case("duplicate_key", text, run_key(r, env), expect, m)
 
 
 def b_nan(r: random.Random, m: int, max_bytes: int) -> Case:
@@ -642,7 +651,7 @@ def b_nan(r: random.Random, m: int, max_bytes: int) -> Case:
     else:
         env["tool"]["version"] = "@@"
     text = json.dumps(env).encode().replace(b'"@@"', lit)
-    return Case("nan", text, run_key(r, env), dlq("invalid_json"), m, note=lit.decode())
+    return Case("nan", text, run_key(r, env), strict_fail("invalid_json"), m, note=lit.decode())
 
 
 def b_truncated(r: random.Random, m: int, max_bytes: int) -> Case:
@@ -679,7 +688,7 @@ def b_lone_surrogate(r: random.Random, m: int, max_bytes: int) -> Case:
         env["@@"] = 1  # a key
     esc = r.choice(LONE_SURROGATES).encode()
     text = json.dumps(env).encode().replace(b'"@@"', b'"' + esc + b'"')
-    return Case("lone_surrogate", text, run_key(r, env), dlq("invalid_json"), m)
+    return Case("lone_surrogate", text, run_key(r, env), strict_fail("invalid_json"), m)
 
 
 def b_flip(r: random.Random, m: int, max_bytes: int) -> Case:
@@ -721,7 +730,7 @@ def b_deep(r: random.Random, m: int, max_bytes: int) -> Case:
         expect = Expect()
     text = json.dumps(env).encode().replace(b'"@@"', _nested(r, d).encode())
     if d > 40:
-        expect = dlq("too_deep")
+        expect = strict_fail("too_deep")
     return Case("deep", text, run_key(r, env), expect, m, note=f"{place} {d}")
 
 

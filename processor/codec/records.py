@@ -18,6 +18,18 @@ _ROUTED_ACTION = (
 )
 
 
+_TEXT = 512
+_ACTION = 2048
+_WARNINGS = 20
+
+
+def _clip(text: str | None, limit: int = _TEXT) -> str | None:
+    """Bound free text taken from a proposal, so an observation always fits a record."""
+    if text is None or len(text) <= limit:
+        return text
+    return text[: limit - 1] + "\u2026"
+
+
 def observation_id(d: Decision) -> str:
     s = d.source
     return hashlib.sha256(f"{s.topic}/{s.partition}/{s.offset}".encode()).hexdigest()[:32]
@@ -69,16 +81,16 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
             "data": None,
             "errors": [
                 {
-                    "field": e.field,
-                    "message": e.message,
+                    "field": _clip(e.field),
+                    "message": _clip(e.message),
                     "code": e.code,
-                    "expected": e.expected,
-                    "actual": e.actual,
-                    "hint": e.hint,
+                    "expected": _clip(e.expected),
+                    "actual": _clip(e.actual),
+                    "hint": _clip(e.hint),
                 }
                 for e in (rejection.errors if rejection else ())
             ],
-            "warnings": list(d.warnings),
+            "warnings": [_clip(w) for w in d.warnings[:_WARNINGS]],
         },
         "verification": {
             "post_action_verification_required": d.post_action_verification,
@@ -86,7 +98,7 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
             "expected_state": None,
             "delay_seconds": 0,
         },
-        "next_action": rejection.next_action if rejection else _ROUTED_ACTION,
+        "next_action": _clip(rejection.next_action, _ACTION) if rejection else _ROUTED_ACTION,
         "allowed_tools": list(rejection.allowed_tools) if rejection else [],
         "contract_set": contract_set,
     }
@@ -124,9 +136,28 @@ def encode_approved_call(d: Decision, contract_set: str | None) -> bytes:
     return codec("approved_call").encode(approved_call_record(d, contract_set))
 
 
+DLQ_MAX_VALUE_BYTES = 512 * 1024
+"""A dead letter keeps at most this much of the original value, so that value plus
+headers always fits under the broker's default message size limit (1 MB); a
+larger original is cut and its size and digest recorded."""
+
+
+def dlq_value(value: bytes | None) -> bytes | None:
+    if value is None or len(value) <= DLQ_MAX_VALUE_BYTES:
+        return value
+    return value[:DLQ_MAX_VALUE_BYTES]
+
+
 def dlq_headers(d: Decision) -> list[tuple[str, str | bytes | None]]:
     s = d.source
+    extra: list[tuple[str, str | bytes | None]] = []
+    if s.value is not None and len(s.value) > DLQ_MAX_VALUE_BYTES:
+        extra = [
+            ("toolsentry.value.truncated_from", str(len(s.value)).encode()),
+            ("toolsentry.value.sha256", hashlib.sha256(s.value).hexdigest().encode()),
+        ]
     return [
+        *extra,
         ("toolsentry.error.class", b"SYNTACTIC_PARSE_FAIL"),
         ("toolsentry.error.reason", (d.dlq_reason or "unknown").encode()),
         ("toolsentry.error.detail", (d.dlq_detail or "").encode("utf-8", "replace")[:1000]),

@@ -99,9 +99,42 @@ def strict_loads(text: bytes | str, max_depth: int) -> Any:
         depth = _depth(value)
         if depth > max_depth:
             raise _TooDeep(f"nested {depth} levels deep; at most {max_depth} are accepted")
-    if orjson.dumps(value) != raw:
-        json.loads(raw, object_pairs_hook=_no_duplicates)
+    big = _LONG_DIGITS.search(raw) is not None
+    if big or orjson.dumps(value) != raw:
+        exact = json.loads(raw, object_pairs_hook=_no_duplicates)
+        if big:
+            # orjson reads integers beyond 64 bits as floats; the model's digits must
+            # reach the executor unchanged, so the exact parse supplies the value.
+            value = exact
     return value
+
+
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
+
+def _identity_only(raw: bytes) -> dict[str, Any] | None:
+    """Who sent a record the strict parser refused, or None if even that is unclear.
+
+    Python's parser accepts NaN, deep nesting (to its recursion limit) and
+    duplicate keys (the last wins): enough to learn which run and proposal to
+    answer, never enough to decide on. A duplicate among the envelope's own
+    keys makes the identity itself ambiguous, so that record stays unanswered.
+    """
+    top: list[list[tuple[str, Any]]] = [[]]
+
+    def keep_last(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        top[0] = pairs  # the outermost object is the last one completed
+        return dict(pairs)
+
+    try:
+        # Decoded here, not by json.loads: given bytes it would also accept UTF-16/32.
+        value = json.loads(raw.decode("utf-8"), object_pairs_hook=keep_last)
+    except (ValueError, RecursionError):
+        return None
+    keys = [k for k, _ in top[0]]
+    if type(value) is not dict or len(set(keys)) != len(keys):
+        return None
+    return {k: value[k] for k in _IDENTITY_FIELDS if k in value}
 
 
 def _json_error(exc: Exception, text: bytes | str) -> tuple[str, str]:
@@ -134,6 +167,15 @@ def trace_id_for(proposal_id: str, traceparent: str | None) -> str:
     return hashlib.sha256(proposal_id.encode()).hexdigest()[:32]
 
 
+def _utf8(text: str) -> bool:
+    """False for a string holding lone surrogates (only a lenient parse lets them in)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_id(v: Any) -> TypeGuard[str]:
     return type(v) is str and 0 < len(v) <= _ID_MAX and v.isprintable()
 
@@ -151,6 +193,7 @@ def _err(
     return FieldError(field, message, code, expected, act)
 
 
+_IDENTITY_FIELDS = ("proposal_id", "run_id", "tenant_id", "tool", "created_at", "traceparent")
 _ENVELOPE_FIELDS = frozenset(
     {
         "proposal_id", "created_at", "tenant_id", "run_id", "workflow_id", "step",
@@ -169,19 +212,26 @@ def parse_proposal(
         return DeadLetter("empty", "the record has no value (a tombstone?)")
     if len(value) > limits.max_record_bytes:
         return DeadLetter("too_large", f"{len(value)} bytes; at most {limits.max_record_bytes}")
+    strict_error: FieldError | None = None
     try:
         env = strict_loads(value, limits.max_depth + 4)
     except Exception as exc:
         code, message = _json_error(exc, value)
-        return DeadLetter(code, f"envelope is not strict JSON: {message}")
+        recovered = _identity_only(value)
+        if recovered is None:
+            return DeadLetter(code, f"envelope is not strict JSON: {message}")
+        env = recovered
+        strict_error = FieldError(None, f"the proposal is not strict JSON: {message}", code)
     if type(env) is not dict:
         return DeadLetter("not_object", "the envelope is not a JSON object")
     claimed_run = env.get("run_id")
     if not _is_id(claimed_run):
+        if strict_error is not None:
+            return DeadLetter(strict_error.code, f"envelope is {strict_error.message[4:]}")
         return DeadLetter("no_run_id", "the envelope has no usable run_id (1-256 printable chars)")
     run_id: str = claimed_run
 
-    errors: list[FieldError] = []
+    errors: list[FieldError] = [strict_error] if strict_error else []
     warnings: list[str] = []
     claimed_pid = env.get("proposal_id")
     pid = claimed_pid if _is_id(claimed_pid) else _proposal_id(src)
@@ -213,7 +263,7 @@ def parse_proposal(
     tool_version: str | None = None
     if type(tool) is dict:
         name, version = tool.get("name"), tool.get("version")
-        if type(name) is str and 0 < len(name) <= 128:
+        if type(name) is str and 0 < len(name) <= 128 and _utf8(name):
             tool_name = name
         else:
             errors.append(
@@ -260,7 +310,9 @@ def parse_proposal(
 
     arguments: Any = None
     has_args, has_raw = "arguments" in env, "arguments_raw" in env
-    if has_args == has_raw:
+    if strict_error is not None:
+        pass  # the arguments were not read strictly; nothing of them is used
+    elif has_args == has_raw:
         errors.append(
             _err(
                 "arguments",
@@ -447,6 +499,11 @@ def _parse_next_action(errors: list[FieldError]) -> str:
         return (
             "Emit the tool arguments as one valid JSON object (double-quoted keys, no "
             "trailing commas, no NaN) and propose the call again."
+        )
+    if first.field is None:
+        return (
+            f"The proposal is not strict JSON ({first.message}); send it again with every key "
+            "once, no NaN or Infinity, and shallow nesting."
         )
     fields = ", ".join(sorted({e.field or "envelope" for e in errors}))
     return (

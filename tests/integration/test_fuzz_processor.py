@@ -258,21 +258,15 @@ def test_a_routed_record_at_the_message_size_limit_is_answered(
     assert got == ["after-8", "big-1"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="processor/app.py produces the DLQ entry as the record plus ~300 bytes of headers "
-    "with librdkafka's default message.max.bytes (1,000,000): a record within those bytes of "
-    "the limit fails MSG_SIZE_TOO_LARGE, the transaction aborts and the batch is retried for "
-    "ever, wedging every partition in it",
-)
 def test_a_dead_letter_at_the_message_size_limit_is_answered(
     stack_settings: Settings, tmp_path: Path
 ) -> None:
     """A record just under message.max.bytes that can only be dead-lettered.
 
-    The DLQ entry is the record plus headers; if producing it fails, the
-    transaction aborts and the batch is retried for ever, wedging its partitions.
+    The DLQ entry keeps the first 512 KiB of the record plus its size and digest
+    in headers; were it the whole record plus headers, producing it would fail,
+    the transaction would abort and the batch be retried for ever.
     """
     big = b"\xff" * 999_900
     got = _answers_at_the_limit(stack_settings, tmp_path, "fuzz-limit-dlq", big)
-    assert got == ["after-8", "dlq:999900"]
+    assert got == ["after-8", f"dlq:{512 * 1024}"]

@@ -321,3 +321,43 @@ def test_truncated_body_raises_value_error(cut: int, routed: Decision) -> None:
 def test_trailing_bytes_are_refused(routed: Decision) -> None:
     with pytest.raises(ValueError):
         decode_any(encode_approved_call(routed, None) + b"trailing")
+
+
+def test_observations_stay_small_whatever_the_proposal_carries() -> None:
+    from processor.contracts.registry import load_contracts
+    from processor.gates.parse import Limits
+    from processor.model import SourceRecord
+    from processor.pipeline import decide
+    from tests.integration.harness import ROOT
+
+    huge_key = "k" * 200_000
+    env = {
+        "proposal_id": "p",
+        "run_id": "r",
+        "tenant_id": "t",
+        "tool": {"name": "search_kb"},
+        "arguments": {"query": "returns", huge_key: 1},
+        huge_key + "x": 1,
+    }
+    record = SourceRecord("tool.proposals", 0, 1, b"r", orjson.dumps(env), 0)
+    d = decide(record, load_contracts(ROOT / "contracts"), Limits(max_arguments_bytes=1 << 20))
+    assert d.rejection is not None and d.rejection.errors[0].code == "unknown_field"
+    assert len(encode_observation(d, None)) < 16_000
+
+
+def test_dead_letters_keep_a_bounded_copy_with_size_and_digest() -> None:
+    from processor.codec.records import DLQ_MAX_VALUE_BYTES, dlq_headers, dlq_value
+    from processor.gates.parse import Limits
+    from processor.model import SourceRecord
+    from processor.pipeline import decide
+
+    value = b"\xff" * 999_900
+    d = decide(SourceRecord("tool.proposals", 2, 9, None, value, 0), None, Limits())  # type: ignore[arg-type]
+    assert dlq_value(value) == value[:DLQ_MAX_VALUE_BYTES]
+    headers = dict(dlq_headers(d))
+    assert headers["toolsentry.value.truncated_from"] == b"999900"
+    assert headers["toolsentry.value.sha256"] == hashlib.sha256(value).hexdigest().encode()
+    assert dlq_value(b"small") == b"small"
+    assert "toolsentry.value.truncated_from" not in dict(
+        dlq_headers(decide(SourceRecord("t", 0, 0, None, b"small", 0), None, Limits()))  # type: ignore[arg-type]
+    )

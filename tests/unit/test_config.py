@@ -237,7 +237,9 @@ def test_pass_through_settings_cannot_switch_off_exactly_once(
 def test_pass_through_settings_that_agree_with_exactly_once_are_accepted() -> None:
     from processor.app import consumer_config, producer_config
 
-    s = Settings(kafka={"acks": "all", "security.protocol": "PLAINTEXT"},
-                 consumer={"isolation.level": "read_committed", "fetch.wait.max.ms": 10})
+    s = Settings(
+        kafka={"acks": "all", "security.protocol": "PLAINTEXT"},
+        consumer={"isolation.level": "read_committed", "fetch.wait.max.ms": 10},
+    )
     assert consumer_config(s)["fetch.wait.max.ms"] == 10
     assert producer_config(s)["acks"] == "all"

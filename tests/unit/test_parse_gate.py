@@ -209,9 +209,18 @@ def test_non_finite_numbers_refused_by_strict_loads(number: bytes) -> None:
         strict_loads(b'{"amount":' + number + b"}", 32)
 
 
-def test_non_finite_number_in_envelope_is_a_dead_letter() -> None:
-    value = b'{"run_id":"run-1","arguments":{"amount":NaN}}'
-    assert dead(value).reason == "invalid_json"
+def test_non_finite_number_with_a_readable_run_is_answered_as_a_parse_failure() -> None:
+    value = b'{"proposal_id":"p-7","run_id":"run-1","arguments":{"amount":NaN}}'
+    proposal, rejection = rejected(value)
+    assert (proposal.proposal_id, proposal.run_id) == ("p-7", "run-1")
+    assert proposal.arguments is None
+    first = rejection.errors[0]
+    assert (first.field, first.code) == (None, "invalid_json")
+    assert "not strict JSON" in rejection.next_action
+
+
+def test_non_finite_run_id_is_a_dead_letter() -> None:
+    assert dead(b'{"run_id":NaN,"arguments":{}}').reason == "invalid_json"
 
 
 def test_duplicate_key_in_envelope_is_a_dead_letter() -> None:
@@ -232,11 +241,12 @@ def test_duplicate_key_in_envelope_is_a_dead_letter_even_with_a_run_id() -> None
     assert "'tenant_id'" in letter.detail
 
 
-def test_duplicate_key_inside_arguments_object_is_a_dead_letter() -> None:
+def test_duplicate_key_inside_arguments_object_is_answered_as_a_parse_failure() -> None:
     value = b'{"run_id":"run-1","arguments":{"order_id":"WO-1","order_id":"WO-2"}}'
-    letter = dead(value)
-    assert letter.reason == "duplicate_key"
-    assert "'order_id'" in letter.detail
+    proposal, rejection = rejected(value)
+    assert proposal.arguments is None
+    first = rejection.errors[0]
+    assert first.code == "duplicate_key" and "'order_id'" in first.message
 
 
 def test_duplicate_key_in_arguments_raw_is_a_parse_failure() -> None:
@@ -349,13 +359,20 @@ def _nested_list(levels: int) -> Any:
         b'{"run_id":"run-1","x":"\xff"}',
         b'{"run_id":"run-1","x":"\xc3"}',
         b'{"run_id":"run-1","x":"\xed\xa0\x80"}',
-        b'{"run_id":"run-1","x":"\\ud800"}',
-        b'{"run_id":"run-1","x":"\\udc00\\ud800"}',
         b'\xef\xbb\xbf{"run_id":"run-1"}',
+        b'\xff\xfe{\x00"\x00r\x00u\x00n\x00_\x00i\x00d\x00"\x00:\x001\x00}\x00',
+        b'{"run_id":"\\ud800"}',
     ],
 )
-def test_invalid_utf8_and_lone_surrogates_are_dead_letters(value: bytes) -> None:
+def test_invalid_utf8_and_unreadable_runs_are_dead_letters(value: bytes) -> None:
     assert dead(value).reason == "invalid_json"
+
+
+@pytest.mark.parametrize("escape", [b"\\ud800", b"\\udc00\\ud800"])
+def test_lone_surrogate_beside_a_readable_run_is_a_parse_failure(escape: bytes) -> None:
+    proposal, rejection = rejected(b'{"run_id":"run-1","x":"' + escape + b'"}')
+    assert proposal.run_id == "run-1"
+    assert rejection.errors[0].code == "invalid_json"
 
 
 def test_lone_surrogate_in_arguments_raw_is_a_parse_failure() -> None:
@@ -523,3 +540,10 @@ def test_too_large_record_is_a_dead_letter() -> None:
     proposal, rejection, _ = parsed(value, Limits(max_record_bytes=len(value)))
     assert rejection is None
     assert proposal.run_id == "run-1"
+
+
+def test_integers_beyond_64_bits_keep_every_digit() -> None:
+    big = 99999999999999999999999
+    value = strict_loads(b'{"n":' + str(big).encode() + b',"m":[1.5]}', 32)
+    assert value == {"n": big, "m": [1.5]}
+    assert type(value["n"]) is int
