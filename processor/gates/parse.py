@@ -110,6 +110,7 @@ def strict_loads(text: bytes | str, max_depth: int) -> Any:
 
 
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
+_RECOVERY_MAX_BRACKETS = 256
 
 
 def _identity_only(raw: bytes) -> dict[str, Any] | None:
@@ -120,6 +121,10 @@ def _identity_only(raw: bytes) -> dict[str, Any] | None:
     answer, never enough to decide on. A duplicate among the envelope's own
     keys makes the identity itself ambiguous, so that record stays unanswered.
     """
+    if raw.count(b"{") + raw.count(b"[") > _RECOVERY_MAX_BRACKETS:
+        # Python's parser recurses; how deep it gets depends on the caller's stack,
+        # and replay must decide the same way everywhere, so deep texts are not tried.
+        return None
     top: list[list[tuple[str, Any]]] = [[]]
 
     def keep_last(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from confluent_kafka import Consumer, Message, TopicPartition
 
 from processor.client import ToolsentryClient
 from processor.codec.avro import codec
+from processor.codec.records import DLQ_MAX_VALUE_BYTES, dlq_value
 from processor.config import SIDE_EFFECT_TOPIC_SUFFIXES, Settings
 from processor.contracts.registry import load_contracts
 from processor.gates.parse import Limits
@@ -160,7 +161,12 @@ def test_every_hostile_record_gets_exactly_one_observation_or_dlq_entry(
                      int(headers["toolsentry.source.offset"]))  # fmt: skip
             sources[where] += 1
             assert where in produced, where
-            assert (m.value(), m.key()) == (produced[where].value(), produced[where].key())
+            original = produced[where].value()
+            assert (m.value(), m.key()) == (dlq_value(original), produced[where].key())
+            if original is not None and len(original) > DLQ_MAX_VALUE_BYTES:
+                assert headers["toolsentry.value.truncated_from"] == str(len(original)).encode()
+                digest = hashlib.sha256(original).hexdigest().encode()
+                assert headers["toolsentry.value.sha256"] == digest
             verdicts[where] = Verdict("DEAD_LETTER", None, None,
                                       headers["toolsentry.error.reason"].decode())  # fmt: skip
         assert not [w for w, n in sources.items() if n > 1], "a record was answered twice"

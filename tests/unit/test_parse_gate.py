@@ -547,3 +547,19 @@ def test_integers_beyond_64_bits_keep_every_digit() -> None:
     value = strict_loads(b'{"n":' + str(big).encode() + b',"m":[1.5]}', 32)
     assert value == {"n": big, "m": [1.5]}
     assert type(value["n"]) is int
+
+
+@pytest.mark.parametrize("depth", [100, 300, 600, 990])
+def test_deep_records_decide_the_same_whatever_the_callers_stack(depth: int) -> None:
+    value = b'{"run_id":"run-1","x":' + b"[" * depth + b"]" * depth + b"}"
+
+    def outcome() -> str:
+        result = parse_proposal(record(value), LIMITS)
+        return result.reason if isinstance(result, DeadLetter) else "answered"
+
+    def nested(levels: int) -> str:
+        return outcome() if levels == 0 else nested(levels - 1)
+
+    shallow = outcome()
+    assert nested(700) == shallow
+    assert shallow == ("answered" if depth < 255 else "too_deep")
