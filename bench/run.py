@@ -37,13 +37,18 @@ from processor.pipeline import decide
 ROOT = Path(__file__).resolve().parents[1]
 
 
+VALID_SHARE = 0.84
+"""Seed 000 measured 83.9% of an agent's tool calls schema-valid before its schema
+work (99.6% after): the corpus is the harder of the two."""
+
+
 def corpus(n: int, seed: int = 7) -> list[tuple[bytes, bytes]]:
-    """Proposals as agents send them: two thirds valid, the rest the usual mistakes."""
+    """Proposals as agents send them: 84% valid, the rest the usual mistakes."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         r = rng.random()
-        if r < 0.4:
+        if r < 0.5:
             tool, args = (
                 "cancel_order",
                 {
@@ -52,14 +57,14 @@ def corpus(n: int, seed: int = 7) -> list[tuple[bytes, bytes]]:
                     "confirm": True,
                 },
             )
-        elif r < 0.67:
+        elif r < VALID_SHARE:
             tool, args = "search_kb", {"query": f"return policy {i}", "limit": 10}
-        elif r < 0.8:
+        elif r < 0.9:
             tool, args = (
                 "cancel_order",
                 {"order_id": f"ORD-{i}", "reason_code": "customer_request", "confirm": True},
             )
-        elif r < 0.9:
+        elif r < 0.95:
             tool, args = "search_kb", {"query": "refunds", "limit": "10"}
         else:
             tool, args = "lookup_order", {"order_id": f"WO-{i % 100000:05d}-A", "notify": True}
@@ -121,7 +126,12 @@ def throughput(settings: Settings, mode: str, records: list[tuple[bytes, bytes]]
     return result
 
 
-def latency(settings: Settings, rate: int, seconds: float) -> dict[str, Any]:
+def latency(settings: Settings, rate: int, seconds: float, warmup: float = 3.0) -> dict[str, Any]:
+    """Offer ``rate`` proposals/s; sample proposal -> observation after ``warmup`` s.
+
+    The first seconds of a fresh processor register partitions with the
+    transaction coordinator and fill caches; the target is the steady state.
+    """
     s = isolated(settings, f"bench-latency-{int(time.time())}")
     log_path = Path(tempfile.mkdtemp(prefix="bench-")) / "processor.log"
     log = log_path.open("wb")
@@ -140,7 +150,8 @@ def latency(settings: Settings, rate: int, seconds: float) -> dict[str, Any]:
             time.sleep(0.1)
         client = ToolsentryClient(s, "acme")
         sent: dict[str, float] = {}
-        total = int(rate * seconds)
+        total = int(rate * (seconds + warmup))
+        skip = int(rate * warmup)
         records = corpus(total, seed=11)
         start = time.monotonic()
         for n, (key, value) in enumerate(records):
@@ -157,7 +168,7 @@ def latency(settings: Settings, rate: int, seconds: float) -> dict[str, Any]:
             client.wait(pid, timeout=60)
         arrivals = dict(client.arrivals)
         client.close()
-        waited = sorted((arrivals[p] - t) * 1000 for p, t in sent.items())
+        waited = sorted((arrivals[p] - t) * 1000 for p, t in sent.items() if int(p[2:]) >= skip)
         offered = total / (max(sent.values()) - start)
         return {
             "offered_per_second": offered,
@@ -171,7 +182,7 @@ def latency(settings: Settings, rate: int, seconds: float) -> dict[str, Any]:
         proc.wait(30)
 
 
-def decision_core(n: int = 50_000) -> dict[str, float]:
+def decision_core(n: int = 20_000, repeats: int = 5) -> dict[str, float]:
     contracts = load_contracts(ROOT / "contracts")
     env = {
         "proposal_id": "p-1",
@@ -184,13 +195,22 @@ def decision_core(n: int = 50_000) -> dict[str, float]:
     }
     record = SourceRecord("tool.proposals", 0, 0, b"run-1", orjson.dumps(env), 0)
     limits = Limits()
-    timings = []
-    for _ in range(n):
-        t = time.perf_counter()
-        decide(record, contracts, limits, 1)
-        timings.append(time.perf_counter() - t)
-    timings.sort()
-    return {"median_us": timings[n // 2] * 1e6, "p99_us": timings[int(n * 0.99)] * 1e6}
+    medians, p99s = [], []
+    for _ in range(repeats):
+        timings = []
+        for _ in range(n):
+            t = time.perf_counter()
+            decide(record, contracts, limits, 1)
+            timings.append(time.perf_counter() - t)
+        timings.sort()
+        medians.append(timings[n // 2] * 1e6)
+        p99s.append(timings[int(n * 0.99)] * 1e6)
+    return {"median_us": statistics.median(medians), "p99_us": statistics.median(p99s)}
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ordered = sorted(runs, key=lambda r: r["per_second"])
+    return ordered[len(ordered) // 2]
 
 
 def main() -> None:
@@ -198,10 +218,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--bootstrap", help="use this running broker instead of a private stack")
-    ap.add_argument("--count", type=int, default=40_000, help="proposals for (a) and (b)")
+    ap.add_argument("--count", type=int, default=150_000, help="proposals for (a) and (b)")
     ap.add_argument("--naive-count", type=int, default=1_500, help="proposals for (c)")
     ap.add_argument("--rate", type=int, default=1000, help="offered proposals/s for latency")
     ap.add_argument("--seconds", type=float, default=15.0, help="length of the latency run")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved (a)/(b) rounds")
     args = ap.parse_args()
 
     stack = None
@@ -231,10 +252,13 @@ def main() -> None:
         records = corpus(args.count)
         print("(d) decision core, cancel_order, in process ...", flush=True)
         core = decision_core()
-        print(f"(a) passthrough, {args.count} proposals ...", flush=True)
-        a = throughput(settings, "passthrough", records)
-        print(f"(b) toolsentry, {args.count} proposals ...", flush=True)
-        b = throughput(settings, "toolsentry", records)
+        runs: dict[str, list[dict[str, Any]]] = {"passthrough": [], "toolsentry": []}
+        for n in range(args.rounds):
+            for mode in ("passthrough", "toolsentry"):  # interleaved: drift hits both alike
+                print(
+                    f"round {n + 1}/{args.rounds}: {mode}, {args.count} proposals ...", flush=True
+                )
+                runs[mode].append(throughput(settings, mode, records))
         print(f"(c) naive, {args.naive_count} proposals ...", flush=True)
         c = throughput(settings, "naive", records[: args.naive_count])
         print(f"latency at {args.rate}/s for {args.seconds:.0f}s ...", flush=True)
@@ -243,18 +267,28 @@ def main() -> None:
         if stack is not None:
             stack.down()
 
+    a = _median_run(runs["passthrough"])
+    b = _median_run(runs["toolsentry"])
+    pair_ratios = sorted(
+        tb["per_second"] / ta["per_second"]
+        for ta, tb in zip(runs["passthrough"], runs["toolsentry"], strict=True)
+    )
+
     def row(name: str, r: dict[str, Any]) -> str:
         return (
             f"  {name:<14} {r['per_second']:>10,.0f} proposals/s   peak RSS {r['rss_mb']:6.1f} MB"
         )
 
-    print("\nthroughput (same input, own topics, own process)")
+    print(f"\nthroughput (same input: {VALID_SHARE:.0%} valid proposals; own topics and process)")
     print(row("(a) passthrough", a))
     print(row("(b) toolsentry", b))
     print(row("(c) naive", c))
-    ratio_ab = b["per_second"] / a["per_second"]
+    ratio_ab = statistics.median(pair_ratios)
     ratio_bc = b["per_second"] / c["per_second"]
-    print("\nratios")
+    print(
+        f"\nratios (median of {args.rounds} interleaved rounds; each round's ratio: "
+        f"{', '.join(f'{r:.2f}' for r in pair_ratios)})"
+    )
     print(
         f"  (b)/(a) = {ratio_ab:6.2f}   target >= 0.50   {'met' if ratio_ab >= 0.5 else 'NOT met'}"
     )

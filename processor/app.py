@@ -1,8 +1,8 @@
 """The processor: a consumer group on ``tool.proposals`` that decides exactly once.
 
 The loop is the canonical read-process-write transaction: consume a batch,
-decide every record, produce the observations / approved calls / DLQ
-entries, send the batch's input offsets to the transaction, commit. On an
+decide every record, then in one transaction the batch's input offsets and
+the observations / approved calls / DLQ entries, and commit. On an
 abortable error the transaction is aborted and the consumer rewound to the
 batch's first offsets, so the batch is decided again; on a fatal one
 (another instance fenced this producer) the clients are rebuilt from the
@@ -215,9 +215,14 @@ class Processor:
         decisions = self.decide_batch(records)
         try:
             producer.begin_transaction()
+            # Offsets first: the broker is often still writing the previous commit's
+            # markers, and the offsets request retries on a 2 ms backoff while the first
+            # AddPartitionsToTxn of a produce would wait far longer. Where in the
+            # transaction they go does not matter: all of it commits or none.
+            producer.send_offsets_to_transaction(
+                _next_offsets(records), consumer.consumer_group_metadata(), 30
+            )
             self.produce_batch(producer, records, decisions)
-            offsets = _next_offsets(records)
-            producer.send_offsets_to_transaction(offsets, consumer.consumer_group_metadata(), 30)
             self._commit(producer)
         except KafkaException as exc:
             self._abort_and_rewind(consumer, producer, records, exc)

@@ -116,16 +116,25 @@ class _EncoderSource:
         elif t == "string":
             v = self.var()
             self.lines.append(f"{pad}{v} = {expr}.encode()")
-            self.lines.append(f"{pad}b += _v(len({v}))")
+            self.varint(f"len({v})", pad)
             self.lines.append(f"{pad}b += {v}")
         elif t in ("int", "long"):
-            self.lines.append(f"{pad}b += _v({expr})")
+            self.varint(expr, pad)
         elif t == "boolean":
             self.lines.append(f"{pad}b += b'\\x01' if {expr} else b'\\x00'")
         elif t == "double":
             self.lines.append(f"{pad}b += _d({expr})")
         else:
             raise NotImplementedError(f"Avro type {t!r}")
+
+    def varint(self, expr: str, pad: str) -> None:
+        """Inline the common one-byte case (0 <= n < 64) instead of calling ``_v``."""
+        n = self.var()
+        self.lines.append(f"{pad}{n} = {expr}")
+        self.lines.append(f"{pad}if 0 <= {n} < 64:")
+        self.lines.append(f"{pad}    b.append({n} << 1)")
+        self.lines.append(f"{pad}else:")
+        self.lines.append(f"{pad}    b += _v({n})")
 
     def build(self, schema: dict[str, Any], header: bytes) -> Any:
         self.lines = ["def encode(d):", f"    b = bytearray({header!r})"]
