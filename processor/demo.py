@@ -140,7 +140,10 @@ _STYLE = {"SUCCESS": "green"}
 def play(settings: Settings, tenant: str, timeout: float, console: Console) -> bool:
     """Run the script; True when every decision matched what the script expects."""
     run_id = f"demo-{uuid.uuid4().hex[:8]}"
-    table = Table("#", "agent does", "tool", "decision", "class", "next_action", expand=True)
+    table = Table(expand=True)
+    for name, ratio in (("#", 1), ("agent does", 5), ("tool", 4), ("decision", 3), ("class", 5),
+                        ("next_action", 10)):  # fmt: skip
+        table.add_column(name, ratio=ratio, overflow="fold")
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn())
     task = progress.add_task(f"run {run_id}", total=len(SCRIPT))
     tally: Counter[str] = Counter()
@@ -171,13 +174,11 @@ def play(settings: Settings, tenant: str, timeout: float, console: Console) -> b
             tally[cls] += 1
             mismatches += cls != step.expect
             style = _STYLE.get(cls, "yellow")
+            said = obs["next_action"]
+            if obs["decision"] == "ROUTED":
+                said = f"sent to exec.{obs['tool_identity']['side_effect_class'].lower()}"
             table.add_row(
-                str(i),
-                step.says,
-                step.tool,
-                obs["decision"],
-                f"[{style}]{cls}[/{style}]",
-                obs["next_action"],
+                str(i), step.says, step.tool, obs["decision"], f"[{style}]{cls}[/{style}]", said
             )
             progress.advance(task)
     summary = Table("taxonomy class", "proposals", title="summary by taxonomy class")
