@@ -89,6 +89,9 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
             "heartbeat.interval.ms": 1000,
             "statistics.interval.ms": 5000,
             "fetch.wait.max.ms": 50,
+            # librdkafka prefetches up to 64 MiB per client by default; a batch is
+            # at most batch_max_records, so 16 MiB keeps a backlog from bloating RSS.
+            "queued.max.messages.kbytes": 16384,
         }
     )
     if settings.static_membership:
