@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from processor.client import ToolsentryClient
-from processor.config import Settings, StackSettings, Topics
+from processor.config import Settings, Topics
 from processor.contracts.registry import load_contracts
 from processor.gates.parse import Limits
 from processor.kafka.topics import ensure_topics
@@ -229,22 +229,9 @@ def main() -> None:
     if args.bootstrap:
         settings = Settings(bootstrap_servers=args.bootstrap, metrics_port=0)
     else:
-        from processor.stack import LocalStack
-        from tests.conftest import free_ports
+        from processor.stack import LocalStack, private_stack_settings
 
-        kafka, controller, redis = free_ports(3)
-        settings = Settings(
-            bootstrap_servers=f"127.0.0.1:{kafka}",
-            redis_url=f"redis://127.0.0.1:{redis}/0",
-            metrics_port=0,
-            stack=StackSettings(
-                data_dir=Path(tempfile.mkdtemp(prefix="bench-stack-")),
-                kafka_port=kafka,
-                kafka_controller_port=controller,
-                redis_port=redis,
-                partitions=6,
-            ),
-        )
+        settings = private_stack_settings(Path(tempfile.mkdtemp(prefix="bench-stack-")))
         stack = LocalStack(settings)
         stack.up()
     settings = settings.model_copy(update={"contracts_dir": ROOT / "contracts"})

@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 
 import pytest
 
-from processor.config import Settings, StackSettings
-from processor.stack import LocalStack
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports (all held open until chosen, so no repeats)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from processor.config import Settings
+from processor.stack import LocalStack, private_stack_settings
 
 
 @pytest.fixture(scope="session")
@@ -37,19 +24,7 @@ def stack_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setting
     if bootstrap and redis_url:
         yield Settings(bootstrap_servers=bootstrap, redis_url=redis_url, metrics_port=0)
         return
-    kafka_port, controller_port, redis_port = free_ports(3)
-    settings = Settings(
-        bootstrap_servers=f"127.0.0.1:{kafka_port}",
-        redis_url=f"redis://127.0.0.1:{redis_port}/0",
-        stack=StackSettings(
-            data_dir=tmp_path_factory.mktemp("stack"),
-            kafka_port=kafka_port,
-            kafka_controller_port=controller_port,
-            redis_port=redis_port,
-            partitions=6,
-        ),
-        metrics_port=0,
-    )
+    settings = private_stack_settings(tmp_path_factory.mktemp("stack"))
     stack = LocalStack(settings)
     try:
         stack.up()

@@ -8,11 +8,12 @@ any process with the same settings can query or stop a stack another one started
 from __future__ import annotations
 
 import fcntl
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from processor.config import Settings
+from processor.config import Settings, StackSettings
 from processor.kafka.topics import ensure_topics
 from processor.stack.kafka import KafkaService
 from processor.stack.process import Service, ServiceStatus
@@ -96,3 +97,33 @@ class LocalStack:
     def stop(self, service: str) -> None:
         """Stop ``service`` cleanly (SIGTERM, then SIGKILL after 30 s)."""
         self._service(service).stop()
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports (all held open until chosen, so no repeats)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def private_stack_settings(data_dir: Path, partitions: int = 6) -> Settings:
+    """Settings for a stack of its own on free ports: for tests and benchmarks that must
+    not meet a developer's running stack."""
+    kafka_port, controller_port, redis_port = free_ports(3)
+    return Settings(
+        bootstrap_servers=f"127.0.0.1:{kafka_port}",
+        redis_url=f"redis://127.0.0.1:{redis_port}/0",
+        stack=StackSettings(
+            data_dir=data_dir,
+            kafka_port=kafka_port,
+            kafka_controller_port=controller_port,
+            redis_port=redis_port,
+            partitions=partitions,
+        ),
+        metrics_port=0,
+    )

@@ -17,10 +17,9 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # public, unt
     ResourceType,
 )
 
-from processor.config import Settings, StackSettings
+from processor.config import Settings
 from processor.kafka.topics import ensure_topics, topic_partitions
-from processor.stack import LocalStack
-from tests.conftest import free_ports
+from processor.stack import LocalStack, private_stack_settings
 
 pytestmark = pytest.mark.integration
 
@@ -191,19 +190,7 @@ def _port_open(port: int) -> bool:
 
 
 def test_second_independent_stack_up_and_down(tmp_path_factory: pytest.TempPathFactory) -> None:
-    kafka_port, controller_port, redis_port = free_ports(3)
-    settings = Settings(
-        bootstrap_servers=f"127.0.0.1:{kafka_port}",
-        redis_url=f"redis://127.0.0.1:{redis_port}/0",
-        stack=StackSettings(
-            data_dir=tmp_path_factory.mktemp("stack2"),
-            kafka_port=kafka_port,
-            kafka_controller_port=controller_port,
-            redis_port=redis_port,
-            partitions=2,
-        ),
-        metrics_port=0,
-    )
+    settings = private_stack_settings(tmp_path_factory.mktemp("stack2"), partitions=2)
     stack = LocalStack(settings)
     try:
         stack.up()
@@ -216,6 +203,7 @@ def test_second_independent_stack_up_and_down(tmp_path_factory: pytest.TempPathF
     for name, pid in pids.items():
         assert pid is not None and _pid_gone(pid), name
     assert not any((stack.data_dir / f"{name}.pid").exists() for name in pids)
-    assert not _port_open(kafka_port) and not _port_open(redis_port)
+    ports = (settings.stack.kafka_port, settings.stack.redis_port)
+    assert not any(_port_open(port) for port in ports)
     assert all(not st.running for st in stack.status().values())
     stack.down()  # idempotent
