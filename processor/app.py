@@ -42,6 +42,7 @@ from processor.codec.records import (
 )
 from processor.config import Settings
 from processor.contracts.registry import ContractSet, load_contracts
+from processor.contracts.watch import ContractWatcher
 from processor.gates.parse import Limits
 from processor.metrics import Metrics
 from processor.model import Decision, Outcome, SourceRecord
@@ -54,18 +55,25 @@ class Fenced(Exception):
     """Another instance took over this producer's transactional id."""
 
 
-def stop_on_signals() -> threading.Event:
-    """An event set by SIGTERM/SIGINT: installed first thing, so a signal that
-    arrives while the processor is still starting is not lost."""
-    stop = threading.Event()
+def stop_on_signals() -> tuple[threading.Event, threading.Event]:
+    """Events set by SIGTERM/SIGINT (stop) and SIGHUP (reload the contracts).
 
-    def handler(signum: int, frame: FrameType | None) -> None:
+    Installed first thing, so a signal that arrives while the processor is
+    still starting is neither lost nor (for SIGHUP) fatal."""
+    stop, reload = threading.Event(), threading.Event()
+
+    def on_stop(signum: int, frame: FrameType | None) -> None:
         logger.info("signal %s: finishing the current batch, then stopping", signum)
         stop.set()
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
+    def on_hup(signum: int, frame: FrameType | None) -> None:
+        logger.info("SIGHUP: checking the contracts")
+        reload.set()
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGHUP, on_hup)
+    return stop, reload
 
 
 class UnsafeSetting(ValueError):
@@ -139,6 +147,7 @@ class Processor:
         contracts: ContractSet | None = None,
         metrics: Metrics | None = None,
         stop_requested: threading.Event | None = None,
+        reload_requested: threading.Event | None = None,
     ) -> None:
         self.settings = settings
         self.contracts = contracts or load_contracts(settings.contracts_dir)
@@ -153,6 +162,10 @@ class Processor:
         self.metrics.contract_set.labels(self.contracts.fingerprint, str(len(self.contracts))).set(
             1
         )
+        self.watcher = ContractWatcher(
+            settings.contracts_dir, self.contracts, self.metrics, settings.contracts_poll_s,
+            reload_requested,
+        )  # fmt: skip
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -161,12 +174,26 @@ class Processor:
         self._stop.set()
 
     def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._run_clients()
-            except Fenced:
-                logger.warning("producer fenced; rebuilding clients from committed offsets")
-                time.sleep(0.5)
+        self.watcher.start()
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._run_clients()
+                except Fenced:
+                    logger.warning("producer fenced; rebuilding clients from committed offsets")
+                    time.sleep(0.5)
+        finally:
+            self.watcher.stop()
+
+    def _swap_contracts(self) -> None:
+        """Take a newly loaded contract set; only ever between batches."""
+        loaded = self.watcher.take()
+        if loaded is None:
+            return
+        old = self.contracts
+        self.contracts = loaded
+        self.metrics.contract_set.remove(old.fingerprint, str(len(old)))
+        self.metrics.contract_set.labels(loaded.fingerprint, str(len(loaded))).set(1)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -192,6 +219,7 @@ class Processor:
                 len(self.contracts),
             )
             while not self._stop.is_set():
+                self._swap_contracts()
                 # Block only for the first record, then take whatever else is already
                 # fetched: idle batches are small (low latency), busy ones big (the
                 # commit is amortised), without a fixed wait for a full batch.

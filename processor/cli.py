@@ -65,7 +65,7 @@ def run(
     """Run one processor instance until SIGTERM/SIGINT (the batch in hand is finished first)."""
     from processor.app import Processor, stop_on_signals
 
-    stop = stop_on_signals()
+    stop, reload = stop_on_signals()
     from processor.contracts.registry import ContractError
     from processor.metrics import serve
 
@@ -78,7 +78,7 @@ def run(
     )
     _logging(s.log_level)
     try:
-        processor = Processor(s, stop_requested=stop)
+        processor = Processor(s, stop_requested=stop, reload_requested=reload)
     except ContractError as exc:
         console.print(f"[red]contracts refused[/red]\n{exc}")
         raise typer.Exit(2) from exc

@@ -150,6 +150,8 @@ class Settings(BaseSettings):
     max_arguments_bytes: int = 65_536
     max_arguments_depth: int = 32
     contracts_dir: Path = Path("contracts")
+    contracts_poll_s: float = 2.0
+    """How often the contract folder is checked for changes (SIGHUP checks at once)."""
     metrics_port: int = 9464
     """Prometheus /metrics port; 0 disables the endpoint."""
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -72,6 +72,12 @@ class Metrics:
             ["fingerprint", "contracts"],
             registry=registry,
         )
+        self.contract_reloads = PCounter(
+            "toolsentry_contract_reloads_total",
+            "Contract reloads by result (loaded, refused: the old set was kept).",
+            ["result"],
+            registry=registry,
+        )
         self.assigned_partitions = Gauge(
             "toolsentry_assigned_partitions",
             "Partitions of tool.proposals this instance owns.",

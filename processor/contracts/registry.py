@@ -8,10 +8,12 @@ the reason.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cel
 import orjson
 import yaml
 from jsonschema import Draft202012Validator, SchemaError
@@ -43,6 +45,26 @@ class ContractError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class SemanticRule:
+    """A compiled CEL rule: true means the call may proceed."""
+
+    rule_id: str
+    program: Any
+    message: str
+    next_action: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """An argument that names an entity in ``tool.reference``, and the states it may be in."""
+
+    argument: str
+    entity: str
+    allowed_states: tuple[str, ...]
+    lookup_tool: str
+
+
+@dataclass(frozen=True, slots=True)
 class Contract:
     """One version of one tool, compiled for the gates."""
 
@@ -57,6 +79,8 @@ class Contract:
     validator: ArgumentValidator
     raw: dict[str, Any]
     source: str
+    rules: tuple[SemanticRule, ...] = ()
+    references: tuple[Reference, ...] = ()
 
     @property
     def version_key(self) -> tuple[int, ...]:
@@ -126,6 +150,7 @@ def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract
             problems.append(
                 Problem(rel, f"/affordance/examples/{i}", f"example {verdict} the input schema")
             )
+    rules, references = _semantics(doc, rel, problems)
     ident, tx = doc["identity"], doc["transactional"]
     lc = ident["lifecycle"]
     return Contract(
@@ -140,7 +165,62 @@ def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract
         validator=validator,
         raw=doc,
         source=rel,
+        rules=rules,
+        references=references,
     )
+
+
+_RULE_VARIABLES = frozenset({"args", "principal", "refs"})
+
+
+def _semantics(
+    doc: dict[str, Any], rel: str, problems: list[Problem]
+) -> tuple[tuple[SemanticRule, ...], tuple[Reference, ...]]:
+    """Compile the CEL rules once; check each reference names a real argument."""
+    section = doc.get("semantics", {})
+    rules: list[SemanticRule] = []
+    for i, rule in enumerate(section.get("rules", [])):
+        where = f"/semantics/rules/{i}/expression"
+        try:
+            program = cel.compile(rule["expression"])
+        except ValueError as exc:
+            problems.append(Problem(rel, where, f"CEL does not compile: {exc}"))
+            continue
+        # Comprehension variables show up too; only top-level names can be unknown.
+        unknown = {v for v in program.variables() if "." not in v} - _RULE_VARIABLES
+        unknown -= _comprehension_variables(rule["expression"])
+        if unknown:
+            problems.append(
+                Problem(
+                    rel, where, f"unknown variables {sorted(unknown)}; use args, principal, refs"
+                )
+            )
+            continue
+        rules.append(SemanticRule(rule["id"], program, rule["message"], rule["next_action"]))
+    arguments = doc["affordance"]["input_schema"].get("properties", {})
+    references: list[Reference] = []
+    for i, ref in enumerate(section.get("references", [])):
+        if ref["argument"] not in arguments:
+            problems.append(
+                Problem(rel, f"/semantics/references/{i}/argument",
+                        f"{ref['argument']!r} is not an argument of this tool")
+            )  # fmt: skip
+            continue
+        references.append(
+            Reference(ref["argument"], ref["entity"], tuple(ref["allowed_states"]),
+                      ref["lookup_tool"])
+        )  # fmt: skip
+    ids = [r.rule_id for r in rules]
+    for dup in sorted({r for r in ids if ids.count(r) > 1}):
+        problems.append(Problem(rel, "/semantics/rules", f"rule id {dup!r} is used twice"))
+    return tuple(rules), tuple(references)
+
+
+_MACRO_VARIABLE = re.compile(r"\.(?:all|exists|exists_one|map|filter)\(\s*([a-z_][a-z0-9_]*)\s*,")
+
+
+def _comprehension_variables(expression: str) -> set[str]:
+    return set(_MACRO_VARIABLE.findall(expression))
 
 
 def load_contracts(directory: Path) -> ContractSet:
