@@ -213,5 +213,82 @@ def contracts_list(
     console.print(table)
 
 
+@contracts_app.command("lint")
+def contracts_lint(
+    path: Annotated[Path, typer.Argument(help="Contracts folder.")] = Path("contracts"),
+    output_format: Annotated[
+        str, typer.Option("--format", help="text or json.", case_sensitive=False)
+    ] = "text",
+) -> None:
+    """Check contracts against the design rules; exit 1 if any finding is an error."""
+    from processor.contracts.lint import lint_folder
+
+    if output_format not in ("text", "json"):
+        raise typer.BadParameter("must be text or json", param_hint="--format")
+    findings = lint_folder(path)
+    errors = sum(1 for f in findings if f.severity == "error")
+    warnings = len(findings) - errors
+    if output_format == "json":
+        typer.echo(json.dumps([f.to_dict() for f in findings], indent=2))
+    else:
+        for f in findings:
+            typer.echo(str(f))
+    # The summary goes to stderr in json mode so stdout stays one parseable document.
+    typer.echo(f"{errors} error(s), {warnings} warning(s)", err=output_format == "json")
+    raise typer.Exit(1 if errors else 0)
+
+
+@contracts_app.command("export")
+def contracts_export(
+    output_format: Annotated[
+        str, typer.Option("--format", help="openai, anthropic or mcp.", case_sensitive=False)
+    ],
+    path: Annotated[Path, typer.Argument(help="Contracts folder.")] = Path("contracts"),
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")
+    ] = None,
+) -> None:
+    """Write the model-facing tool definitions of every callable tool as JSON."""
+    from processor.contracts.export import TARGETS, export_tools
+    from processor.contracts.registry import ContractError, load_contracts
+
+    target = next((t for t in TARGETS if t == output_format.lower()), None)
+    if target is None:
+        raise typer.BadParameter(f"must be one of {', '.join(TARGETS)}", param_hint="--format")
+    try:
+        cs = load_contracts(path)
+    except ContractError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from exc
+    text = json.dumps(export_tools(cs, target), indent=2, ensure_ascii=False) + "\n"
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text, encoding="utf-8")
+        typer.echo(f"wrote {output}", err=True)
+
+
+@contracts_app.command("show")
+def contracts_show(
+    tool: Annotated[str, typer.Argument(help="TOOL or TOOL@VERSION.")],
+    path: Annotated[Path, typer.Argument(help="Contracts folder.")] = Path("contracts"),
+) -> None:
+    """Show one contract: what it does, its risk, what it needs, its limits and arguments."""
+    from processor.contracts.registry import ContractError, load_contracts
+    from processor.contracts.show import UnknownContract, show
+
+    try:
+        cs = load_contracts(path)
+    except ContractError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from exc
+    try:
+        show(cs, tool, console)
+    except UnknownContract as exc:
+        hint = f"; did you mean: {', '.join(exc.suggestions)}" if exc.suggestions else ""
+        typer.echo(f"{exc}{hint}", err=True)
+        raise typer.Exit(1) from exc
+
+
 def main() -> None:
     app()

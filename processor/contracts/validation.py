@@ -34,7 +34,8 @@ from typing import Any
 import jsonschema._keywords as _jsk
 import jsonschema._utils as _jsu
 import regress
-from jsonschema import Draft202012Validator, FormatChecker, ValidationError, validators
+from jsonschema import Draft202012Validator, FormatChecker, SchemaError, ValidationError, validators
+from jsonschema.exceptions import best_match
 
 Check = Callable[[Any], bool]
 
@@ -254,13 +255,19 @@ def reference_validator(schema: Mapping[str, Any]) -> Any:
     return ReferenceValidator(schema, format_checker=FORMAT_CHECKER)
 
 
+_METASCHEMA = Draft202012Validator(Draft202012Validator.META_SCHEMA)
+"""Built once: ``Draft202012Validator.check_schema`` builds a metaschema validator per call."""
+
+
 def check_schema(schema: Mapping[str, Any]) -> None:
     """Raise ``jsonschema.SchemaError`` if ``schema`` is not a valid 2020-12 schema,
     or ``ValueError`` if a pattern is not an ECMA-262 regex."""
     # No format assertion against the metaschema: its ``format: regex`` would be
     # checked with Python's ``re``, which refuses ECMA-262 (``\\p{Lu}``, ``(?<name>…)``).
     # Patterns are checked as ECMA-262 regexes below instead.
-    Draft202012Validator.check_schema(schema, format_checker=None)
+    error = best_match(_METASCHEMA.iter_errors(schema))
+    if error is not None:
+        raise SchemaError.create_from(error)
     for where, pattern in _patterns(schema, "#"):
         try:
             ecma_regex(pattern)

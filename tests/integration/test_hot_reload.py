@@ -52,8 +52,13 @@ def test_contract_sets_swap_whole_between_batches(stack_settings: Settings, tmp_
         client = ToolsentryClient(settings, "acme", watch=False)
         n = 0
         while not stop.is_set():
-            env = {"proposal_id": f"hr-{n}", "tenant_id": "acme", "run_id": f"run-{n % 17}",
-                   "tool": {"name": "search_kb"}, "arguments": {"query": "returns", "limit": 60}}
+            env = {
+                "proposal_id": f"hr-{n}",
+                "tenant_id": "acme",
+                "run_id": f"run-{n % 17}",
+                "tool": {"name": "search_kb"},
+                "arguments": {"query": "returns", "limit": 60},
+            }
             client.send_raw(orjson.dumps(env), env["run_id"].encode())  # type: ignore[union-attr]
             sent.append(env["proposal_id"])  # type: ignore[arg-type]
             n += 1
@@ -79,8 +84,9 @@ def test_contract_sets_swap_whole_between_batches(stack_settings: Settings, tmp_
 
     observations = [
         codec("observation").decode(m.value())  # type: ignore[arg-type]
-        for m in read_all(settings, settings.topics.observations, timeout=120, idle=3,
-                          expect=len(sent))  # fmt: skip
+        for m in read_all(
+            settings, settings.topics.observations, timeout=120, idle=3, expect=len(sent)
+        )
     ]
     assert proc.alive()
     log = proc.log()

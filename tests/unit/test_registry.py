@@ -291,7 +291,8 @@ def _with_semantics(section: dict[str, Any]) -> Callable[[dict[str, Any]], None]
     ("section", "path", "reason"),
     [
         ({"rules": [{"id": "r", "expression": "args.order_id ==", "message": "m",
-                     "next_action": "n"}]}, "/semantics/rules/0/expression", "CEL does not compile"),
+                     "next_action": "n"}]},
+         "/semantics/rules/0/expression", "CEL does not compile"),
         ({"rules": [{"id": "r", "expression": "user.admin == true", "message": "m",
                      "next_action": "n"}]}, "/semantics/rules/0/expression", "unknown variables"),
         ({"references": [{"argument": "invoice_id", "entity": "invoice",

@@ -16,7 +16,7 @@ from processor.model import Gate, Outcome, Proposal, Rejection, TaxonomyClass
 from processor.pipeline import decide
 from tests.unit.helpers import CONTRACTS_DIR, LIMITS, envelope, record
 
-ALL_TOOLS = ("cancel_order", "create_ticket", "lookup_order", "refund_order", "search_kb")
+ALL_TOOLS = load_contracts(CONTRACTS_DIR).callable_names
 
 
 def _write_version(
