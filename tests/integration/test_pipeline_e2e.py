@@ -217,3 +217,32 @@ def test_sigterm_finishes_and_exits_cleanly(e2e: E2E, tmp_path: Path) -> None:
     obs = e2e.call("lookup_order", {"order_id": "WO-12345-A"})
     assert obs["decision"] == "ROUTED"
     assert proc.terminate() == 0, proc.log()[-2000:]
+
+
+def _charge_arguments(version: str) -> dict[str, Any]:
+    """Valid arguments for one version of charge_customer_card_v2, from its own example."""
+    contract = next(
+        c
+        for c in load_contracts(ROOT / "contracts").versions("charge_customer_card_v2")
+        if c.version == version
+    )
+    examples = contract.raw["affordance"]["examples"]
+    return dict(next(e["arguments"] for e in examples if e.get("valid", True)))
+
+
+def test_lifecycle_newest_active_deprecated_warns_sunsetted_refused(e2e: E2E) -> None:
+    newest = e2e.call("charge_customer_card_v2", _charge_arguments("2.1.0"))
+    assert newest["decision"] == "ROUTED"
+    assert newest["tool_identity"]["version"] == "2.1.0"
+    assert newest["result_payload"]["warnings"] == []
+
+    old = e2e.call("charge_customer_card_v2", _charge_arguments("2.0.0"), version="2.0.0")
+    assert old["decision"] == "ROUTED" and old["tool_identity"]["version"] == "2.0.0"
+    [warning] = old["result_payload"]["warnings"]
+    assert "deprecated" in warning and "2027-03-31" in warning
+    assert "charge_customer_card_v2@2.1.0" in warning
+
+    gone = e2e.call("charge_customer_card_v2", _charge_arguments("2.1.0"), version="1.0.0")
+    assert gone["decision"] == "REJECTED" and gone["gate"] == "resolve"
+    assert gone["result_payload"]["errors"][0]["code"] == "tool_sunsetted"
+    assert "charge_customer_card_v2@2.1.0" in gone["next_action"]
