@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-import yaml
 from jsonschema import Draft202012Validator
 
 from processor.codec.avro import SCHEMAS_DIR
-from processor.contracts.registry import CONTRACT_SUFFIXES
+from processor.contracts.registry import CONTRACT_SUFFIXES, read_contract_file
 from processor.contracts.validation import FORMAT_CHECKER
 
 Severity = Literal["error", "warning"]
@@ -474,8 +473,7 @@ def read_documents(directory: Path) -> tuple[list[Document], list[Finding]]:
     for path in sorted(p for p in directory.rglob("*") if p.suffix in CONTRACT_SUFFIXES):
         rel = str(path.relative_to(directory))
         try:
-            raw = path.read_bytes()
-            doc = orjson.loads(raw) if path.suffix == ".json" else yaml.safe_load(raw)
+            doc = read_contract_file(path)
         except Exception as exc:
             findings.append(Finding("unreadable", "error", rel, "/", f"cannot be parsed: {exc}"))
             continue

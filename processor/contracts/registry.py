@@ -16,7 +16,7 @@ from typing import Any
 
 import cel
 import orjson
-import yaml
+import yaml_rs
 from jsonschema import SchemaError
 
 from processor.codec.avro import SCHEMAS_DIR
@@ -121,16 +121,18 @@ def _pointer(path: Any) -> str:
     return "/" + "/".join(str(p) for p in path) if path else "/"
 
 
-def _read(path: Path) -> Any:
+def read_contract_file(path: Path) -> Any:
+    """Parse one contract file (JSON, or YAML 1.2).
+
+    yaml-rs rather than PyYAML: it refuses duplicate keys (PyYAML keeps the
+    last one silently), reads YAML 1.2 (``no`` stays a string, not false),
+    keeps dates as the ISO strings the meta-schema expects, and parses about
+    seven times faster, which is most of a large set's load time.
+    """
     text = path.read_bytes()
     if path.suffix == ".json":
         return orjson.loads(text)
-    # libyaml's loader when PyYAML was built with it: the pure-Python one takes
-    # tens of milliseconds per contract, most of a large set's load time.
-    return yaml.load(text, Loader=_YAML_LOADER)
-
-
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml_rs.loads(text.decode("utf-8"), parse_datetime=False)
 
 
 def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract | None:
@@ -244,7 +246,7 @@ def load_contracts(directory: Path) -> ContractSet:
     for path in files:
         rel = str(path.relative_to(directory))
         try:
-            doc = _read(path)
+            doc = read_contract_file(path)
         except Exception as exc:
             problems.append(Problem(rel, "/", f"cannot be parsed: {exc}"))
             continue

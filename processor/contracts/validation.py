@@ -30,9 +30,11 @@ from collections.abc import Callable, Iterator, Mapping
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any
+from urllib.parse import unquote
 
 import jsonschema._keywords as _jsk
 import jsonschema._utils as _jsu
+import jsonschema_specifications
 import regress
 from jsonschema import Draft202012Validator, FormatChecker, SchemaError, ValidationError, validators
 from jsonschema.exceptions import best_match
@@ -258,6 +260,58 @@ def reference_validator(schema: Mapping[str, Any]) -> Any:
 _METASCHEMA = Draft202012Validator(Draft202012Validator.META_SCHEMA)
 """Built once: ``Draft202012Validator.check_schema`` builds a metaschema validator per call."""
 
+_VOCABULARIES = ("core", "applicator", "unevaluated", "validation", "meta-data",
+                 "format-annotation", "content")  # fmt: skip
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "patternProperties", "dependentSchemas"})
+
+
+def _static(node: Any) -> Any:
+    """A metaschema node with ``$dynamicRef: #meta`` as ``$ref: #`` and its ids dropped."""
+    if isinstance(node, list):
+        return [_static(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$dynamicRef" and value == "#meta":
+            out["$ref"] = "#"
+        elif key == "$ref" and isinstance(value, str) and value.startswith("meta/"):
+            out["$ref"] = "#" + value.partition("#")[2]  # the vocabularies' $defs are merged
+        elif key in ("$schema", "$id", "$vocabulary", "$dynamicAnchor"):
+            continue
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _static(sub) for name, sub in value.items()}
+        else:
+            out[key] = _static(value)
+    return out
+
+
+def static_metaschema() -> dict[str, Any]:
+    """The 2020-12 metaschema as one document with static references.
+
+    For the standard dialect every ``$dynamicRef: #meta`` lands on the
+    metaschema itself, so the bundle validates exactly what the official one
+    does (a differential test holds them equal) without dynamic-scope
+    resolution, which is most of python-jsonschema's cost per contract.
+    """
+    registry = jsonschema_specifications.REGISTRY
+    base = "https://json-schema.org/draft/2020-12/"
+    root: dict[str, Any] = _static(registry.contents(base + "schema"))
+    defs: dict[str, Any] = {}
+    parts = []
+    for vocabulary in _VOCABULARIES:
+        part = _static(registry.contents(f"{base}meta/{vocabulary}"))
+        defs.update(part.pop("$defs", {}))
+        parts.append(part)
+    root["allOf"] = parts
+    root["$defs"] = defs
+    return root
+
+
+@lru_cache(maxsize=1)
+def _metaschema_fast() -> Check:
+    return compile_fast(static_metaschema(), assert_formats=False)
+
 
 def check_schema(schema: Mapping[str, Any]) -> None:
     """Raise ``jsonschema.SchemaError`` if ``schema`` is not a valid 2020-12 schema,
@@ -265,9 +319,10 @@ def check_schema(schema: Mapping[str, Any]) -> None:
     # No format assertion against the metaschema: its ``format: regex`` would be
     # checked with Python's ``re``, which refuses ECMA-262 (``\\p{Lu}``, ``(?<name>…)``).
     # Patterns are checked as ECMA-262 regexes below instead.
-    error = best_match(_METASCHEMA.iter_errors(schema))
-    if error is not None:
-        raise SchemaError.create_from(error)
+    if not _metaschema_fast()(schema):
+        error = best_match(_METASCHEMA.iter_errors(schema))
+        if error is not None:
+            raise SchemaError.create_from(error)
     for where, pattern in _patterns(schema, "#"):
         try:
             ecma_regex(pattern)
@@ -321,66 +376,192 @@ _TYPE_TESTS: dict[str, Check] = {
 }
 
 
-def compile_fast(schema: Any) -> Check:
-    """Compile ``schema`` into a validity test, or raise ``NotCompilable``."""
-    if schema is True:
-        return lambda x: True
-    if schema is False:
-        return lambda x: False
-    if not isinstance(schema, dict):
-        raise NotCompilable("schema is not an object")
-    unknown = set(schema) - _FAST_KEYWORDS - _ANNOTATIONS
-    if unknown:
-        raise NotCompilable(f"keywords outside the fast subset: {sorted(unknown)}")
-    checks: list[Check] = []
+def compile_fast(schema: Any, *, assert_formats: bool = True) -> Check:
+    """Compile ``schema`` into a validity test, or raise ``NotCompilable``.
 
-    if "type" in schema:
-        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        tests = [_TYPE_TESTS[n] for n in names]
-        if len(tests) == 1:
-            checks.append(tests[0])
-        else:
-            checks.append(lambda x: any(t(x) for t in tests))
+    ``$ref`` is followed within the same document (``#`` and ``#/...``
+    pointers, recursion included); any other reference is not compiled.
+    """
+    return _FastCompiler(schema, assert_formats).compile(schema)
 
-    if "enum" in schema:
-        values = schema["enum"]
-        if not all(type(v) is str for v in values):
-            raise NotCompilable("enum with non-string members")
-        allowed = frozenset(values)
-        checks.append(lambda x: type(x) is str and x in allowed)
 
-    if "const" in schema:
-        c = schema["const"]
-        if type(c) not in (str, bool):
-            raise NotCompilable("const other than a string or boolean")
-        const_type = type(c)
-        checks.append(lambda x: type(x) is const_type and x == c)
+class _FastCompiler:
+    def __init__(self, root: Any, assert_formats: bool) -> None:
+        self.root = root
+        self.assert_formats = assert_formats
+        self.refs: dict[str, Check] = {}
 
-    if "pattern" in schema:
-        rx = ecma_regex(schema["pattern"])
-        checks.append(lambda x: type(x) is not str or rx.find(x) is not None)
+    def compile(self, schema: Any) -> Check:
+        if schema is True:
+            return lambda x: True
+        if schema is False:
+            return lambda x: False
+        if not isinstance(schema, dict):
+            raise NotCompilable("schema is not an object")
+        unknown = set(schema) - _FAST_KEYWORDS - _ANNOTATIONS
+        if unknown:
+            raise NotCompilable(f"keywords outside the fast subset: {sorted(unknown)}")
+        checks: list[Check] = []
+        if "$ref" in schema:
+            checks.append(self.ref(schema["$ref"]))
+        self.scalar(schema, checks)
+        self.numeric(schema, checks)
+        self.object(schema, checks)
+        self.array(schema, checks)
+        self.combinators(schema, checks)
+        if not checks:
+            return lambda x: True
+        if len(checks) == 1:
+            return checks[0]
+        return lambda x: all(c(x) for c in checks)
 
-    if "format" in schema and schema["format"] in ASSERTED_FORMATS:
-        fmt = FORMAT_CHECKER.checkers[schema["format"]][0]
-        checks.append(lambda x: type(x) is not str or bool(fmt(x)))
+    def ref(self, ref: Any) -> Check:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise NotCompilable(f"$ref {ref!r} leaves the document")
+        if ref not in self.refs:
+            # A placeholder first, so a schema that refers to itself compiles.
+            target: list[Check] = []
+            self.refs[ref] = lambda x: target[0](x)
+            target.append(self.compile(self.resolve(ref)))
+        return self.refs[ref]
 
-    if "minLength" in schema:
-        min_len = schema["minLength"]
-        checks.append(lambda x: type(x) is not str or len(x) >= min_len)
-    if "maxLength" in schema:
-        max_len = schema["maxLength"]
-        checks.append(lambda x: type(x) is not str or len(x) <= max_len)
+    def resolve(self, ref: str) -> Any:
+        node = self.root
+        for token in ref[2:].split("/") if ref != "#" else []:
+            token = unquote(token).replace("~1", "/").replace("~0", "~")
+            try:
+                node = node[int(token)] if isinstance(node, list) else node[token]
+            except (KeyError, IndexError, ValueError, TypeError) as exc:
+                raise NotCompilable(f"$ref {ref!r} does not resolve") from exc
+        return node
 
-    _compile_numeric(schema, checks)
-    _compile_object(schema, checks)
-    _compile_array(schema, checks)
-    _compile_combinators(schema, checks)
+    def scalar(self, schema: dict[str, Any], checks: list[Check]) -> None:
+        if "type" in schema:
+            names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            tests = [_TYPE_TESTS[n] for n in names]
+            if len(tests) == 1:
+                checks.append(tests[0])
+            else:
+                checks.append(lambda x: any(t(x) for t in tests))
+        if "enum" in schema:
+            values = schema["enum"]
+            if not all(type(v) is str for v in values):
+                raise NotCompilable("enum with non-string members")
+            allowed = frozenset(values)
+            checks.append(lambda x: type(x) is str and x in allowed)
+        if "const" in schema:
+            c = schema["const"]
+            if type(c) not in (str, bool):
+                raise NotCompilable("const other than a string or boolean")
+            const_type = type(c)
+            checks.append(lambda x: type(x) is const_type and x == c)
+        if "pattern" in schema:
+            rx = ecma_regex(schema["pattern"])
+            checks.append(lambda x: type(x) is not str or rx.find(x) is not None)
+        fmt_name = schema.get("format")
+        if self.assert_formats and fmt_name in ASSERTED_FORMATS:
+            fmt = FORMAT_CHECKER.checkers[fmt_name][0]
+            checks.append(lambda x: type(x) is not str or bool(fmt(x)))
+        if "minLength" in schema:
+            min_len = schema["minLength"]
+            checks.append(lambda x: type(x) is not str or len(x) >= min_len)
+        if "maxLength" in schema:
+            max_len = schema["maxLength"]
+            checks.append(lambda x: type(x) is not str or len(x) <= max_len)
 
-    if not checks:
-        return lambda x: True
-    if len(checks) == 1:
-        return checks[0]
-    return lambda x: all(c(x) for c in checks)
+    def numeric(self, schema: dict[str, Any], checks: list[Check]) -> None:
+        if "minimum" in schema:
+            lo = schema["minimum"]
+            checks.append(lambda x: not _is_number(x) or x >= lo)
+        if "maximum" in schema:
+            hi = schema["maximum"]
+            checks.append(lambda x: not _is_number(x) or x <= hi)
+        if "exclusiveMinimum" in schema:
+            xlo = schema["exclusiveMinimum"]
+            checks.append(lambda x: not _is_number(x) or x > xlo)
+        if "exclusiveMaximum" in schema:
+            xhi = schema["exclusiveMaximum"]
+            checks.append(lambda x: not _is_number(x) or x < xhi)
+        if "multipleOf" in schema:
+            d = schema["multipleOf"]
+            checks.append(lambda x: not _is_number(x) or is_multiple_of(x, d))
+
+    def object(self, schema: dict[str, Any], checks: list[Check]) -> None:
+        props = {k: self.compile(v) for k, v in schema.get("properties", {}).items()}
+        required = tuple(schema.get("required", ()))
+        additional = schema.get("additionalProperties", True)
+        extra: Check | None = None if additional is True else self.compile(additional)
+        names: Check | None = None
+        if "propertyNames" in schema:
+            names = self.compile(schema["propertyNames"])
+        min_p = schema.get("minProperties")
+        max_p = schema.get("maxProperties")
+        if not (props or required or extra or names or min_p is not None or max_p is not None):
+            return
+
+        def check_object(x: Any) -> bool:
+            if type(x) is not dict:
+                return True
+            for r in required:
+                if r not in x:
+                    return False
+            if min_p is not None and len(x) < min_p:
+                return False
+            if max_p is not None and len(x) > max_p:
+                return False
+            for k, v in x.items():
+                if names is not None and not names(k):
+                    return False
+                sub = props.get(k)
+                if sub is not None:
+                    if not sub(v):
+                        return False
+                elif extra is not None and not extra(v):
+                    return False
+            return True
+
+        checks.append(check_object)
+
+    def array(self, schema: dict[str, Any], checks: list[Check]) -> None:
+        items = self.compile(schema["items"]) if "items" in schema else None
+        min_i = schema.get("minItems")
+        max_i = schema.get("maxItems")
+        unique = bool(schema.get("uniqueItems", False))
+        if items is None and min_i is None and max_i is None and not unique:
+            return
+
+        def check_array(x: Any) -> bool:
+            if type(x) is not list:
+                return True
+            if min_i is not None and len(x) < min_i:
+                return False
+            if max_i is not None and len(x) > max_i:
+                return False
+            if items is not None and not all(items(i) for i in x):
+                return False
+            if unique:
+                # Only strings are hashed here: JSON equality of other values (1 == 1.0,
+                # true != 1) is left to the library's own helper.
+                if all(type(i) is str for i in x):
+                    return len(set(x)) == len(x)
+                return bool(_jsu.uniq(x))
+            return True
+
+        checks.append(check_array)
+
+    def combinators(self, schema: dict[str, Any], checks: list[Check]) -> None:
+        if "allOf" in schema:
+            subs = [self.compile(s) for s in schema["allOf"]]
+            checks.append(lambda x: all(s(x) for s in subs))
+        if "anyOf" in schema:
+            any_subs = [self.compile(s) for s in schema["anyOf"]]
+            checks.append(lambda x: any(s(x) for s in any_subs))
+        if "oneOf" in schema:
+            one_subs = [self.compile(s) for s in schema["oneOf"]]
+            checks.append(lambda x: sum(1 for s in one_subs if s(x)) == 1)
+        if "not" in schema:
+            neg = self.compile(schema["not"])
+            checks.append(lambda x: not neg(x))
 
 
 def _is_number(x: Any) -> bool:
@@ -388,106 +569,13 @@ def _is_number(x: Any) -> bool:
     return t is int or t is float
 
 
-def _compile_numeric(schema: dict[str, Any], checks: list[Check]) -> None:
-    if "minimum" in schema:
-        lo = schema["minimum"]
-        checks.append(lambda x: not _is_number(x) or x >= lo)
-    if "maximum" in schema:
-        hi = schema["maximum"]
-        checks.append(lambda x: not _is_number(x) or x <= hi)
-    if "exclusiveMinimum" in schema:
-        xlo = schema["exclusiveMinimum"]
-        checks.append(lambda x: not _is_number(x) or x > xlo)
-    if "exclusiveMaximum" in schema:
-        xhi = schema["exclusiveMaximum"]
-        checks.append(lambda x: not _is_number(x) or x < xhi)
-    if "multipleOf" in schema:
-        d = schema["multipleOf"]
-        checks.append(lambda x: not _is_number(x) or is_multiple_of(x, d))
-
-
-def _compile_object(schema: dict[str, Any], checks: list[Check]) -> None:
-    props: dict[str, Check] = {k: compile_fast(v) for k, v in schema.get("properties", {}).items()}
-    required = tuple(schema.get("required", ()))
-    additional = schema.get("additionalProperties", True)
-    extra: Check | None = None if additional is True else compile_fast(additional)
-    min_p = schema.get("minProperties")
-    max_p = schema.get("maxProperties")
-    if not (props or required or extra is not None or min_p is not None or max_p is not None):
-        return
-
-    def check_object(x: Any) -> bool:
-        if type(x) is not dict:
-            return True
-        for r in required:
-            if r not in x:
-                return False
-        if min_p is not None and len(x) < min_p:
-            return False
-        if max_p is not None and len(x) > max_p:
-            return False
-        for k, v in x.items():
-            sub = props.get(k)
-            if sub is not None:
-                if not sub(v):
-                    return False
-            elif extra is not None and not extra(v):
-                return False
-        return True
-
-    checks.append(check_object)
-
-
-def _compile_array(schema: dict[str, Any], checks: list[Check]) -> None:
-    items = compile_fast(schema["items"]) if "items" in schema else None
-    min_i = schema.get("minItems")
-    max_i = schema.get("maxItems")
-    unique = bool(schema.get("uniqueItems", False))
-    if items is None and min_i is None and max_i is None and not unique:
-        return
-
-    def check_array(x: Any) -> bool:
-        if type(x) is not list:
-            return True
-        if min_i is not None and len(x) < min_i:
-            return False
-        if max_i is not None and len(x) > max_i:
-            return False
-        if items is not None and not all(items(i) for i in x):
-            return False
-        if unique:
-            # Only strings are hashed here: JSON equality of other values (1 == 1.0,
-            # true != 1) is left to the library's own helper.
-            if all(type(i) is str for i in x):
-                return len(set(x)) == len(x)
-            return bool(_jsu.uniq(x))
-        return True
-
-    checks.append(check_array)
-
-
-def _compile_combinators(schema: dict[str, Any], checks: list[Check]) -> None:
-    if "allOf" in schema:
-        subs = [compile_fast(s) for s in schema["allOf"]]
-        checks.append(lambda x: all(s(x) for s in subs))
-    if "anyOf" in schema:
-        any_subs = [compile_fast(s) for s in schema["anyOf"]]
-        checks.append(lambda x: any(s(x) for s in any_subs))
-    if "oneOf" in schema:
-        one_subs = [compile_fast(s) for s in schema["oneOf"]]
-        checks.append(lambda x: sum(1 for s in one_subs if s(x)) == 1)
-    if "not" in schema:
-        neg = compile_fast(schema["not"])
-        checks.append(lambda x: not neg(x))
-
-
 _FAST_KEYWORDS = frozenset(
     {
         "type", "enum", "const", "pattern", "format", "minLength", "maxLength",
         "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
         "properties", "required", "additionalProperties", "minProperties", "maxProperties",
-        "items", "minItems", "maxItems", "uniqueItems",
-        "allOf", "anyOf", "oneOf", "not",
+        "propertyNames", "items", "minItems", "maxItems", "uniqueItems",
+        "allOf", "anyOf", "oneOf", "not", "$ref", "$defs",
     }
 )  # fmt: skip
 

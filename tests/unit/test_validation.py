@@ -243,7 +243,8 @@ def test_fast_validator_compiles_a_good_share_of_the_suite() -> None:
 @pytest.mark.parametrize(
     "schema",
     [
-        {"$ref": "#/$defs/x", "$defs": {"x": {}}},
+        {"$ref": "https://example.com/schemas/x.json"},
+        {"$ref": "#/$defs/missing", "$defs": {"x": {}}},
         {"patternProperties": {"a": {}}},
         {"prefixItems": [{}]},
         {"enum": [1, "a"]},
@@ -256,6 +257,17 @@ def test_fast_validator_compiles_a_good_share_of_the_suite() -> None:
 def test_schemas_outside_the_fast_subset_are_not_compiled(schema: Any) -> None:
     with pytest.raises(NotCompilable):
         compile_fast(schema)
+
+
+def test_local_refs_compile_recursively() -> None:
+    kids = {"type": "array", "items": {"$ref": "#/$defs/node"}}
+    node = {"type": "object", "additionalProperties": False,
+            "properties": {"v": {"type": "integer"}, "kids": kids}}  # fmt: skip
+    tree = {"$defs": {"node": node}, "$ref": "#/$defs/node"}
+    check = compile_fast(tree)
+    assert check({"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}]})
+    assert not check({"v": 1, "kids": [{"v": 2, "kids": [{"v": "3"}]}]})
+    assert not check({"v": 1, "kids": [{"x": 1}]})
 
 
 # --- (c) fast == reference on the contracts, over generated instances -------------------------
