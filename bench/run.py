@@ -225,6 +225,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved (a)/(b) rounds")
     args = ap.parse_args()
 
+    # In process and before any broker starts: the core needs none, and a JVM warming
+    # up on the same two cores would be measured along with it.
+    print("(d) decision core, cancel_order, in process ...", flush=True)
+    core = decision_core()
     stack = None
     if args.bootstrap:
         settings = Settings(bootstrap_servers=args.bootstrap, metrics_port=0)
@@ -237,8 +241,6 @@ def main() -> None:
     settings = settings.model_copy(update={"contracts_dir": ROOT / "contracts"})
     try:
         records = corpus(args.count)
-        print("(d) decision core, cancel_order, in process ...", flush=True)
-        core = decision_core()
         runs: dict[str, list[dict[str, Any]]] = {"passthrough": [], "toolsentry": []}
         for n in range(args.rounds):
             for mode in ("passthrough", "toolsentry"):  # interleaved: drift hits both alike
