@@ -99,17 +99,14 @@ def strict_loads(text: bytes | str, max_depth: int) -> Any:
         depth = _depth(value)
         if depth > max_depth:
             raise _TooDeep(f"nested {depth} levels deep; at most {max_depth} are accepted")
-    big = _LONG_DIGITS.search(raw) is not None
-    if big or orjson.dumps(value) != raw:
-        exact = json.loads(raw, object_pairs_hook=_no_duplicates)
-        if big:
-            # orjson reads integers beyond 64 bits as floats; the model's digits must
-            # reach the executor unchanged, so the exact parse supplies the value.
-            value = exact
+    if orjson.dumps(value) != raw:
+        # The exact parser's value is kept: orjson reads integers beyond 64 bits as
+        # floats, and such a float never re-serialises to the digits the text had,
+        # so a big integer always lands here and reaches the executor unchanged.
+        value = json.loads(raw, object_pairs_hook=_no_duplicates)
     return value
 
 
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
 _RECOVERY_MAX_BRACKETS = 256
 
 
