@@ -405,6 +405,44 @@ def examples(doc: dict[str, Any], _tools: tuple[str, ...]) -> Iterator[Issue]:
         )
 
 
+# "Obtain via lookup_order or from the customer": a second name counts only when it
+# is snake_case, as tool names are and English words are not.
+_TOOL_IN_HINT = re.compile(
+    r"[Oo]btain(?:ed)? (?:it )?(?:via|from|with) ([a-z][a-z0-9_]*)(?: or ([a-z0-9]+_[a-z0-9_]+))?"
+)
+
+
+def unknown_tool_named(doc: dict[str, Any], tools: tuple[str, ...]) -> Iterator[Issue]:
+    """A hint, lookup or compensation that names a tool the set lacks sends the model
+    to call something that will be refused as unknown."""
+    if len(tools) < 2:
+        return  # a contract linted alone has no set to be checked against
+    known = set(tools)
+    for prop in walk_properties(doc):
+        description = prop.schema.get("description")
+        if not isinstance(description, str):
+            continue
+        for match in _TOOL_IN_HINT.finditer(description):
+            for name in filter(None, match.groups()):
+                # Tool names are snake_case; a plain word ("from the catalogue") is prose.
+                if "_" in name and name not in known:
+                    yield Issue(
+                        "error",
+                        pointer(*prop.pointer.strip("/").split("/"), "description"),
+                        f"'{prop.name}' says to obtain it via {name}, which is not in the set",
+                    )
+    references = _get(doc, "semantics", "references")
+    for i, ref in enumerate(references if isinstance(references, list) else []):
+        name = ref.get("lookup_tool") if isinstance(ref, dict) else None
+        if isinstance(name, str) and name not in known:
+            yield Issue("error", pointer("semantics", "references", i, "lookup_tool"),
+                        f"lookup tool {name} is not in the set")  # fmt: skip
+    compensation = _get(doc, "transactional", "compensation_tool")
+    if isinstance(compensation, str) and compensation not in known:
+        yield Issue("error", pointer("transactional", "compensation_tool"),
+                    f"compensation tool {compensation} is not in the set")  # fmt: skip
+
+
 RULES: dict[str, Rule] = {
     "open-object": open_object,
     "free-text-enum": free_text_enum,
@@ -418,6 +456,7 @@ RULES: dict[str, Rule] = {
     "missing-timeout": missing_timeout,
     "secret-parameter": secret_parameter,
     "examples": examples,
+    "unknown-tool-named": unknown_tool_named,
 }
 
 

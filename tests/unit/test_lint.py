@@ -20,6 +20,10 @@ SOURCE = "cancel_order/1.0.0.yaml"
 BASE: dict[str, Any] = yaml.safe_load((CONTRACTS_DIR / SOURCE).read_text())
 # A second tool sharing the "order" stem, so the sibling rule has something to ask for.
 SIBLING: dict[str, Any] = yaml.safe_load((CONTRACTS_DIR / "lookup_order/1.0.0.yaml").read_text())
+# The two-tool fixture set must be closed: its hints may only name its own tools.
+SIBLING["affordance"]["input_schema"]["properties"]["customer_id"]["description"] = (
+    "Customer id, format CUS-NNNNNN, e.g. CUS-004211. Obtain via lookup_order."
+)
 
 
 def findings_for(mutate: Callable[[dict[str, Any]], None]) -> list[Finding]:
@@ -218,6 +222,7 @@ def test_every_rule_has_a_failing_fixture_above() -> None:
         "unconfirmed-high-risk",
         "missing-timeout",
         "secret-parameter",
+        "unknown-tool-named",
         "examples",
     }
     assert set(RULES) == tested
@@ -296,3 +301,25 @@ def test_cli_clean_pack_exits_0(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["contracts", "lint", str(pack), "--format", "json"])
     assert result.exit_code == 0
     assert json.loads(result.stdout) == []
+
+
+def test_hints_lookups_and_compensations_must_name_tools_of_the_set() -> None:
+    doc = copy.deepcopy(BASE)
+    doc["affordance"]["input_schema"]["properties"]["order_id"]["description"] = (
+        "Work order id. Obtain via find_work_order or from the customer."
+    )
+    doc["semantics"] = {"references": [{"argument": "order_id", "entity": "order",
+                                        "allowed_states": ["received"],
+                                        "lookup_tool": "order_finder_v9"}]}  # fmt: skip
+    doc["transactional"]["compensation_tool"] = "uncancel_order"
+    lookup = yaml.safe_load((CONTRACTS_DIR / "lookup_order" / "1.0.0.yaml").read_text())
+    findings = [
+        f
+        for f in lint([("bad.yaml", doc), ("lookup.yaml", lookup)])
+        if f.rule == "unknown-tool-named" and f.file == "bad.yaml"
+    ]
+    assert {(f.path, f.severity) for f in findings} == {
+        ("/affordance/input_schema/properties/order_id/description", "error"),
+        ("/semantics/references/0/lookup_tool", "error"),
+        ("/transactional/compensation_tool", "error"),
+    }
