@@ -169,6 +169,23 @@ def trace_id_for(proposal_id: str, traceparent: str | None) -> str:
     return hashlib.sha256(proposal_id.encode()).hexdigest()[:32]
 
 
+def _claimed_id(env: dict[str, Any], key: str, errors: list[FieldError]) -> str | None:
+    """The envelope's id under ``key``, or None with the reason added to ``errors``."""
+    value = env.get(key)
+    if _is_id(value):
+        return value
+    errors.append(
+        _err(
+            key,
+            "missing_field" if value is None else "invalid_value",
+            f"{key} must be a string of 1-256 printable characters",
+            "string",
+            value,
+        )
+    )
+    return None
+
+
 def _utf8(text: str) -> bool:
     """False for a string holding lone surrogates (only a lenient parse lets them in)."""
     try:
@@ -235,30 +252,9 @@ def parse_proposal(
 
     errors: list[FieldError] = [strict_error] if strict_error else []
     warnings: list[str] = []
-    claimed_pid = env.get("proposal_id")
-    pid = claimed_pid if _is_id(claimed_pid) else _proposal_id(src)
-    if not _is_id(claimed_pid):
-        errors.append(
-            _err(
-                "proposal_id",
-                "missing_field" if claimed_pid is None else "invalid_value",
-                "proposal_id must be a string of 1-256 printable characters",
-                "string",
-                claimed_pid,
-            )
-        )
-    tenant = env.get("tenant_id")
-    if not _is_id(tenant):
-        errors.append(
-            _err(
-                "tenant_id",
-                "missing_field" if tenant is None else "invalid_value",
-                "tenant_id must be a string of 1-256 printable characters",
-                "string",
-                tenant,
-            )
-        )
-        tenant = None
+    claimed_pid = _claimed_id(env, "proposal_id", errors)
+    pid = claimed_pid if claimed_pid is not None else _proposal_id(src)
+    tenant = _claimed_id(env, "tenant_id", errors)
 
     tool = env.get("tool")
     tool_name: str | None = None
