@@ -32,7 +32,7 @@ from processor.contracts.registry import load_contracts
 from processor.gates.parse import Limits
 from processor.kafka.topics import ensure_topics
 from processor.model import SourceRecord
-from processor.pipeline import decide
+from processor.pipeline import Gates, decide
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,13 +194,13 @@ def decision_core(n: int = 20_000, repeats: int = 5) -> dict[str, float]:
         "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     }
     record = SourceRecord("tool.proposals", 0, 0, b"run-1", orjson.dumps(env), 0)
-    limits = Limits()
+    gates = Gates.development(contracts, Limits())
     medians, p99s = [], []
     for _ in range(repeats):
         timings = []
         for _ in range(n):
             t = time.perf_counter()
-            decide(record, contracts, limits, 1)
+            decide(record, gates, 1)
             timings.append(time.perf_counter() - t)
         timings.sort()
         medians.append(timings[n // 2] * 1e6)

@@ -25,6 +25,7 @@ from types import FrameType
 from typing import Any, cast
 
 import orjson
+import redis
 from confluent_kafka import (
     Consumer,
     KafkaError,
@@ -34,9 +35,22 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from processor.approval_flow import (
+    EXPIRY_CHECK,
+    ApprovalInput,
+    dead_letter,
+    ignored,
+    outcome_decision,
+    parked_entry,
+    parse_approval_record,
+    position,
+    verify_decision,
+)
+from processor.approvals import load_approvers, parse_iso_ms
 from processor.codec.records import (
     dlq_headers,
     dlq_value,
+    encode_approval_request,
     encode_approved_call,
     encode_observation,
 )
@@ -44,9 +58,21 @@ from processor.config import Settings
 from processor.contracts.registry import ContractSet, load_contracts
 from processor.contracts.watch import ContractWatcher
 from processor.gates.parse import Limits
+from processor.identity import Verifier
 from processor.metrics import Metrics
-from processor.model import Decision, Outcome, SourceRecord
-from processor.pipeline import decide
+from processor.model import (
+    Decision,
+    FieldError,
+    Gate,
+    Outcome,
+    Rejection,
+    SourceRecord,
+    TaxonomyClass,
+)
+from processor.pipeline import Gates, decide_batch
+from processor.policy import load_policy
+from processor.state.approvals import ApprovalStore, retain_ms
+from processor.state.references import ReferenceLoader, ReferenceStore
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +100,10 @@ def stop_on_signals() -> tuple[threading.Event, threading.Event]:
     signal.signal(signal.SIGINT, on_stop)
     signal.signal(signal.SIGHUP, on_hup)
     return stop, reload
+
+
+class DependencyDown(Exception):
+    """Redis could not answer; the batch is rewound and retried, nothing is let through."""
 
 
 class UnsafeSetting(ValueError):
@@ -166,6 +196,23 @@ class Processor:
             settings.contracts_dir, self.contracts, self.metrics, settings.contracts_poll_s,
             reload_requested,
         )  # fmt: skip
+        verifier = Verifier.from_settings(settings.identity)
+        self.metrics.identity_development.set(1 if verifier.development else 0)
+        self.gates = Gates(
+            self.contracts,
+            self.limits,
+            verifier,
+            load_policy(settings.policy_file),
+            load_approvers(settings.approvers_file),
+        )
+        self.redis: redis.Redis[bytes] = redis.Redis.from_url(
+            settings.redis_url, socket_timeout=5, socket_connect_timeout=2
+        )
+        self.references = ReferenceStore(self.redis)
+        self.approval_store = ApprovalStore(self.redis)
+        self.loader = ReferenceLoader(settings, self.redis, self.metrics)
+        self.sweeper = ExpirySweeper(settings, self.approval_store, self.metrics, self._stop)
+        self._redis_backoff = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -175,6 +222,8 @@ class Processor:
 
     def run(self) -> None:
         self.watcher.start()
+        self.loader.start()
+        self.sweeper.start()
         try:
             while not self._stop.is_set():
                 try:
@@ -184,6 +233,8 @@ class Processor:
                     time.sleep(0.5)
         finally:
             self.watcher.stop()
+            self.loader.stop()
+            self.sweeper.join()
 
     def _swap_contracts(self) -> None:
         """Take a newly loaded contract set; only ever between batches."""
@@ -192,6 +243,7 @@ class Processor:
             return
         old = self.contracts
         self.contracts = loaded
+        self.gates = self.gates.with_contracts(loaded)
         self.metrics.contract_set.remove(old.fingerprint, str(len(old)))
         self.metrics.contract_set.labels(loaded.fingerprint, str(len(loaded))).set(1)
 
@@ -206,7 +258,7 @@ class Processor:
             consumer = Consumer({**consumer_config(s), "stats_cb": self._on_stats})
             stack.callback(consumer.close)
             consumer.subscribe(
-                [s.topics.proposals],
+                [s.topics.proposals, s.topics.approvals],
                 on_assign=self._on_assign,
                 on_revoke=self._on_revoke,
                 on_lost=self._on_revoke,
@@ -243,7 +295,12 @@ class Processor:
                 logger.warning("consumer error: %s", err)
         if not records:
             return
-        decisions = self.decide_batch(records)
+        try:
+            decisions = self.decide_batch(records)
+        except DependencyDown as exc:
+            self._wait_for_redis(consumer, records, exc)
+            return
+        self._redis_backoff = 0.0
         try:
             producer.begin_transaction()
             # Offsets first: the broker is often still writing the previous commit's
@@ -264,8 +321,114 @@ class Processor:
         self.metrics.record_batch(decisions, time.perf_counter() - started)
 
     def decide_batch(self, records: list[Message]) -> list[Decision]:
+        """Decide every record of a batch: proposals through the gates, approval
+        decisions against their parked calls; Redis state settled in one round trip."""
         now_ms = int(time.time() * 1000)
-        return [decide(_source(m), self.contracts, self.limits, now_ms) for m in records]
+        srcs = [_source(m) for m in records]
+        approvals_topic = self.settings.topics.approvals
+        proposals = [s for s in srcs if s.topic != approvals_topic]
+        try:
+            decided = iter(decide_batch(proposals, self.gates, now_ms, self.references.lookup))
+            slots: list[Decision | ApprovalInput] = []
+            for src in srcs:
+                if src.topic != approvals_topic:
+                    slots.append(next(decided))
+                    continue
+                item = parse_approval_record(src)
+                slots.append(dead_letter(src, item) if isinstance(item, str) else item)
+            return self._settle(slots, now_ms)
+        except redis.RedisError as exc:
+            raise DependencyDown(f"redis: {exc}") from exc
+
+    def _settle(self, slots: list[Decision | ApprovalInput], now_ms: int) -> list[Decision]:
+        """Spend approvals, park calls and apply approval decisions, replay-safely."""
+        wanted = [
+            (x.tenant_id, x.request_id)
+            for x in slots
+            if isinstance(x, ApprovalInput) and x.kind != EXPIRY_CHECK
+        ]
+        entries = self.approval_store.entries(wanted)
+        out: list[Decision | None] = [x if isinstance(x, Decision) else None for x in slots]
+        ops: list[tuple[str, dict[str, Any]]] = []
+        owners: list[int] = []
+        for i, x in enumerate(slots):
+            if isinstance(x, ApprovalInput):
+                op = self._approval_op(x, entries, out, i)
+            else:
+                op = _proposal_op(x, now_ms)
+            if op is not None:
+                ops.append(op)
+                owners.append(i)
+        for i, result in zip(owners, self.approval_store.apply(ops), strict=True):
+            x = slots[i]
+            if isinstance(x, ApprovalInput):
+                out[i] = self._approval_outcome(x, result)
+                continue
+            if result.status == "reused":
+                out[i] = _reused(x, result.detail)
+                self.metrics.approvals.labels("reused").inc()
+            elif x.outcome is Outcome.PARKED:
+                x.extra["publish_request"] = result.status == "parked"
+                self.metrics.approvals.labels("requested").inc()
+        return [d for d in out if d is not None]
+
+    def _approval_op(
+        self,
+        item: ApprovalInput,
+        entries: dict[tuple[str, str], dict[str, Any] | None],
+        out: list[Decision | None],
+        i: int,
+    ) -> tuple[str, dict[str, Any]] | None:
+        pos = position(item.src)
+        if item.kind == EXPIRY_CHECK:
+            op = {"op": "expire", "rid": item.request_id, "pos": pos, "now": item.src.timestamp_ms}
+            return item.tenant_id, op
+        entry = entries.get((item.tenant_id, item.request_id))
+        if entry is None:
+            out[i] = dead_letter(item.src, "approval_unknown_request", item.request_id)
+            self.metrics.approvals.labels("refused").inc()
+            return None
+        verified = verify_decision(item, entry, self.gates.approvers)
+        if isinstance(verified, FieldError):
+            out[i] = dead_letter(item.src, verified.code, verified.message)
+            self.metrics.approvals.labels("refused").inc()
+            logger.warning("approval for %s refused: %s", item.request_id, verified.message)
+            return None
+        expires = parse_iso_ms(str(item.approval["expires_at"])) if item.approval else 0
+        op = {
+            "op": "decide",
+            "rid": item.request_id,
+            "approval_id": verified.approval_id,
+            "approver": verified.approver_id,
+            "decision": verified.decision,
+            "reason": verified.reason or "",
+            "pos": pos,
+            "now": item.src.timestamp_ms,
+            "ttl": retain_ms(expires, item.src.timestamp_ms),
+        }
+        return item.tenant_id, op
+
+    def _approval_outcome(self, item: ApprovalInput, result: Any) -> Decision:
+        if result.status == "reused":
+            self.metrics.approvals.labels("reused").inc()
+            return dead_letter(item.src, "approval_reused", item.request_id)
+        decision = outcome_decision(item, result)
+        if decision is None:
+            label = "pending" if result.status == "pending" else "ignored"
+            self.metrics.approvals.labels(label).inc()
+            return ignored(item.src, result.status)
+        self.metrics.approvals.labels(result.status).inc()
+        return decision
+
+    def _wait_for_redis(
+        self, consumer: Consumer, records: list[Message], exc: DependencyDown
+    ) -> None:
+        """Redis is down: decide nothing, rewind, back off. Lag grows; nothing gets through."""
+        self.metrics.dependency_errors.labels("redis").inc()
+        self._redis_backoff = min(max(self._redis_backoff * 2, 0.2), 5.0)
+        logger.warning("%s; batch rewound, retrying in %.1fs", exc, self._redis_backoff)
+        self._rewind(consumer, records)
+        self._stop.wait(self._redis_backoff)
 
     def produce_batch(
         self, producer: Producer, records: list[Message], decisions: list[Decision]
@@ -276,14 +439,18 @@ class Processor:
     def _produce(self, producer: Producer, m: Message, d: Decision) -> None:
         topics = self.settings.topics
         fp = self.contracts.fingerprint
+        if d.outcome is Outcome.IGNORED:
+            return
         if d.outcome is Outcome.DEAD_LETTER:
             self._send(producer, topics.dlq, m.key(), dlq_value(m.value()), dlq_headers(d))
             return
         key = d.proposal.run_id.encode() if d.proposal else m.key()
         try:
-            call = None
+            call = request = None
             if d.outcome is Outcome.ROUTED and d.side_effect_class is not None:
                 call = encode_approved_call(d, fp)
+            if d.outcome is Outcome.PARKED and d.extra.get("publish_request", True):
+                request = encode_approval_request(d, fp)
             observation = encode_observation(d, fp)
         except Exception as exc:
             # Not expected; but a record we cannot encode must neither stop the
@@ -294,6 +461,8 @@ class Processor:
             return
         if call is not None and d.side_effect_class is not None:
             self._send(producer, topics.execution(d.side_effect_class.value), key, call)
+        if request is not None:
+            self._send(producer, topics.approval_requests, key, request)
         self._send(producer, topics.observations, key, observation)
 
     @staticmethod
@@ -333,6 +502,9 @@ class Processor:
         logger.warning("transaction failed (%s); aborting and rewinding the batch", err)
         with contextlib.suppress(KafkaException):
             producer.abort_transaction(30)
+        self._rewind(consumer, records)
+
+    def _rewind(self, consumer: Consumer, records: list[Message]) -> None:
         for tp in _first_offsets(records):
             if (tp.topic, tp.partition) in self._assigned:
                 with contextlib.suppress(KafkaException):
@@ -381,6 +553,97 @@ class Processor:
                     self.metrics.consumer_lag.labels(pid).set(lag)
         except Exception:
             logger.debug("unreadable librdkafka stats", exc_info=True)
+
+
+def _proposal_op(d: Decision, now_ms: int) -> tuple[str, dict[str, Any]] | None:
+    """The Redis effect a proposal's decision needs, keyed by its input position."""
+    p = d.proposal
+    if p is None or d.principal is None:
+        return None
+    tenant = d.principal.tenant_id
+    pos = position(d.source)
+    if d.outcome is Outcome.ROUTED and d.call is not None and d.call.approval_ids:
+        expires = max((_expiry(a) for a in p.approvals if isinstance(a, dict)), default=now_ms)
+        consume: dict[str, Any] = {"op": "consume", "ids": list(d.call.approval_ids), "pos": pos}
+        consume["ttl"] = retain_ms(expires, now_ms)
+        return tenant, consume
+    if d.outcome is Outcome.PARKED and d.approval_request is not None:
+        entry = parked_entry(d)
+        op = {
+            "op": "park",
+            "rid": entry["request_id"],
+            "entry": entry,
+            "pos": pos,
+            "ttl": retain_ms(entry["expires_at"], now_ms),
+        }
+        return tenant, op
+    return None
+
+
+def _expiry(approval: dict[str, Any]) -> int:
+    try:
+        return parse_iso_ms(str(approval.get("expires_at")))
+    except ValueError:
+        return 0
+
+
+def _reused(d: Decision, approval_id: str | None) -> Decision:
+    """A routed call whose approval another record already spent: stopped after all."""
+    d.outcome = Outcome.REJECTED
+    d.gate = Gate.CONFIRMATION
+    d.call = None
+    d.rejection = Rejection(
+        TaxonomyClass.CONFIRMATION_MISSING,
+        Gate.CONFIRMATION,
+        (FieldError("approvals", f"approval {approval_id} was already used", "approval_reused"),),
+        "An approval is good for one execution only; nothing ran. Propose the call without "
+        "an approval to request a new one.",
+    )
+    return d
+
+
+class ExpirySweeper(threading.Thread):
+    """Publishes an expiry check for each parked call whose time is up.
+
+    The check goes through ``tool.approvals`` like any decision, so the expiry
+    observation is written by the transactional loop, exactly once. A check
+    that is lost is simply sent again a little later."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: ApprovalStore,
+        metrics: Metrics,
+        stop: threading.Event,
+        every_s: float = 1.0,
+    ) -> None:
+        super().__init__(name="expiry-sweeper", daemon=True)
+        self.settings, self.store, self.metrics, self._halt = settings, store, metrics, stop
+        self.every_s = every_s
+
+    def run(self) -> None:
+        producer: Producer | None = None
+        while not self._halt.wait(self.every_s):
+            try:
+                due = self.store.due(int(time.time() * 1000))
+                if not due:
+                    continue
+                if producer is None:
+                    producer = Producer(self.settings.client_config(**{"enable.idempotence": True}))
+                for tenant, rid in due:
+                    body = {"type": EXPIRY_CHECK, "tenant_id": tenant, "request_id": rid}
+                    producer.produce(
+                        self.settings.topics.approvals, orjson.dumps(body), rid.encode()
+                    )
+                producer.flush(10)
+                retry_at = int(time.time() * 1000) + 30_000
+                for tenant, rid in due:
+                    self.store.postpone(tenant, rid, retry_at)
+            except (redis.RedisError, KafkaException, BufferError) as exc:
+                self.metrics.dependency_errors.labels("redis").inc()
+                logger.warning("expiry sweep failed: %s", exc)
+        if producer is not None:
+            producer.flush(5)
 
 
 def _where(m: Message) -> tuple[str, int, int]:

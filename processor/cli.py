@@ -24,8 +24,18 @@ stack_app = typer.Typer(
     help="The local Kafka broker and redis-server (no Docker needed).", no_args_is_help=True
 )
 contracts_app = typer.Typer(help="Tool contracts: check and list.", no_args_is_help=True)
+approvals_app = typer.Typer(
+    help="The approval queue: list, show, approve, reject parked calls.", no_args_is_help=True
+)
+keys_app = typer.Typer(help="Development key material (issuer and approvers).")
+reference_app = typer.Typer(
+    help="Publish reference data (entity states) to tool.reference.", no_args_is_help=True
+)
 app.add_typer(stack_app, name="stack")
 app.add_typer(contracts_app, name="contracts")
+app.add_typer(approvals_app, name="approvals")
+app.add_typer(keys_app, name="keys")
+app.add_typer(reference_app, name="reference")
 console = Console()
 
 ConfigOpt = Annotated[
@@ -77,10 +87,17 @@ def run(
         bootstrap_servers=bootstrap_servers,
     )
     _logging(s.log_level)
+    from processor.approvals import ApproverError
+    from processor.identity import KeyError_
+    from processor.policy import PolicyError
+
     try:
         processor = Processor(s, stop_requested=stop, reload_requested=reload)
     except ContractError as exc:
         console.print(f"[red]contracts refused[/red]\n{exc}")
+        raise typer.Exit(2) from exc
+    except (PolicyError, ApproverError, KeyError_, OSError) as exc:
+        console.print(f"[red]cannot start[/red]: {exc}")
         raise typer.Exit(2) from exc
     serve(s.metrics_port)
     processor.run()
@@ -288,6 +305,173 @@ def contracts_show(
         hint = f"; did you mean: {', '.join(exc.suggestions)}" if exc.suggestions else ""
         typer.echo(f"{exc}{hint}", err=True)
         raise typer.Exit(1) from exc
+
+
+# -- keys, reference data, approvals ----------------------------------------------------------
+
+
+@keys_app.command("init")
+def keys_init(
+    directory: Annotated[Path, typer.Argument(help="Where to write the keys.")] = Path(
+        ".stack/keys"
+    ),
+) -> None:
+    """Create a development issuer key (and its JWKS) and two approvers' keys."""
+    from processor.keys import init_keys
+
+    bundle = init_keys(directory)
+    console.print(f"issuer private key  {bundle.issuer}")
+    console.print(f"JWKS for processors {bundle.jwks}   (TOOLSENTRY_IDENTITY__JWKS_FILE)")
+    console.print(f"approvers           {bundle.approvers}   (TOOLSENTRY_APPROVERS_FILE)")
+
+
+@reference_app.command("put")
+def reference_put(
+    key: Annotated[str, typer.Argument(help="tenant/entity/id, e.g. acme/order/WO-12345-A")],
+    state: Annotated[str | None, typer.Option(help="The entity's state; omit to delete.")] = None,
+    owner: Annotated[str | None, typer.Option(help="Who the entity belongs to.")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Publish one entity (or its tombstone) to tool.reference."""
+    from processor.reference_data import publish_references
+
+    s = _settings(config)
+    value = None if state is None else {"state": state, **({"owner": owner} if owner else {})}
+    publish_references(s, [(key, value)])
+    console.print(f"{key}: {'deleted' if value is None else state}")
+
+
+def _approval_store(s: Settings) -> Any:
+    import redis
+
+    from processor.state.approvals import ApprovalStore
+
+    return ApprovalStore(redis.Redis.from_url(s.redis_url, socket_timeout=5))
+
+
+@approvals_app.command("list")
+def approvals_list(
+    config: ConfigOpt = None,
+    all_: Annotated[bool, typer.Option("--all", help="Include ended requests.")] = False,
+) -> None:
+    """Parked calls waiting for approval, oldest first."""
+    from processor.approvals import iso
+
+    s = _settings(config)
+    entries = _approval_store(s).list_parked(include_ended=all_)
+    table = Table("request", "state", "tenant", "tool", "class", "approvals", "expires")
+    for e in entries:
+        table.add_row(
+            e["request_id"],
+            e["state"],
+            e["tenant_id"],
+            f"{e['tool_name']}@{e['tool_version']}",
+            e["side_effect_class"],
+            f"{len(e.get('approvers') or [])}/{e['needed']}",
+            iso(int(e["expires_at"])),
+        )
+    console.print(table)
+    console.print(f"{len(entries)} request(s)")
+
+
+@approvals_app.command("show")
+def approvals_show(request_id: str, config: ConfigOpt = None) -> None:
+    """The confirmation packet of one request: exactly what would run."""
+    from processor.approvals import iso
+
+    s = _settings(config)
+    e = _approval_store(s).find(request_id)
+    if e is None:
+        typer.echo(f"no request {request_id}", err=True)
+        raise typer.Exit(1)
+    rows = [
+        ("request", e["request_id"]),
+        ("state", e["state"]),
+        ("action", e["action"]),
+        ("consequence", e["consequence"]),
+        ("arguments", e["arguments"]),
+        ("before state", e.get("before_state") or "(no reference data)"),
+        ("risk", f"{e['side_effect_class']}: {e['risk_reason']}"),
+        ("approvals", f"{len(e.get('approvers') or [])} of {e['needed']}"),
+        ("requested by", f"{e['requested_by_user']} via {e['requested_by_agent']}"),
+        ("tenant / run", f"{e['tenant_id']} / {e['run_id']}"),
+        ("trace", e["trace_id"]),
+        ("payload hash", e["payload_hash"]),
+        ("idempotency", e["idempotency_key"]),
+        ("expires", iso(int(e["expires_at"]))),
+        ("if rejected", e["rejection_path"]),
+    ]
+    table = Table(show_header=False)
+    for k, v in rows:
+        table.add_row(k, str(v))
+    console.print(table)
+
+
+def _decide(
+    request_id: str, decision: str, key: Path, approver_id: str, reason: str | None, s: Settings
+) -> None:
+    import time
+
+    from confluent_kafka import Producer
+
+    from processor.approvals import load_private_key, sign_approval
+
+    e = _approval_store(s).find(request_id)
+    if e is None:
+        typer.echo(f"no request {request_id}", err=True)
+        raise typer.Exit(1)
+    if e["state"] != "parked":
+        typer.echo(f"request {request_id} is already {e['state']}", err=True)
+        raise typer.Exit(1)
+    approval = sign_approval(
+        load_private_key(key),
+        approver_id=approver_id,
+        tenant_id=e["tenant_id"],
+        trace_id=e["trace_id"],
+        tool_name=e["tool_name"],
+        tool_version=e["tool_version"],
+        payload_hash=e["payload_hash"],
+        decision=decision,
+        request_id=request_id,
+        now_ms=int(time.time() * 1000),
+        reason=reason,
+    )
+    producer = Producer(s.client_config(**{"enable.idempotence": True}))
+    producer.produce(s.topics.approvals, json.dumps(approval).encode(), e["run_id"].encode())
+    if producer.flush(15):
+        typer.echo("the decision was not delivered", err=True)
+        raise typer.Exit(1)
+    console.print(f"{decision} {request_id} as {approver_id} ({approval['approval_id']})")
+
+
+KeyOpt = Annotated[
+    Path, typer.Option("--key", help="The approver's Ed25519 private key (JWK or PEM).")
+]
+ApproverOpt = Annotated[str, typer.Option("--as", help="Approver id, as in approvers.yaml.")]
+
+
+@approvals_app.command("approve")
+def approvals_approve(
+    request_id: str,
+    key: KeyOpt,
+    approver_id: ApproverOpt,
+    reason: Annotated[str | None, typer.Option(help="Why (kept with the decision).")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Sign and publish an approval for a parked call."""
+    _decide(request_id, "approved", key, approver_id, reason, _settings(config))
+
+
+@approvals_app.command("reject")
+def approvals_reject(
+    request_id: str,
+    key: KeyOpt,
+    approver_id: ApproverOpt,
+    reason: Annotated[str, typer.Option(help="Why; the agent is told.")],
+    config: ConfigOpt = None,
+) -> None:
+    """Sign and publish a rejection: the parked call ends without running."""
+    _decide(request_id, "rejected", key, approver_id, reason, _settings(config))
 
 
 def main() -> None:

@@ -63,6 +63,8 @@ class ToolsentryClient:
         )
         self._failed: list[KafkaError] = []
         self._seen: dict[str, dict[str, Any]] = {}
+        self._history: dict[str, list[dict[str, Any]]] = {}
+        """Every observation per proposal: a parked call gets one when parked, one when it ends."""
         self.arrivals: dict[str, float] = {}
         """proposal_id -> time.monotonic() when its observation was read."""
         self._cond = threading.Condition()
@@ -129,6 +131,7 @@ class ToolsentryClient:
                 with self._cond:
                     for o in got:
                         self._seen.setdefault(o["proposal_id"], o)
+                        self._history.setdefault(o["proposal_id"], []).append(o)
                         self.arrivals.setdefault(o["proposal_id"], now)
                     self._cond.notify_all()
 
@@ -213,6 +216,25 @@ class ToolsentryClient:
                     raise ObservationTimeout(f"no observation for {proposal_id} in {timeout}s")
                 self._cond.wait(left)
             return self._seen[proposal_id]
+
+    def wait_final(self, proposal_id: str, timeout: float = 30.0) -> dict[str, Any]:
+        """The observation that ends a proposal: for a parked call, the one after approval,
+        rejection or expiry, not the PENDING_APPROVAL one."""
+        self._producer.flush(timeout)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for o in self._history.get(proposal_id, ()):
+                    if o["decision"] != "PENDING_APPROVAL":
+                        return o
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ObservationTimeout(f"no final observation for {proposal_id}")
+                self._cond.wait(left)
+
+    def history(self, proposal_id: str) -> list[dict[str, Any]]:
+        with self._cond:
+            return list(self._history.get(proposal_id, ()))
 
     def call(
         self,

@@ -109,6 +109,26 @@ class StackSettings(BaseModel):
     ready_timeout_s: float = 120.0
 
 
+class IdentitySettings(BaseModel):
+    """Who is asking: principals come only from signed tokens verified with these keys."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: Literal["verify", "development"] = "verify"
+    """``development`` trusts the envelope's tenant and grants every scope. It is for a
+    laptop only: the processor logs it loudly, exports it as a metric, and every
+    observation carries a warning."""
+    jwks_file: Path | None = None
+    """A JWKS document (RFC 7517): Ed25519 (OKP), P-256 (EC) and HMAC (oct) keys."""
+    key_files: tuple[Path, ...] = ()
+    """Single keys: a PEM public key (kid = the file's stem) or one JWK in JSON."""
+    audience: str = "toolsentry"
+    issuer: str | None = None
+    """When set, tokens must carry exactly this ``iss``."""
+    leeway_s: int = 30
+    """Clock skew tolerated on ``exp`` and ``nbf``."""
+
+
 class Settings(BaseSettings):
     """Everything the processor, the client and the CLI read."""
 
@@ -117,6 +137,7 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         frozen=True,
         extra="forbid",
+        env_parse_none_str="null",
     )
 
     bootstrap_servers: str = "127.0.0.1:9092"
@@ -155,6 +176,14 @@ class Settings(BaseSettings):
     metrics_port: int = 9464
     """Prometheus /metrics port; 0 disables the endpoint."""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    identity: IdentitySettings = IdentitySettings()
+    policy_file: Path | None = Path("policy/policy.yaml")
+    """Tenant classes, confirmation, egress and secret-scanning policy; None means the
+    built-in defaults (every class allowed, approvals for the two riskiest classes)."""
+    approvers_file: Path | None = None
+    """Approvers and their Ed25519 public keys; without it no approval is ever valid."""
+    reference_group_id: str = "toolsentry.reference"
+    """Consumer group that materialises ``tool.reference`` into Redis."""
     log_level: str = "INFO"
     stack: StackSettings = StackSettings()
 
@@ -191,6 +220,9 @@ class Settings(BaseSettings):
             "TOOLSENTRY_KAFKA": json.dumps(self.kafka),
             "TOOLSENTRY_CONSUMER": json.dumps(self.consumer),
             "TOOLSENTRY_PRODUCER": json.dumps(self.producer),
+            "TOOLSENTRY_IDENTITY": self.identity.model_dump_json(),
+            "TOOLSENTRY_POLICY_FILE": _abs(self.policy_file),
+            "TOOLSENTRY_APPROVERS_FILE": _abs(self.approvers_file),
         }
         env.update(overrides)
         return env
@@ -198,6 +230,10 @@ class Settings(BaseSettings):
     @property
     def transactional_id(self) -> str:
         return f"{self.group_id}-{self.instance_id}"
+
+
+def _abs(path: Path | None) -> str:
+    return "null" if path is None else str(Path(path).resolve())
 
 
 class _FileSource(PydanticBaseSettingsSource):

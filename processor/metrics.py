@@ -84,6 +84,25 @@ class Metrics:
             registry=registry,
         )
 
+        self.references = PCounter(
+            "toolsentry_reference_records_total",
+            "tool.reference records written to Redis (applied) or refused as malformed.",
+            ["result"],
+            registry=registry,
+        )
+        self.approvals = PCounter(
+            "toolsentry_approvals_total",
+            "Approval activity: requested, released, rejected, expired, pending (awaiting a "
+            "second approver), refused (invalid decisions), reused, ignored.",
+            ["result"],
+            registry=registry,
+        )
+        self.identity_development = Gauge(
+            "toolsentry_identity_development_mode",
+            "1 when this instance does NOT verify principal tokens (development mode).",
+            registry=registry,
+        )
+
     def record_batch(self, decisions: Iterable[Decision], seconds: float) -> None:
         tally: Counter[tuple[str, str, str, str]] = Counter()
         dead: Counter[str] = Counter()

@@ -143,14 +143,55 @@ class Gate(StrEnum):
     PARSE = "parse"
     RESOLVE = "resolve"
     SCHEMA = "schema"
+    IDENTITY = "identity"
+    SEMANTIC = "semantic"
+    POLICY = "policy"
+    STATE = "state"
+    CONFIRMATION = "confirmation"
     ROUTE = "route"
+    APPROVAL = "approval"
+    """A decision on ``tool.approvals`` that released, rejected or expired a parked call."""
     INTERNAL = "internal"
 
 
 class Outcome(StrEnum):
     ROUTED = "ROUTED"
     REJECTED = "REJECTED"
+    PARKED = "PARKED"
+    """Waiting for approval: an approval request is published, the call is held in Redis."""
     DEAD_LETTER = "DEAD_LETTER"
+    IGNORED = "IGNORED"
+    """An input with nothing to answer (a duplicate approval decision, a spent timer)."""
+
+
+CLEARANCE_LEVELS = ("public", "internal", "confidential", "regulated", "secret")
+"""Data classifications, lowest first: a principal may touch data up to its clearance."""
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is asking, as a verified token says; never taken from unsigned fields."""
+
+    tenant_id: str
+    user_id: str
+    agent_id: str
+    scopes: frozenset[str]
+    clearance: str
+    verified: bool = True
+    key_id: str | None = None
+
+    @property
+    def clearance_rank(self) -> int:
+        return CLEARANCE_LEVELS.index(self.clearance)
+
+    def as_cel(self) -> dict[str, object]:
+        return {
+            "tenant_id": self.tenant_id,
+            "user_id": self.user_id,
+            "agent_id": self.agent_id,
+            "scopes": sorted(self.scopes),
+            "clearance": self.clearance,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +296,9 @@ class Decision:
     decided_at_ms: int = 0
     latency_ms: float = 0.0
     post_action_verification: bool = False
+    principal: Principal | None = None
+    approval_request: Any = None
+    """The confirmation packet published for a parked call (``Outcome.PARKED``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -1,9 +1,20 @@
 """The decision core: one input record in, one ``Decision`` out. Pure.
 
-``decide`` is a function of the record, the contract set and the clock, so a
-batch replayed after a crash decides the same way, and replay against other
+A decision is a function of the record, the gates' configuration (contracts,
+keys, policy, approvers), the reference data and the clock, so a batch
+replayed after a crash decides the same way, and replay against other
 contracts is exact. Gates run in the product's order; the first refusal
 decides, but each gate reports all of its own violations at once.
+
+The reference data lives in Redis, so a batch is decided in two passes:
+``prepare`` runs the gates that need nothing but the record (parse, resolve,
+schema, identity) and says which entities the rest need; the caller fetches
+all of them in one round trip; ``finish`` runs semantic, policy, state and
+confirmation gates on the answers.
+
+Identity runs before the semantic gate, one place earlier than the seed's
+order, on purpose: a caller whose token does not verify learns nothing about
+which ids exist.
 """
 
 from __future__ import annotations
@@ -11,25 +22,42 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import orjson
 
+from processor.approvals import Approver
+from processor.config import IdentitySettings
 from processor.contracts.registry import Contract, ContractSet
+from processor.gates.confirmation import Approved, Park, check_confirmation
+from processor.gates.identity import check_identity
 from processor.gates.parse import DeadLetter, Limits, parse_proposal
+from processor.gates.policy import check_policy
 from processor.gates.resolve import resolve_tool
 from processor.gates.schema import check_arguments
+from processor.gates.semantic import (
+    RefAnswers,
+    RefKey,
+    before_state,
+    check_semantics,
+    check_state,
+    reference_keys,
+)
+from processor.identity import DEVELOPMENT_WARNING, Verifier
 from processor.model import (
     ApprovedCall,
     Decision,
     FieldError,
     Gate,
     Outcome,
+    Principal,
     Proposal,
     Rejection,
     SourceRecord,
     TaxonomyClass,
 )
+from processor.policy import Policy
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +67,31 @@ def canonical_json(value: object) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
-def idempotency_key(p: Proposal, contract: Contract, payload_hash: str) -> str:
+@dataclass(frozen=True)
+class Gates:
+    """Everything the gates consult besides the record and the reference data."""
+
+    contracts: ContractSet
+    limits: Limits
+    verifier: Verifier
+    policy: Policy = field(default_factory=Policy)
+    approvers: dict[str, Approver] = field(default_factory=dict)
+
+    @classmethod
+    def development(
+        cls, contracts: ContractSet, limits: Limits | None = None, **kw: object
+    ) -> Gates:
+        """Gates that trust the envelope's tenant: tests of the other gates, laptops."""
+        verifier = Verifier(IdentitySettings(mode="development"), {})
+        return cls(contracts, limits or Limits(), verifier, **kw)  # type: ignore[arg-type]
+
+    def with_contracts(self, contracts: ContractSet) -> Gates:
+        return Gates(contracts, self.limits, self.verifier, self.policy, self.approvers)
+
+
+def idempotency_key(
+    p: Proposal, contract: Contract, payload_hash: str, principal_id: str | None = None
+) -> str:
     """The proposal's own key, or one derived from what makes the operation the same.
 
     Derived keys bind workflow, run, tenant, principal, tool, version, logical
@@ -53,7 +105,7 @@ def idempotency_key(p: Proposal, contract: Contract, payload_hash: str) -> str:
             p.workflow_id,
             p.run_id,
             p.tenant_id,
-            None,
+            principal_id,
             contract.name,
             contract.version,
             p.logical_operation_id,
@@ -63,7 +115,9 @@ def idempotency_key(p: Proposal, contract: Contract, payload_hash: str) -> str:
     return "ik:" + hashlib.sha256(material).hexdigest()
 
 
-def _route(p: Proposal, contract: Contract, now_ms: int) -> ApprovedCall:
+def _route(
+    p: Proposal, contract: Contract, now_ms: int, principal: Principal | None = None
+) -> ApprovedCall:
     args = canonical_json(p.arguments)
     payload_hash = "sha256:" + hashlib.sha256(args).hexdigest()
     return ApprovedCall(
@@ -73,7 +127,9 @@ def _route(p: Proposal, contract: Contract, now_ms: int) -> ApprovedCall:
         side_effect_class=contract.side_effect_class,
         canonical_arguments=args.decode(),
         payload_hash=payload_hash,
-        idempotency_key=idempotency_key(p, contract, payload_hash),
+        idempotency_key=idempotency_key(
+            p, contract, payload_hash, principal.user_id if principal else None
+        ),
         deadline_ms=now_ms + contract.timeout_ms,
     )
 
@@ -86,24 +142,74 @@ def _lifecycle_warnings(c: Contract) -> tuple[str, ...]:
     return (f"{c.name}@{c.version} is deprecated and will be sunsetted{when}{repl}",)
 
 
-def decide(
-    src: SourceRecord, contracts: ContractSet, limits: Limits, now_ms: int | None = None
-) -> Decision:
-    """Run the gates over one record. Never raises: a bug becomes UNKNOWN_ERROR, fail closed."""
+@dataclass(slots=True)
+class Pending:
+    """A proposal that passed the record-only gates and waits for reference data."""
+
+    src: SourceRecord
+    proposal: Proposal
+    contract: Contract
+    principal: Principal
+    warnings: tuple[str, ...]
+    keys: list[RefKey]
+    started: float
+
+
+def prepare(src: SourceRecord, gates: Gates, now_ms: int) -> Decision | Pending:
+    """Parse, resolve, schema, identity. Never raises."""
     started = time.perf_counter()
-    if now_ms is None:
-        now_ms = int(time.time() * 1000)
     try:
-        decision = _decide(src, contracts, limits, now_ms)
+        result = _prepare(src, gates, now_ms, started)
     except Exception as exc:  # the consumer must never stop on one record
         logger.exception("decision failed for %s/%s@%s", src.topic, src.partition, src.offset)
-        decision = _internal_error(src, contracts, limits, now_ms, exc)
-    decision.latency_ms = (time.perf_counter() - started) * 1000
+        result = _internal_error(src, gates.limits, now_ms, exc)
+    if isinstance(result, Decision):
+        result.latency_ms = (time.perf_counter() - started) * 1000
+    return result
+
+
+def finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) -> Decision:
+    """Semantic, policy, state, confirmation, route. Never raises."""
+    try:
+        decision = _finish(pending, gates, answers, now_ms)
+    except Exception as exc:
+        src = pending.src
+        logger.exception("decision failed for %s/%s@%s", src.topic, src.partition, src.offset)
+        decision = _internal_error(src, gates.limits, now_ms, exc)
+    decision.latency_ms = (time.perf_counter() - pending.started) * 1000
     return decision
 
 
-def _decide(src: SourceRecord, contracts: ContractSet, limits: Limits, now_ms: int) -> Decision:
-    parsed = parse_proposal(src, limits)
+def decide(
+    src: SourceRecord,
+    gates: Gates,
+    now_ms: int | None = None,
+    answers: RefAnswers | None = None,
+) -> Decision:
+    """Every gate over one record, with the reference data given (none: nothing exists)."""
+    if now_ms is None:
+        now_ms = int(time.time() * 1000)
+    prepared = prepare(src, gates, now_ms)
+    if isinstance(prepared, Decision):
+        return prepared
+    return finish(prepared, gates, answers or {}, now_ms)
+
+
+Lookup = Callable[[set[RefKey]], RefAnswers]
+
+
+def decide_batch(
+    records: Iterable[SourceRecord], gates: Gates, now_ms: int, lookup: Lookup
+) -> list[Decision]:
+    """A batch: one reference lookup for all of it, however many records need one."""
+    prepared = [prepare(r, gates, now_ms) for r in records]
+    keys = {k for x in prepared if isinstance(x, Pending) for k in x.keys}
+    answers = lookup(keys) if keys else {}
+    return [x if isinstance(x, Decision) else finish(x, gates, answers, now_ms) for x in prepared]
+
+
+def _prepare(src: SourceRecord, gates: Gates, now_ms: int, started: float) -> Decision | Pending:
+    parsed = parse_proposal(src, gates.limits)
     if isinstance(parsed, DeadLetter):
         return Decision(
             src,
@@ -115,10 +221,12 @@ def _decide(src: SourceRecord, contracts: ContractSet, limits: Limits, now_ms: i
             decided_at_ms=now_ms,
         )
     p, rejection, warnings = parsed
+    if gates.verifier.development:
+        warnings = (DEVELOPMENT_WARNING, *warnings)
     if rejection is not None:
         return _rejected(src, p, rejection, warnings, now_ms)
 
-    resolved = resolve_tool(p, contracts)
+    resolved = resolve_tool(p, gates.contracts)
     if isinstance(resolved, Rejection):
         return _rejected(src, p, resolved, warnings, now_ms)
     contract = resolved
@@ -128,6 +236,46 @@ def _decide(src: SourceRecord, contracts: ContractSet, limits: Limits, now_ms: i
     if refusal is not None:
         return _rejected(src, p, refusal, warnings, now_ms, contract)
 
+    principal = check_identity(p, contract, gates.verifier, now_ms / 1000)
+    if isinstance(principal, Rejection):
+        return _rejected(src, p, principal, warnings, now_ms, contract)
+    keys = reference_keys(p, contract, principal.tenant_id)
+    return Pending(src, p, contract, principal, warnings, keys, started)
+
+
+def _finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) -> Decision:
+    src, p, contract, principal = pending.src, pending.proposal, pending.contract, pending.principal
+    warnings = pending.warnings
+    refusal = (
+        check_semantics(p, contract, principal, answers)
+        or check_policy(p, contract, principal, gates.policy)
+        or check_state(p, contract, principal, answers)
+    )
+    if refusal is not None:
+        return _rejected(src, p, refusal, warnings, now_ms, contract, principal)
+
+    call = _route(p, contract, now_ms, principal)
+    confirmation = check_confirmation(
+        p,
+        contract,
+        principal,
+        gates.policy,
+        gates.approvers,
+        call,
+        before_state(p, contract, principal.tenant_id, answers),
+        now_ms,
+    )
+    if isinstance(confirmation, Rejection):
+        return _rejected(src, p, confirmation, warnings, now_ms, contract, principal)
+    if isinstance(confirmation, Park):
+        d = _rejected(src, p, confirmation.rejection, warnings, now_ms, contract, principal)
+        d.outcome = Outcome.PARKED
+        d.call = call
+        d.post_action_verification = contract.post_action_verification_required
+        d.approval_request = confirmation.packet
+        return d
+    if isinstance(confirmation, Approved):
+        call.approval_ids = confirmation.approval_ids
     return Decision(
         src,
         Outcome.ROUTED,
@@ -136,10 +284,11 @@ def _decide(src: SourceRecord, contracts: ContractSet, limits: Limits, now_ms: i
         contract_name=contract.name,
         contract_version=contract.version,
         side_effect_class=contract.side_effect_class,
-        call=_route(p, contract, now_ms),
+        call=call,
         warnings=warnings,
         decided_at_ms=now_ms,
         post_action_verification=contract.post_action_verification_required,
+        principal=principal,
     )
 
 
@@ -150,6 +299,7 @@ def _rejected(
     warnings: tuple[str, ...],
     now_ms: int,
     contract: Contract | None = None,
+    principal: Principal | None = None,
 ) -> Decision:
     return Decision(
         src,
@@ -162,12 +312,11 @@ def _rejected(
         rejection=rejection,
         warnings=warnings,
         decided_at_ms=now_ms,
+        principal=principal,
     )
 
 
-def _internal_error(
-    src: SourceRecord, contracts: ContractSet, limits: Limits, now_ms: int, exc: Exception
-) -> Decision:
+def _internal_error(src: SourceRecord, limits: Limits, now_ms: int, exc: Exception) -> Decision:
     rejection = Rejection(
         TaxonomyClass.UNKNOWN_ERROR,
         Gate.INTERNAL,
@@ -189,9 +338,3 @@ def _internal_error(
             decided_at_ms=now_ms,
         )
     return _rejected(src, parsed[0], rejection, (), now_ms)
-
-
-def decide_batch(
-    records: Iterable[SourceRecord], contracts: ContractSet, limits: Limits, now_ms: int
-) -> list[Decision]:
-    return [decide(r, contracts, limits, now_ms) for r in records]

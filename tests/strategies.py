@@ -143,7 +143,9 @@ def strict_fail(*codes: str) -> Expect:
                   frozenset({"SYNTACTIC_PARSE_FAIL"}), frozenset(), frozenset(codes))  # fmt: skip
 
 
-ROUTED = Expect(frozenset({"ROUTED"}))
+ROUTED = Expect(frozenset({"ROUTED", "PARKED"}))
+"""Through every gate: routed, or parked at the confirmation gate when the tool needs an
+approval (the ids it names exist in the reference data the tests provide)."""
 NOT_ROUTED = Expect(frozenset({"REJECTED", "DEAD_LETTER"}))
 UNKNOWN_TOOL = Expect(frozenset({"REJECTED"}), None, "resolve",
                       frozenset({"STRUCTURAL_VIOLATION"}), frozenset({"tool/name"}),

@@ -208,7 +208,9 @@ def codec(name: str) -> AvroCodec:
     return AvroCodec(orjson.loads((SCHEMAS_DIR / f"{name}.avsc").read_bytes()))
 
 
-def decode_any(data: bytes, names: tuple[str, ...] = ("observation", "approved_call")) -> Any:
+def decode_any(
+    data: bytes, names: tuple[str, ...] = ("observation", "approved_call", "approval_request")
+) -> Any:
     """Decode a single-object record written with any of the named schemas."""
     for name in names:
         c = codec(name)

@@ -10,7 +10,7 @@ import hashlib
 from typing import Any
 
 from processor.codec.avro import codec
-from processor.model import RESPONSE_VECTORS, Decision, Outcome, TaxonomyClass
+from processor.model import RESPONSE_VECTORS, Decision, Gate, Outcome, TaxonomyClass
 
 _ROUTED_ACTION = (
     "The call was accepted and sent for execution; wait for its result before "
@@ -43,13 +43,14 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
     vector = RESPONSE_VECTORS[taxonomy]
     rejection = d.rejection
     routed = d.outcome is Outcome.ROUTED
+    parked = d.outcome is Outcome.PARKED
     call = d.call
     return {
         "observation_id": observation_id(d),
         "proposal_id": p.proposal_id,
         "run_id": p.run_id,
         "tenant_id": p.tenant_id,
-        "decision": "ROUTED" if routed else "REJECTED",
+        "decision": "ROUTED" if routed else "PENDING_APPROVAL" if parked else "REJECTED",
         "gate": d.gate.value,
         "tool_identity": {
             "name": p.tool_name or "",
@@ -101,6 +102,7 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
         "next_action": _clip(rejection.next_action, _ACTION) if rejection else _ROUTED_ACTION,
         "allowed_tools": list(rejection.allowed_tools) if rejection else [],
         "contract_set": contract_set,
+        "approval_request_id": d.approval_request["request_id"] if parked else None,
     }
 
 
@@ -128,6 +130,15 @@ def approved_call_record(d: Decision, contract_set: str | None) -> dict[str, Any
     }
 
 
+def approval_request_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
+    assert d.approval_request is not None
+    return {**d.approval_request, "contract_set": contract_set}
+
+
+def encode_approval_request(d: Decision, contract_set: str | None) -> bytes:
+    return codec("approval_request").encode(approval_request_record(d, contract_set))
+
+
 def encode_observation(d: Decision, contract_set: str | None) -> bytes:
     return codec("observation").encode(observation_record(d, contract_set))
 
@@ -148,6 +159,13 @@ def dlq_value(value: bytes | None) -> bytes | None:
     return value[:DLQ_MAX_VALUE_BYTES]
 
 
+def _dlq_class(d: Decision) -> bytes:
+    """An unusable approval decision is a confirmation problem; anything else, a parse one."""
+    if d.gate is Gate.APPROVAL:
+        return TaxonomyClass.CONFIRMATION_MISSING.value.encode()
+    return TaxonomyClass.SYNTACTIC_PARSE_FAIL.value.encode()
+
+
 def dlq_headers(d: Decision) -> list[tuple[str, str | bytes | None]]:
     s = d.source
     extra: list[tuple[str, str | bytes | None]] = []
@@ -158,7 +176,7 @@ def dlq_headers(d: Decision) -> list[tuple[str, str | bytes | None]]:
         ]
     return [
         *extra,
-        ("toolsentry.error.class", b"SYNTACTIC_PARSE_FAIL"),
+        ("toolsentry.error.class", _dlq_class(d)),
         ("toolsentry.error.reason", (d.dlq_reason or "unknown").encode()),
         ("toolsentry.error.detail", (d.dlq_detail or "").encode("utf-8", "replace")[:1000]),
         ("toolsentry.source.topic", s.topic.encode()),

@@ -91,6 +91,27 @@ class Contract:
     def argument_names(self) -> tuple[str, ...]:
         return tuple(self.input_schema.get("properties", {}))
 
+    @property
+    def required_scopes(self) -> tuple[str, ...]:
+        return tuple(self.raw["security"]["required_scopes"])
+
+    @property
+    def data_classification(self) -> str:
+        return str(self.raw["security"]["data_classification"])
+
+    @property
+    def egress_policy(self) -> str:
+        return str(self.raw["security"]["egress_policy"])
+
+    @property
+    def description(self) -> str:
+        return str(self.raw["affordance"]["model_description"])
+
+    @property
+    def compensation_tool(self) -> str | None:
+        tool = self.raw["transactional"]["compensation_tool"]
+        return str(tool) if tool else None
+
 
 @dataclass(frozen=True)
 class ContractSet:

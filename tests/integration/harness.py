@@ -15,9 +15,37 @@ from confluent_kafka import Consumer, TopicPartition
 
 from processor.codec.avro import codec
 from processor.config import Settings, Topics
+from processor.contracts.registry import load_contracts
+from processor.identity import TokenIssuer
 from processor.kafka.topics import ensure_topics
 
 ROOT = Path(__file__).resolve().parents[2]
+ALL_SCOPES = sorted(
+    {s for versions in load_contracts(ROOT / "contracts").by_name.values()
+     for c in versions for s in c.required_scopes}
+)  # fmt: skip
+
+
+def issuer(settings: Settings) -> TokenIssuer:
+    """The test identity provider: signs with the key whose public half the processors trust."""
+    jwks = settings.identity.jwks_file
+    assert jwks is not None, "the test settings configure identity keys"
+    return TokenIssuer.from_jwk_file(Path(jwks).parent / "issuer.jwk")
+
+
+def token(
+    settings: Settings,
+    tenant: str,
+    scopes: list[str] | None = None,
+    clearance: str = "secret",
+    user: str = "u-test",
+    agent: str = "agent-test",
+    **kw: Any,
+) -> str:
+    """A principal token for ``tenant`` with every scope of the pack unless told otherwise."""
+    return issuer(settings).mint(
+        tenant, user, agent, ALL_SCOPES if scopes is None else scopes, clearance, **kw
+    )
 
 
 def isolated(settings: Settings, name: str) -> Settings:

@@ -20,7 +20,7 @@ import pytest
 from processor.client import ToolsentryClient
 from processor.codec.avro import codec
 from processor.config import SIDE_EFFECT_TOPIC_SUFFIXES, Settings
-from tests.integration.harness import ProcessorProcess, isolated, read_all
+from tests.integration.harness import ProcessorProcess, isolated, read_all, token
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -28,7 +28,7 @@ TOTAL = 20_000
 RATE = 400  # proposals/s: production spans ~50 s, so every chaos event lands mid-stream
 
 
-def _proposal(rng: random.Random, i: int) -> tuple[str, bytes, bytes, bool]:
+def _proposal(rng: random.Random, i: int, principal: str) -> tuple[str, bytes, bytes, bool]:
     run_id = f"eos-run-{i % 257}"
     pid = f"eos-{i}"
     kind = rng.random()
@@ -55,6 +55,7 @@ def _proposal(rng: random.Random, i: int) -> tuple[str, bytes, bytes, bool]:
         "run_id": run_id,
         "tool": {"name": tool},
         "arguments": args,
+        "principal_token": principal,
     }
     return pid, run_id.encode(), orjson.dumps(env), valid
 
@@ -62,7 +63,8 @@ def _proposal(rng: random.Random, i: int) -> tuple[str, bytes, bytes, bool]:
 def test_exactly_once_under_kills_and_scaling(stack_settings: Settings, tmp_path: Path) -> None:
     settings = isolated(stack_settings, "eos")
     rng = random.Random(20261122)
-    corpus = [_proposal(rng, i) for i in range(TOTAL)]
+    principal = token(settings, "acme", ttl_s=3600)
+    corpus = [_proposal(rng, i, principal) for i in range(TOTAL)]
     valid_ids = {pid for pid, _, _, ok in corpus if ok}
 
     procs = {name: ProcessorProcess(settings, name, tmp_path) for name in ("a", "b", "c")}

@@ -29,7 +29,7 @@ from processor.config import SIDE_EFFECT_TOPIC_SUFFIXES, Settings
 from processor.contracts.registry import load_contracts
 from processor.gates.parse import Limits
 from processor.model import SourceRecord, TaxonomyClass
-from processor.pipeline import decide
+from processor.pipeline import Gates, decide
 from tests.integration.harness import ROOT, ProcessorProcess, isolated, read_all
 from tests.strategies import Case, Verdict, corpus, envelope
 
@@ -106,7 +106,7 @@ def test_every_hostile_record_gets_exactly_one_observation_or_dlq_entry(
     cases = corpus(SEED, HOSTILE, VALID, max_bytes=MAX_RECORD)
     assert len(cases) >= 10_000 + VALID
     limits = Limits(s.max_record_bytes, s.max_arguments_bytes, s.max_arguments_depth)
-    contracts = load_contracts(ROOT / "contracts")
+    gates = Gates.development(load_contracts(ROOT / "contracts"), limits)
     obs_codec, call_codec = codec("observation"), codec("approved_call")
 
     proc = ProcessorProcess(s, "fuzz-1", tmp_path).start()
@@ -180,7 +180,7 @@ def test_every_hostile_record_gets_exactly_one_observation_or_dlq_entry(
         for where, m in produced.items():
             case = case_at[where]
             src = SourceRecord(m.topic(), where[0], where[1], m.key(), m.value(), 0)
-            local = Verdict.of(decide(src, contracts, limits))
+            local = Verdict.of(decide(src, gates))
             got = verdicts[where]
             if got.key() != local.key():
                 wrong.append(f"{case.kind} {case.note}: processor {got}, decide() {local}")

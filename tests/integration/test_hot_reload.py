@@ -18,7 +18,7 @@ from processor.client import ToolsentryClient
 from processor.codec.avro import codec
 from processor.config import Settings
 from processor.contracts.registry import load_contracts
-from tests.integration.harness import ROOT, ProcessorProcess, isolated, read_all
+from tests.integration.harness import ROOT, ProcessorProcess, isolated, read_all, token
 
 pytestmark = pytest.mark.integration
 
@@ -47,6 +47,7 @@ def test_contract_sets_swap_whole_between_batches(stack_settings: Settings, tmp_
 
     sent: list[str] = []
     stop = threading.Event()
+    principal = token(settings, "acme")
 
     def produce() -> None:
         client = ToolsentryClient(settings, "acme", watch=False)
@@ -58,6 +59,7 @@ def test_contract_sets_swap_whole_between_batches(stack_settings: Settings, tmp_
                 "run_id": f"run-{n % 17}",
                 "tool": {"name": "search_kb"},
                 "arguments": {"query": "returns", "limit": 60},
+                "principal_token": principal,
             }
             client.send_raw(orjson.dumps(env), env["run_id"].encode())  # type: ignore[union-attr]
             sent.append(env["proposal_id"])  # type: ignore[arg-type]

@@ -6,11 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from processor.approvals import Approver, sign_approval
 from processor.contracts.registry import ContractSet
 from processor.gates.parse import Limits
-from processor.model import Decision, SourceRecord
-from processor.pipeline import decide
+from processor.gates.semantic import RefAnswers, RefEntry, RefKey
+from processor.model import Decision, SideEffectClass, SourceRecord
+from processor.pipeline import Gates, decide
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACTS_DIR = ROOT / "contracts"
@@ -64,10 +67,73 @@ def envelope(tool: str = "cancel_order", **fields: Any) -> dict[str, Any]:
     return env
 
 
+def existing_references(env: dict[str, Any], contracts: ContractSet) -> RefAnswers:
+    """Reference data in which every id the proposal names exists, for its tenant, in the
+    first state its contract allows: the other gates' tests start from a call that passes."""
+    args = env.get("arguments")
+    tool = env.get("tool")
+    name = tool.get("name") if isinstance(tool, dict) else None
+    if not isinstance(args, dict) or not isinstance(name, str):
+        return {}
+    answers: dict[RefKey, RefEntry | None] = {}
+    for contract in contracts.versions(name):
+        for ref in contract.references:
+            value = args.get(ref.argument)
+            if isinstance(value, str):
+                key = (str(env.get("tenant_id")), ref.entity, value)
+                answers[key] = RefEntry(key[0], ref.allowed_states[0], "owner-1", {})
+    return answers
+
+
+APPROVER_KEYS = {name: Ed25519PrivateKey.generate() for name in ("ops-1", "ops-2", "viewer")}
+APPROVERS = {
+    name: Approver(
+        name,
+        key.public_key(),
+        frozenset() if name == "viewer" else frozenset(SideEffectClass),
+        frozenset({"*"}),
+    )
+    for name, key in APPROVER_KEYS.items()
+}
+
+
+def gates(contracts: ContractSet, **kw: Any) -> Gates:
+    """Development identity (the envelope's tenant is trusted), the test approvers."""
+    return Gates.development(contracts, LIMITS, approvers=APPROVERS, **kw)
+
+
+def approvals_for(
+    env: dict[str, Any], contracts: ContractSet, *approvers: str, now_ms: int = NOW_MS, **kw: Any
+) -> list[dict[str, Any]]:
+    """Signed approvals of the call ``env`` proposes, bound to exactly what it would run."""
+    parked = decide_envelope({**env, "approvals": []}, contracts, now_ms)
+    packet = parked.approval_request
+    assert packet is not None, f"{env['tool']} does not need approval: {parked.rejection}"
+    fields = {
+        "tenant_id": packet["tenant_id"],
+        "trace_id": packet["trace_id"],
+        "tool_name": packet["tool_name"],
+        "tool_version": packet["tool_version"],
+        "payload_hash": packet["payload_hash"],
+    }
+    fields.update(kw)
+    return [
+        sign_approval(APPROVER_KEYS[a], approver_id=a, now_ms=now_ms, **fields) for a in approvers
+    ]
+
+
 def decide_envelope(
-    env: dict[str, Any], contracts: ContractSet, now_ms: int = NOW_MS, offset: int = OFFSET
+    env: dict[str, Any],
+    contracts: ContractSet,
+    now_ms: int = NOW_MS,
+    offset: int = OFFSET,
+    gates: Gates | None = None,
+    answers: RefAnswers | None = None,
 ) -> Decision:
-    return decide(record(orjson.dumps(env), offset=offset), contracts, LIMITS, now_ms)
+    gates = gates or Gates.development(contracts, LIMITS, approvers=APPROVERS)
+    if answers is None:
+        answers = existing_references(env, contracts)
+    return decide(record(orjson.dumps(env), offset=offset), gates, now_ms, answers)
 
 
 def decide_arguments(

@@ -24,8 +24,9 @@ from processor.codec.records import (
     observation_record,
 )
 from processor.contracts.registry import ContractSet
+from processor.identity import DEVELOPMENT_WARNING
 from processor.model import Decision, Outcome
-from processor.pipeline import decide
+from processor.pipeline import Gates, decide
 from tests.unit.helpers import (
     LIMITS,
     NOW_MS,
@@ -33,6 +34,7 @@ from tests.unit.helpers import (
     PARTITION,
     SCHEMAS_DIR,
     TOPIC,
+    approvals_for,
     decide_arguments,
     decide_envelope,
     envelope,
@@ -78,14 +80,20 @@ def read_independently(name: str, data: bytes) -> Any:
 
 @pytest.fixture(scope="module")
 def routed(contracts: ContractSet) -> Decision:
-    d = decide_arguments(
-        contracts,
+    env = envelope(
         "refund_order",
-        {"order_id": "WO-12345-A", "amount": 19.99, "currency": "USD", "reason_code": "damaged"},
+        arguments={
+            "order_id": "WO-12345-A",
+            "amount": 19.99,
+            "currency": "USD",
+            "reason_code": "damaged",
+        },
         traceparent=TRACEPARENT,
         idempotency_key="ik-explicit",
     )
-    assert d.outcome is Outcome.ROUTED
+    env["approvals"] = approvals_for(env, contracts, "ops-1", "ops-2")
+    d = decide_envelope(env, contracts)
+    assert d.outcome is Outcome.ROUTED, d.rejection
     return d
 
 
@@ -161,7 +169,7 @@ def test_approved_call_record_fields(routed: Decision) -> None:
         "deadline": NOW_MS + 8000,
         "created_at": NOW_MS,
         "attempt": 1,
-        "approval_ids": [],
+        "approval_ids": list(routed.call.approval_ids),  # type: ignore[union-attr]
         "contract_set": "sha256:abc",
     }
 
@@ -210,7 +218,10 @@ def test_rejected_observation_round_trip(rejected: Decision) -> None:
     assert datum["status"]["repairable"] is True
     assert datum["status"]["taxonomy_class"] == "STRUCTURAL_VIOLATION"
     assert datum["execution_metadata"]["idempotency_key"] is None
-    assert datum["result_payload"]["warnings"] == ["ignored unknown envelope fields: unknown_field"]
+    assert datum["result_payload"]["warnings"] == [
+        DEVELOPMENT_WARNING,  # the unit tests decide without tokens, and every answer says so
+        "ignored unknown envelope fields: unknown_field",
+    ]
     assert {e["code"] for e in datum["result_payload"]["errors"]} == {
         "unknown_field",
         "missing_field",
@@ -253,7 +264,7 @@ def test_observation_id_is_deterministic_per_source_record(contracts: ContractSe
 
 
 def test_dlq_headers(contracts: ContractSet) -> None:
-    d = decide(record(b'{"run_id":"r","run_id":"s"}'), contracts, LIMITS, NOW_MS)
+    d = decide(record(b'{"run_id":"r","run_id":"s"}'), Gates.development(contracts, LIMITS), NOW_MS)
     assert d.outcome is Outcome.DEAD_LETTER
     assert dict(dlq_headers(d)) == {
         "toolsentry.error.class": b"SYNTACTIC_PARSE_FAIL",
@@ -327,7 +338,7 @@ def test_observations_stay_small_whatever_the_proposal_carries() -> None:
     from processor.contracts.registry import load_contracts
     from processor.gates.parse import Limits
     from processor.model import SourceRecord
-    from processor.pipeline import decide
+    from processor.pipeline import Gates, decide
     from tests.integration.harness import ROOT
 
     huge_key = "k" * 200_000
@@ -340,7 +351,10 @@ def test_observations_stay_small_whatever_the_proposal_carries() -> None:
         huge_key + "x": 1,
     }
     record = SourceRecord("tool.proposals", 0, 1, b"r", orjson.dumps(env), 0)
-    d = decide(record, load_contracts(ROOT / "contracts"), Limits(max_arguments_bytes=1 << 20))
+    d = decide(
+        record,
+        Gates.development(load_contracts(ROOT / "contracts"), Limits(max_arguments_bytes=1 << 20)),
+    )
     assert d.rejection is not None and d.rejection.errors[0].code == "unknown_field"
     assert len(encode_observation(d, None)) < 16_000
 
@@ -349,15 +363,17 @@ def test_dead_letters_keep_a_bounded_copy_with_size_and_digest() -> None:
     from processor.codec.records import DLQ_MAX_VALUE_BYTES, dlq_headers, dlq_value
     from processor.gates.parse import Limits
     from processor.model import SourceRecord
-    from processor.pipeline import decide
+    from processor.pipeline import Gates, decide
+
+    _NO_CONTRACTS = Gates.development(ContractSet({}, "sha256:none"), Limits())
 
     value = b"\xff" * 999_900
-    d = decide(SourceRecord("tool.proposals", 2, 9, None, value, 0), None, Limits())  # type: ignore[arg-type]
+    d = decide(SourceRecord("tool.proposals", 2, 9, None, value, 0), _NO_CONTRACTS)
     assert dlq_value(value) == value[:DLQ_MAX_VALUE_BYTES]
     headers = dict(dlq_headers(d))
     assert headers["toolsentry.value.truncated_from"] == b"999900"
     assert headers["toolsentry.value.sha256"] == hashlib.sha256(value).hexdigest().encode()
     assert dlq_value(b"small") == b"small"
     assert "toolsentry.value.truncated_from" not in dict(
-        dlq_headers(decide(SourceRecord("t", 0, 0, None, b"small", 0), None, Limits()))  # type: ignore[arg-type]
+        dlq_headers(decide(SourceRecord("t", 0, 0, None, b"small", 0), _NO_CONTRACTS))
     )

@@ -6,15 +6,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 import yaml
 
 from processor.contracts.registry import Contract, ContractSet, load_contracts
 from processor.gates.resolve import resolve_tool
-from processor.model import Gate, Outcome, Proposal, Rejection, TaxonomyClass
-from processor.pipeline import decide
-from tests.unit.helpers import CONTRACTS_DIR, LIMITS, envelope, record
+from processor.identity import DEVELOPMENT_WARNING
+from processor.model import Decision, Gate, Outcome, Proposal, Rejection, TaxonomyClass
+from tests.unit.helpers import CONTRACTS_DIR, decide_envelope, envelope
 
 ALL_TOOLS = load_contracts(CONTRACTS_DIR).callable_names
 
@@ -203,13 +202,18 @@ def test_fully_sunsetted_tool_is_refused_and_not_callable(tmp_path: Path) -> Non
     assert r.allowed_tools == ("lookup_order",)
 
 
+def _lifecycle(d: Decision) -> tuple[str, ...]:
+    """The decision's warnings, less the one every development-mode answer carries."""
+    return tuple(w for w in d.warnings if w != DEVELOPMENT_WARNING)
+
+
 def test_pipeline_warns_about_a_deprecated_version(versioned: ContractSet) -> None:
     env = envelope("cancel_order")
     env["tool"] = {"name": "cancel_order", "version": "0.10.0"}
-    d = decide(record(orjson.dumps(env)), versioned, LIMITS, 0)
-    assert d.outcome is Outcome.ROUTED
+    d = decide_envelope(env, versioned, 0)
+    assert d.outcome is Outcome.PARKED  # through every gate; cancel_order needs approval
     assert d.contract_version == "0.10.0"
-    assert d.warnings == (
+    assert _lifecycle(d) == (
         "cancel_order@0.10.0 is deprecated and will be sunsetted on 2027-06-30; "
         "move to cancel_order@1.1.0",
     )
@@ -218,7 +222,7 @@ def test_pipeline_warns_about_a_deprecated_version(versioned: ContractSet) -> No
 def test_pipeline_rejects_a_sunsetted_version(versioned: ContractSet) -> None:
     env = envelope("cancel_order")
     env["tool"] = {"name": "cancel_order", "version": "0.9.0"}
-    d = decide(record(orjson.dumps(env)), versioned, LIMITS, 0)
+    d = decide_envelope(env, versioned, 0)
     assert d.outcome is Outcome.REJECTED
     assert d.gate is Gate.RESOLVE
     assert d.taxonomy is TaxonomyClass.STRUCTURAL_VIOLATION
@@ -229,13 +233,13 @@ def test_pipeline_rejects_a_sunsetted_version(versioned: ContractSet) -> None:
 def test_pipeline_warning_without_sunset_date_or_replacement(versioned: ContractSet) -> None:
     env = envelope("cancel_order")
     env["tool"] = {"name": "cancel_order", "version": "2.0.0"}
-    d = decide(record(orjson.dumps(env)), versioned, LIMITS, 0)
-    assert d.outcome is Outcome.ROUTED
-    assert d.warnings == ("cancel_order@2.0.0 is deprecated and will be sunsetted",)
+    d = decide_envelope(env, versioned, 0)
+    assert d.outcome is Outcome.PARKED  # through every gate; cancel_order needs approval
+    assert _lifecycle(d) == ("cancel_order@2.0.0 is deprecated and will be sunsetted",)
 
 
 def test_pipeline_active_version_has_no_warning(versioned: ContractSet) -> None:
-    d = decide(record(orjson.dumps(envelope("cancel_order"))), versioned, LIMITS, 0)
-    assert d.outcome is Outcome.ROUTED
+    d = decide_envelope(envelope("cancel_order"), versioned, 0)
+    assert d.outcome is Outcome.PARKED  # through every gate; cancel_order needs approval
     assert d.contract_version == "1.1.0"
-    assert d.warnings == ()
+    assert _lifecycle(d) == ()

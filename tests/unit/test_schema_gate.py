@@ -48,12 +48,17 @@ def errors(d: Decision) -> tuple[FieldError, ...]:
 
 
 def routed(contracts: ContractSet, tool: str, arguments: dict[str, Any], **fields: Any) -> Decision:
+    """Through every gate: routed, or (for a tool that needs approval) parked at the last."""
     d = decide_arguments(contracts, tool, arguments, **fields)
-    assert d.outcome is Outcome.ROUTED, d.rejection
-    assert d.gate is Gate.ROUTE
-    assert d.rejection is None
+    if d.outcome is Outcome.PARKED:
+        assert d.gate is Gate.CONFIRMATION and d.approval_request is not None
+        assert d.taxonomy is TaxonomyClass.CONFIRMATION_MISSING
+    else:
+        assert d.outcome is Outcome.ROUTED, d.rejection
+        assert d.gate is Gate.ROUTE
+        assert d.rejection is None
+        assert d.taxonomy is TaxonomyClass.SUCCESS
     assert d.call is not None
-    assert d.taxonomy is TaxonomyClass.SUCCESS
     return d
 
 

@@ -1,0 +1,194 @@
+"""The second half of confirmation: decisions on ``tool.approvals`` and parked calls.
+
+``tool.approvals`` carries two kinds of record, both JSON:
+
+- an approval decision (``processor.approvals``), naming the ``request_id``
+  of a parked call, signed by an approver;
+- an expiry check, ``{"type": "expiry_check", "tenant_id": ..., "request_id":
+  ...}``, which the processors' sweeper publishes when a parked call's expiry
+  passes. It carries no authority: the stored expiry decides, so a forged
+  check can do nothing early.
+
+Both are consumed by the same transactional loop as the proposals, so a
+release (approved call plus observation) is written exactly once. Invalid
+decisions go to the DLQ with the reason; the parked call is untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from processor.approvals import Approver, Binding, VerifiedApproval, verify_approval
+from processor.model import (
+    ApprovedCall,
+    Decision,
+    FieldError,
+    Gate,
+    Outcome,
+    Principal,
+    Proposal,
+    Rejection,
+    SideEffectClass,
+    SourceRecord,
+    TaxonomyClass,
+)
+from processor.state.approvals import OpResult
+
+EXPIRY_CHECK = "expiry_check"
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalInput:
+    src: SourceRecord
+    kind: str
+    tenant_id: str
+    request_id: str
+    approval: dict[str, Any] | None
+
+
+def parse_approval_record(src: SourceRecord) -> ApprovalInput | str:
+    """The record, or the reason it is unusable (a DLQ reason code)."""
+    try:
+        doc = orjson.loads(src.value or b"")
+    except orjson.JSONDecodeError:
+        return "approval_not_json"
+    if not isinstance(doc, dict):
+        return "approval_not_object"
+    tenant, rid = doc.get("tenant_id"), doc.get("request_id")
+    if not isinstance(tenant, str) or not tenant or not isinstance(rid, str) or not rid:
+        return "approval_without_request"
+    if doc.get("type") == EXPIRY_CHECK:
+        return ApprovalInput(src, EXPIRY_CHECK, tenant, rid, None)
+    return ApprovalInput(src, "decision", tenant, rid, doc)
+
+
+def position(src: SourceRecord) -> str:
+    return f"{src.topic}/{src.partition}/{src.offset}"
+
+
+def verify_decision(
+    item: ApprovalInput, entry: dict[str, Any], approvers: dict[str, Approver]
+) -> VerifiedApproval | FieldError:
+    binding = Binding(
+        entry["tenant_id"],
+        entry["trace_id"],
+        entry["tool_name"],
+        entry["tool_version"],
+        entry["payload_hash"],
+        SideEffectClass(entry["side_effect_class"]),
+    )
+    requester = Principal(
+        entry["tenant_id"],
+        entry["requested_by_user"],
+        entry["requested_by_agent"],
+        frozenset(),
+        "public",
+    )
+    return verify_approval(item.approval, approvers, binding, requester, item.src.timestamp_ms)
+
+
+def entry_proposal(entry: dict[str, Any]) -> Proposal:
+    return Proposal(
+        proposal_id=entry["proposal_id"],
+        run_id=entry["run_id"],
+        tenant_id=entry["tenant_id"],
+        created_at=None,
+        tool_name=entry["tool_name"],
+        tool_version=entry["tool_version"],
+        arguments=None,
+        traceparent=entry.get("traceparent"),
+        trace_id=entry["trace_id"],
+    )
+
+
+def parked_entry(d: Decision) -> dict[str, Any]:
+    """What Redis keeps of a parked call: enough to release it without the proposal."""
+    assert d.call is not None and d.proposal is not None
+    packet = dict(d.approval_request)
+    call = d.call
+    return {
+        **packet,
+        "traceparent": d.proposal.traceparent,
+        "timeout_ms": call.deadline_ms - d.decided_at_ms,
+        "needed": packet["approvals_required"],
+        "post_action_verification": d.post_action_verification,
+    }
+
+
+def outcome_decision(item: ApprovalInput, result: OpResult) -> Decision | None:
+    """The observation (and, for a release, the approved call) an approval result yields."""
+    entry = result.entry
+    if entry is None or result.status not in ("released", "rejected", "expired"):
+        return None
+    src = item.src
+    p = entry_proposal(entry)
+    cls = SideEffectClass(entry["side_effect_class"])
+    common: dict[str, Any] = {
+        "contract_name": entry["tool_name"],
+        "contract_version": entry["tool_version"],
+        "side_effect_class": cls,
+        "decided_at_ms": src.timestamp_ms,
+    }
+    if result.status == "released":
+        approvers = entry.get("approvers") or []
+        call = ApprovedCall(
+            call_id=entry["proposal_id"],
+            tool_name=entry["tool_name"],
+            tool_version=entry["tool_version"],
+            side_effect_class=cls,
+            canonical_arguments=entry["arguments"],
+            payload_hash=entry["payload_hash"],
+            idempotency_key=entry["idempotency_key"],
+            deadline_ms=src.timestamp_ms + int(entry["timeout_ms"]),
+            approval_ids=tuple(a["approval_id"] for a in approvers),
+        )
+        return Decision(
+            src,
+            Outcome.ROUTED,
+            Gate.APPROVAL,
+            p,
+            call=call,
+            post_action_verification=bool(entry.get("post_action_verification")),
+            warnings=(
+                f"released by {', '.join(a['id'] for a in approvers)} "
+                f"(request {entry['request_id']})",
+            ),
+            **common,
+        )
+    if result.status == "rejected":
+        reason = entry.get("reason")
+        error = FieldError(
+            None,
+            f"{entry.get('rejected_by')} rejected the call"
+            + (f": {reason}" if isinstance(reason, str) and reason else ""),
+            "approval_rejected",
+        )
+        action = (
+            f"The approver declined {entry['tool_name']}; it did not run. Do not propose it "
+            "again; tell the user it was declined and why."
+        )
+    else:
+        error = FieldError(
+            None,
+            f"no approval arrived before request {entry['request_id']} expired",
+            "approval_expired",
+        )
+        action = (
+            f"{entry['tool_name']} was not approved in time and did not run. Ask the user "
+            "whether it is still wanted before proposing it again."
+        )
+    rejection = Rejection(TaxonomyClass.CONFIRMATION_MISSING, Gate.APPROVAL, (error,), action)
+    return Decision(src, Outcome.REJECTED, Gate.APPROVAL, p, rejection=rejection, **common)
+
+
+def dead_letter(src: SourceRecord, reason: str, detail: str = "") -> Decision:
+    return Decision(
+        src, Outcome.DEAD_LETTER, Gate.APPROVAL, None, dlq_reason=reason, dlq_detail=detail
+    )
+
+
+def ignored(src: SourceRecord, why: str) -> Decision:
+    return Decision(src, Outcome.IGNORED, Gate.APPROVAL, None, dlq_detail=why)

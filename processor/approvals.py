@@ -1,0 +1,253 @@
+"""Approvals: who may approve what, and the signed decision that says they did.
+
+An approval is a small JSON object signed with the approver's Ed25519 key
+(the seed's approval token plus a signature). It binds one decision to one
+payload hash, tool version, trace and tenant, and carries an expiry; the
+processor refuses one that is expired, bound to anything else, signed by a key
+it does not know, from an approver not allowed for the call's risk class, or
+from the principal that proposed the call. Use-once is enforced in Redis
+(``processor.state.approvals``), because it is the only check that needs
+memory.
+
+The same object travels two ways: on ``tool.approvals`` (an operator's answer
+to a confirmation packet, naming its ``request_id``) or attached to a
+resubmitted proposal.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml_rs
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from processor.model import FieldError, Principal, SideEffectClass
+
+APPROVED, REJECTED = "approved", "rejected"
+_SIGNED_FIELDS = (
+    "approval_id",
+    "request_id",
+    "tenant_id",
+    "trace_id",
+    "tool_name",
+    "tool_version",
+    "payload_hash",
+    "approver_id",
+    "decision",
+    "approved_at",
+    "expires_at",
+    "approval_scope",
+    "reason",
+)
+
+
+class ApproverError(ValueError):
+    """The approvers file is unusable."""
+
+
+@dataclass(frozen=True, slots=True)
+class Approver:
+    approver_id: str
+    public_key: ed25519.Ed25519PublicKey
+    classes: frozenset[SideEffectClass]
+    tenants: frozenset[str]
+
+    def may_approve(self, cls: SideEffectClass, tenant_id: str) -> bool:
+        return cls in self.classes and ("*" in self.tenants or tenant_id in self.tenants)
+
+
+def _b64d(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def b64e(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def load_approvers(path: Path | None) -> dict[str, Approver]:
+    if path is None:
+        return {}
+    path = Path(path)
+    try:
+        doc = yaml_rs.loads(path.read_text(), parse_datetime=False)
+    except Exception as exc:
+        raise ApproverError(f"{path}: cannot be read: {exc}") from exc
+    entries = doc.get("approvers") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        raise ApproverError(f"{path}: expected a mapping with an 'approvers' list")
+    out: dict[str, Approver] = {}
+    for i, e in enumerate(entries):
+        where = f"{path}: approvers[{i}]"
+        if not isinstance(e, dict) or not isinstance(e.get("id"), str):
+            raise ApproverError(f"{where}: needs an id")
+        try:
+            raw = _b64d(str(e["public_key"]))
+            key = ed25519.Ed25519PublicKey.from_public_bytes(raw)
+            classes = frozenset(SideEffectClass(c) for c in e.get("classes", []))
+        except (KeyError, ValueError, binascii.Error) as exc:
+            raise ApproverError(f"{where}: {exc}") from exc
+        tenants = frozenset(str(t) for t in e.get("tenants", ["*"]))
+        if e["id"] in out:
+            raise ApproverError(f"{where}: approver {e['id']!r} is listed twice")
+        out[e["id"]] = Approver(e["id"], key, classes, tenants)
+    return out
+
+
+def signing_bytes(approval: dict[str, Any]) -> bytes:
+    """The exact bytes an approver signs: the signed fields, canonical JSON."""
+    return orjson.dumps({k: approval.get(k) for k in _SIGNED_FIELDS}, option=orjson.OPT_SORT_KEYS)
+
+
+def iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def parse_iso_ms(text: str) -> int:
+    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+
+
+def approval_id_for(request_id: str | None, approver_id: str, payload_hash: str) -> str:
+    material = f"{request_id}/{approver_id}/{payload_hash}".encode()
+    return "appr_" + hashlib.sha256(material).hexdigest()[:24]
+
+
+def sign_approval(
+    private_key: ed25519.Ed25519PrivateKey,
+    *,
+    approver_id: str,
+    tenant_id: str,
+    trace_id: str,
+    tool_name: str,
+    tool_version: str,
+    payload_hash: str,
+    decision: str = APPROVED,
+    request_id: str | None = None,
+    now_ms: int,
+    ttl_s: int = 600,
+    reason: str | None = None,
+    approval_id: str | None = None,
+) -> dict[str, Any]:
+    approval: dict[str, Any] = {
+        "approval_id": approval_id or approval_id_for(request_id, approver_id, payload_hash),
+        "request_id": request_id,
+        "tenant_id": tenant_id,
+        "trace_id": trace_id,
+        "tool_name": tool_name,
+        "tool_version": tool_version,
+        "payload_hash": payload_hash,
+        "approver_id": approver_id,
+        "decision": decision,
+        "approved_at": iso(now_ms),
+        "expires_at": iso(now_ms + ttl_s * 1000),
+        "approval_scope": "single_execution",
+        "reason": reason,
+    }
+    approval["signature"] = b64e(private_key.sign(signing_bytes(approval)))
+    return approval
+
+
+def load_private_key(path: Path) -> ed25519.Ed25519PrivateKey:
+    """An approver's key: a JWK with ``d`` or an unencrypted PEM."""
+    raw = Path(path).read_bytes()
+    if raw.lstrip().startswith(b"{"):
+        jwk = orjson.loads(raw)
+        return ed25519.Ed25519PrivateKey.from_private_bytes(_b64d(jwk["d"]))
+    key = serialization.load_pem_private_key(raw, password=None)
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise ApproverError(f"{path}: not an Ed25519 private key")
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """What an approval must be bound to: this call, exactly."""
+
+    tenant_id: str
+    trace_id: str
+    tool_name: str
+    tool_version: str
+    payload_hash: str
+    side_effect_class: SideEffectClass
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedApproval:
+    approval_id: str
+    approver_id: str
+    decision: str
+    reason: str | None
+    request_id: str | None
+
+
+def _no(code: str, message: str, index: int | None) -> FieldError:
+    where = "approvals" if index is None else f"approvals/{index}"
+    return FieldError(where, message, code)
+
+
+def verify_approval(
+    approval: Any,
+    approvers: dict[str, Approver],
+    binding: Binding,
+    requester: Principal | None,
+    now_ms: int,
+    index: int | None = None,
+) -> VerifiedApproval | FieldError:
+    """Check everything about one approval except whether it was used before."""
+    if not isinstance(approval, dict):
+        return _no("approval_signature_invalid", "an approval must be an object", index)
+    for name in ("approval_id", "approver_id", "decision", "expires_at", "signature"):
+        if not isinstance(approval.get(name), str):
+            return _no("approval_signature_invalid", f"the approval has no {name}", index)
+    approver = approvers.get(approval["approver_id"])
+    if approver is None:
+        return _no(
+            "approver_unknown", f"{approval['approver_id']!r} is not a registered approver", index
+        )
+    try:
+        approver.public_key.verify(_b64d(approval["signature"]), signing_bytes(approval))
+    except (InvalidSignature, ValueError, binascii.Error):
+        return _no("approval_signature_invalid", "the approval's signature does not verify", index)
+    if approval["decision"] not in (APPROVED, REJECTED):
+        return _no("approval_signature_invalid", "decision must be approved or rejected", index)
+    if requester is not None and approver.approver_id in (requester.user_id, requester.agent_id):
+        return _no("self_approval", "nobody may approve their own call", index)
+    if not approver.may_approve(binding.side_effect_class, binding.tenant_id):
+        return _no(
+            "approver_not_allowed",
+            f"{approver.approver_id} may not approve {binding.side_effect_class.value} calls"
+            f" of tenant {binding.tenant_id}",
+            index,
+        )
+    checks = (
+        ("tenant_id", binding.tenant_id, "approval_tenant_mismatch"),
+        ("tool_name", binding.tool_name, "approval_tool_mismatch"),
+        ("tool_version", binding.tool_version, "approval_version_mismatch"),
+        ("payload_hash", binding.payload_hash, "approval_payload_mismatch"),
+        ("trace_id", binding.trace_id, "approval_trace_mismatch"),
+    )
+    for name, expected, code in checks:
+        if approval.get(name) != expected:
+            return _no(code, f"the approval is bound to another {name.replace('_', ' ')}", index)
+    try:
+        expires = parse_iso_ms(approval["expires_at"])
+    except ValueError:
+        return _no("approval_signature_invalid", "expires_at is not an RFC 3339 time", index)
+    if now_ms > expires:
+        return _no("approval_expired", f"the approval expired at {approval['expires_at']}", index)
+    reason = approval.get("reason")
+    return VerifiedApproval(
+        approval["approval_id"],
+        approver.approver_id,
+        approval["decision"],
+        reason if isinstance(reason, str) else None,
+        approval.get("request_id") if isinstance(approval.get("request_id"), str) else None,
+    )

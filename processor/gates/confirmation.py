@@ -1,0 +1,176 @@
+"""Gate: confirmation. ``CONFIRMATION_MISSING`` until a valid approval is in hand.
+
+A call needs approval when its contract says so or its side-effect class does
+(policy: ``HIGH_RISK_EXTERNAL`` and ``CRITICAL_MUTATION`` by default), and
+``CRITICAL_MUTATION`` needs two distinct approvers. Without an approval the
+call is *parked*: the processor holds it in Redis and publishes a
+confirmation packet; a decision on ``tool.approvals`` later releases or ends
+it. A proposal may instead carry its approvals; they are checked here, and
+their single use is enforced against Redis when the batch is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from processor.approvals import APPROVED, Approver, Binding, verify_approval
+from processor.contracts.registry import Contract
+from processor.model import (
+    ApprovedCall,
+    FieldError,
+    Gate,
+    Principal,
+    Proposal,
+    Rejection,
+    TaxonomyClass,
+)
+from processor.policy import Policy
+
+
+@dataclass(frozen=True, slots=True)
+class Approved:
+    approval_ids: tuple[str, ...]
+    approver_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Park:
+    rejection: Rejection
+    packet: dict[str, Any]
+
+
+def request_id_for(tenant_id: str, proposal_id: str, payload_hash: str) -> str:
+    material = f"{tenant_id}/{proposal_id}/{payload_hash}".encode()
+    return "req_" + hashlib.sha256(material).hexdigest()[:24]
+
+
+def _missing(errors: tuple[FieldError, ...], next_action: str) -> Rejection:
+    return Rejection(TaxonomyClass.CONFIRMATION_MISSING, Gate.CONFIRMATION, errors, next_action)
+
+
+def _first_sentence(text: str) -> str:
+    head = text.strip().split(". ")[0].rstrip(".")
+    return head + "."
+
+
+def _consequence(contract: Contract) -> str:
+    semantics = contract.raw["transactional"]["semantics"]
+    if semantics == "irreversible_pivot":
+        tail = "It cannot be undone once it runs."
+    elif contract.compensation_tool:
+        tail = f"It can be reversed afterwards with {contract.compensation_tool}."
+    else:
+        tail = "Reversing it needs manual work."
+    return f"{_first_sentence(contract.description)} {tail}"
+
+
+def check_confirmation(
+    p: Proposal,
+    contract: Contract,
+    principal: Principal,
+    policy: Policy,
+    approvers: dict[str, Approver],
+    call: ApprovedCall,
+    before_state: str,
+    now_ms: int,
+) -> Approved | Rejection | Park | None:
+    needed = policy.approvals_needed(contract.side_effect_class, contract.confirmation_required)
+    if needed == 0:
+        return None
+    binding = Binding(
+        principal.tenant_id,
+        p.trace_id,
+        contract.name,
+        contract.version,
+        call.payload_hash,
+        contract.side_effect_class,
+    )
+    if p.approvals:
+        errors: list[FieldError] = []
+        good: dict[str, str] = {}
+        for i, approval in enumerate(p.approvals):
+            verified = verify_approval(approval, approvers, binding, principal, now_ms, i)
+            if isinstance(verified, FieldError):
+                errors.append(verified)
+            elif verified.decision != APPROVED:
+                errors.append(
+                    FieldError(
+                        f"approvals/{i}",
+                        f"{verified.approver_id} rejected this call"
+                        + (f": {verified.reason}" if verified.reason else ""),
+                        "approval_rejected",
+                    )
+                )
+            else:
+                good.setdefault(verified.approver_id, verified.approval_id)
+        if errors:
+            return _missing(
+                tuple(errors),
+                "The attached approval is not valid for this exact call; nothing ran. Do not "
+                "alter or reuse approvals: propose the call without one to request a fresh "
+                "approval, and tell the user it is waiting for sign-off.",
+            )
+        if len(good) < needed:
+            return _missing(
+                (
+                    FieldError(
+                        "approvals",
+                        f"{contract.side_effect_class.value} calls need {needed} distinct "
+                        f"approvers; {len(good)} approved",
+                        "approvals_insufficient",
+                        expected=str(needed),
+                        actual=str(len(good)),
+                    ),
+                ),
+                f"This call needs {needed} different approvers; wait for the remaining "
+                "approval before proposing it again.",
+            )
+        return Approved(tuple(good.values()), tuple(good))
+    request_id = request_id_for(principal.tenant_id, p.proposal_id, call.payload_hash)
+    expires_at = now_ms + policy.approval_ttl_s * 1000
+    packet = {
+        "request_id": request_id,
+        "proposal_id": p.proposal_id,
+        "tenant_id": principal.tenant_id,
+        "run_id": p.run_id,
+        "trace_id": p.trace_id,
+        "tool_name": contract.name,
+        "tool_version": contract.version,
+        "side_effect_class": contract.side_effect_class.value,
+        "action": f"{contract.name}@{contract.version}",
+        "consequence": _consequence(contract),
+        "arguments": call.canonical_arguments,
+        "before_state": before_state or None,
+        "payload_hash": call.payload_hash,
+        "idempotency_key": call.idempotency_key,
+        "approvals_required": needed,
+        "requested_by_user": principal.user_id,
+        "requested_by_agent": principal.agent_id,
+        "created_at": now_ms,
+        "expires_at": expires_at,
+        "risk_reason": (
+            "the contract requires confirmation"
+            if contract.confirmation_required
+            else f"{contract.side_effect_class.value} calls need approval"
+        ),
+        "rejection_path": (
+            "If rejected, the call never runs and the agent is told it was declined; "
+            "if nobody answers by the expiry, it lapses the same way."
+        ),
+    }
+    rejection = _missing(
+        (
+            FieldError(
+                None,
+                f"{contract.name} needs {needed} approval(s); request {request_id} is waiting",
+                "approval_required",
+                expected=str(needed),
+            ),
+        ),
+        f"Tell the user that {contract.name} is waiting for approval (request {request_id}) "
+        "and do not propose it again: it runs by itself once approved, and you will get an "
+        "observation either way.",
+    )
+    return Park(rejection, packet)

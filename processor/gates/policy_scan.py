@@ -1,0 +1,654 @@
+"""Pure detectors for the policy gate: secrets in arguments, URLs and where they may go.
+
+No I/O and no state beyond small caches: everything here runs on every
+proposal, so the common case (a handful of short strings and numbers) is kept
+to a few microseconds by cheap length checks before any regex runs.
+
+Paths are slash-separated JSON paths, as in the schema gate (``items/0/sku``,
+``order_id``); the root value itself is ``""``. A finding never carries the
+secret: the ``kind`` is a fixed name and an object key that is itself a secret
+appears in paths only as its first four characters and ``…``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass
+from encodings import idna
+from functools import lru_cache
+from typing import Any, TypeAlias
+
+__all__ = ["SecretFinding", "egress_violation", "find_secrets", "find_urls"]
+
+
+@dataclass(frozen=True, slots=True)
+class SecretFinding:
+    """Where a secret was seen and what it looked like, never the secret itself."""
+
+    path: str
+    kind: str
+    in_key: bool
+
+
+# --- known formats ------------------------------------------------------------------------------
+
+_NOT_ALNUM_BEFORE = r"(?<![A-Za-z0-9])"
+_NOT_ALNUM_AFTER = r"(?![A-Za-z0-9])"
+
+# Token formats: each is one run of at least 20 characters of ``[A-Za-z0-9_+/=.-]``,
+# so they are only looked for inside such runs. Alternatives are tried left to
+# right, hence the specific ``sk-ant-`` before the generic ``sk-``.
+_TOKEN_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("aws_access_key_id", r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])"),
+    ("github_token", _NOT_ALNUM_BEFORE + r"gh[pousr]_[A-Za-z0-9]{36,251}" + _NOT_ALNUM_AFTER),
+    ("github_pat", _NOT_ALNUM_BEFORE + r"github_pat_[A-Za-z0-9_]{22,}"),
+    ("gitlab_token", _NOT_ALNUM_BEFORE + r"glpat-[A-Za-z0-9_-]{20,}"),
+    ("slack_token", _NOT_ALNUM_BEFORE + r"xox[abposr]-[A-Za-z0-9-]{15,}"),
+    ("stripe_secret_key", _NOT_ALNUM_BEFORE + r"(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{16,}"),
+    ("stripe_webhook_secret", _NOT_ALNUM_BEFORE + r"whsec_[A-Za-z0-9+/=]{20,}"),
+    ("npm_token", _NOT_ALNUM_BEFORE + r"npm_[A-Za-z0-9]{36}" + _NOT_ALNUM_AFTER),
+    ("google_api_key", _NOT_ALNUM_BEFORE + r"AIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])"),
+    ("anthropic_api_key", _NOT_ALNUM_BEFORE + r"sk-ant-[A-Za-z0-9_-]{20,}"),
+    ("openai_api_key", _NOT_ALNUM_BEFORE + r"sk-(?=[A-Za-z0-9_-]*[0-9])[A-Za-z0-9_-]{32,}"),
+    ("jwt", r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"),
+)
+_TOKEN_RE = re.compile("|".join(f"(?P<{name}>{pattern})" for name, pattern in _TOKEN_PATTERNS))
+_TOKEN_KIND = {name: name for name, _ in _TOKEN_PATTERNS} | {"github_pat": "github_token"}
+_LONG_RUN = re.compile(r"(?<![A-Za-z0-9_+/=.-])[A-Za-z0-9_+/=.-]{20,}")
+
+# Phrase formats: a keyword, then a value, possibly short and across whitespace.
+# Each regex is matched only where its keyword occurs (found with ``str.find``
+# in the lowercased text): an alternation searched over the whole text costs
+# about 20 ns a character in Python's ``re``, a substring search a fraction.
+_PEM = re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----")
+_BEARER = re.compile(
+    r"(?<![A-Za-z])(?i:bearer)\s+(?=[A-Za-z0-9._~+/-]*[0-9])[A-Za-z0-9._~+/-]{16,}"
+)
+_BASIC = re.compile(r"(?<![A-Za-z])(?i:basic)\s+([A-Za-z0-9+/]{6,})={0,2}(?![A-Za-z0-9+/=])")
+_URL_CREDENTIALS = re.compile(r"://[^\s/?#@:]*:([^\s/?#@]+)@")
+_ASSIGNMENT = re.compile(r"[A-Za-z0-9_.-]*[\"']?[ \t]*([=:])[ \t]*[\"']?([^\s;&,'\"<>]*)")
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_.-")
+_ALWAYS_WORDS = ("bearer", "basic", "-----begin")
+_ASSIGNMENT_WORDS = ("pass", "pwd", "kennwort", "contrase", "key", "token", "secret")
+_PASSWORD_NAMES = (
+    "password", "passwd", "passwort", "passphrase", "pwd", "kennwort", "contraseña", "contrasena",
+)  # fmt: skip
+_CREDENTIAL_NAMES = (
+    "apikey", "apisecret", "accesstoken", "refreshtoken", "authtoken", "clientsecret",
+    "secretkey", "secretaccesskey",
+)  # fmt: skip
+_MIN_SCAN = 8
+"""No format can match fewer characters (``pwd=abcd``), so shorter strings are skipped."""
+
+# --- entropy --------------------------------------------------------------------------------------
+
+_MIN_TOKEN = 20
+_MAX_TOKEN = 256
+_ENTROPY_MARGIN = 0.6
+_MAX_MEAN_PART = 3.5
+_RUN = re.compile(
+    r"(?<![A-Za-z0-9+/_.@%&?#\\$~!*|^-])(?!//)[A-Za-z0-9+/_-]{20,}={0,2}"
+    r"(?![@%&#\\$~*|^=]|[.!?][^\s])"
+)
+_PARTS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+|[^A-Za-z0-9]+")
+_HEX = frozenset("0123456789abcdefABCDEF-")
+_DIGITS = frozenset("0123456789")
+_PUBLISHABLE = ("pk_live_", "pk_test_")
+
+
+def _entropy_threshold(n: int) -> float:
+    """The least entropy, in bits per symbol, a random token of ``n`` characters shows.
+
+    A string of ``n`` characters drawn uniformly from the 62 base62 symbols has
+    on average ``D(n) = 62 * (1 - (61/62)**n)`` distinct symbols, so its Shannon
+    entropy sits just under ``log2(D(n))`` (4.25 bits at 24 characters, 5.16 at 64).
+    The threshold is that figure less 0.6 bits: calibrated by simulation so that
+    fewer than 0.2% of random base62 or base64url tokens of 24 characters or more
+    fall below it, while snake_case, camelCase and word-like identifiers (whose
+    letters repeat: ``customer_satisfaction_survey_2024`` has 4.03 bits against
+    a threshold of 4.09), digit-heavy ids and IBANs (under 3.4 bits) and hex (at
+    most 4 bits, under the threshold from 36 characters) stay below it.
+    """
+    distinct = 62 * (1 - (61 / 62) ** n)
+    return math.log2(distinct) - _ENTROPY_MARGIN
+
+
+_THRESHOLDS = tuple(_entropy_threshold(n) if n else 0.0 for n in range(_MAX_TOKEN + 1))
+
+
+def _shannon(text: str) -> float:
+    n = len(text)
+    return -sum(c / n * math.log2(c / n) for c in Counter(text).values())
+
+
+def _random_looking(run: str) -> bool:
+    """True when ``run`` reads as a random token rather than an identifier or a digest.
+
+    Three filters, then two measurements. Filters: pure hex (git SHAs, digests,
+    UUIDs in any case, with or without dashes, with or without ``0x``) is never
+    a secret on its own; Stripe publishable keys (``pk_live_``, ``pk_test_``) are
+    meant to be public; and a token needs letters plus either digits or both
+    cases, which rules out plain long words. Measurements: Shannon entropy at
+    least :func:`_entropy_threshold`, and a mean "word" length of at most 3.5
+    characters, where words are camelCase/snake_case parts and digit runs.
+    Identifiers are built from real words (``IBANValidationServiceImplV2`` has
+    parts of 4.5 characters on average) while random base62 changes case or
+    class every two characters or so; entropy alone cannot tell them apart.
+
+    Base64 of ordinary data (``aGVsbG8gd29ybGQgMjAyNA==``) and base64 digests
+    look random by construction and are flagged: an opaque blob in a tool
+    argument deserves a look anyway.
+    """
+    body = run.rstrip("=")
+    if body[:2] in ("0x", "0X"):
+        body = body[2:]
+    n = len(body)
+    if n < _MIN_TOKEN or body.startswith(_PUBLISHABLE):
+        return False
+    chars = set(body)
+    if chars <= _HEX:
+        return False
+    has_digit = not chars.isdisjoint(_DIGITS)
+    if not has_digit and (body.islower() or body.isupper() or not any(c.isalpha() for c in body)):
+        return False
+    if has_digit and not any(c.isalpha() for c in chars):
+        return False
+    sample = body[:_MAX_TOKEN]
+    if _shannon(sample) < _THRESHOLDS[len(sample)]:
+        return False
+    return len(sample) / len(_PARTS.findall(sample)) <= _MAX_MEAN_PART
+
+
+def _high_entropy(text: str, start: int, end: int) -> bool:
+    """Whether a base64/base64url token in ``text[start:end]`` looks random.
+
+    Tokens are maximal runs of the base64url/base64 alphabet bounded by
+    whitespace, quotes, brackets or ``: = , ;``; runs glued to ``. @ % & ? #``
+    and the like are parts of host names, e-mail addresses, file names or
+    URLs, and a run starting with ``//`` is a URL's authority, so neither is
+    judged.
+    """
+    stop = min(len(text), end + 2)
+    return any(_random_looking(m.group()) for m in _RUN.finditer(text, start, stop))
+
+
+# --- scanning text and keys ---------------------------------------------------------------------
+
+_PLACEHOLDER_WORDS = frozenset(
+    {"redacted", "[redacted]", "<redacted>", "hidden", "masked", "none", "null", "n/a"}
+)
+_MASK_CHARS = frozenset("*•xX.-_ ")
+
+
+def _placeholder(value: str) -> bool:
+    """Masked or templated values (``****``, ``${DB_PASSWORD}``, ``<redacted>``) hold no secret."""
+    v = value.strip()
+    if not v or set(v) <= _MASK_CHARS:
+        return True
+    return (v[0] in "$<{%" and v[-1] in "}>%") or v.lower() in _PLACEHOLDER_WORDS
+
+
+def _basic_credentials(token: str) -> bool:
+    """``Basic`` then base64 of ``user:password``; ``Basic understanding`` is prose."""
+    try:
+        text = base64.b64decode(token + "=" * (-len(token) % 4), validate=True).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return False
+    return ":" in text and text.isprintable()
+
+
+def _assignment(text: str, low: str, at: int, word: str) -> str | None:
+    """The kind of ``name=value`` / ``name: value`` whose name contains ``word`` at ``at``.
+
+    Passwords count from four characters after ``=`` (``pwd=abcd``); after a
+    colon, which prose uses too (``password: reset it``), from six characters
+    with a digit. Other credentials (``api_key``, ``client-secret``) need eight
+    characters with a digit. Placeholders (``${X}``, ``****``) never count.
+    """
+    m = _ASSIGNMENT.match(text, at + len(word))
+    if m is None:
+        return None
+    sep, value = m.group(1), m.group(2)
+    if not value or value[0] in "*$<{%=" or _placeholder(value):
+        return None
+    start = at
+    while start > 0 and at - start < 32 and low[start - 1] in _NAME_CHARS:
+        start -= 1
+    name = low[start : m.start(1)].rstrip(" \t\"'").translate(_KEY_SEPARATORS)
+    if name.endswith(_PASSWORD_NAMES):
+        if len(value) >= 4 if sep == "=" else len(value) >= 6 and _has_digit(value):
+            return "password_assignment"
+    elif name.endswith(_CREDENTIAL_NAMES) and len(value) >= 8 and _has_digit(value):
+        return "credential_assignment"
+    return None
+
+
+def _has_digit(text: str) -> bool:
+    return not _DIGITS.isdisjoint(text)
+
+
+def _phrase_at(text: str, low: str, at: int, word: str) -> str | None:
+    if word == "bearer":
+        return "bearer_token" if _BEARER.match(text, at) else None
+    if word == "basic":
+        m = _BASIC.match(text, at)
+        return "basic_auth" if m and _basic_credentials(m.group(1)) else None
+    if word == "-----begin":
+        return "private_key" if _PEM.match(text, at) else None
+    if word == "://":
+        m = _URL_CREDENTIALS.match(text, at)
+        return "url_credentials" if m and not _placeholder(m.group(1)) else None
+    return _assignment(text, low, at, word)
+
+
+def _phrases(text: str) -> list[str]:
+    """Kinds of the phrase formats in ``text``, found keyword by keyword."""
+    kinds: list[str] = []
+    low = text.lower()
+    assigns = "=" in low or ":" in low
+    at_sign = "@" in low
+    if not (assigns or at_sign or "bearer" in low or "basic" in low or "-----" in low):
+        return kinds
+    if len(low) != len(text):
+        low = "".join(c if len(c.lower()) != 1 else c.lower() for c in text)
+    words = _ALWAYS_WORDS
+    if at_sign:
+        words += ("://",)
+    if assigns:
+        words += _ASSIGNMENT_WORDS
+    for word in words:
+        at = low.find(word)
+        while at >= 0:
+            kind = _phrase_at(text, low, at, word)
+            if kind is not None and kind not in kinds:
+                kinds.append(kind)
+            at = low.find(word, at + len(word))
+    return kinds
+
+
+def _scan_text(text: str) -> list[str]:
+    """The kinds of secret in ``text``, each once; ``high_entropy`` only when no other."""
+    kinds = _phrases(text)
+    if len(text) < _MIN_TOKEN:
+        return kinds
+    runs = [m.span() for m in _LONG_RUN.finditer(text)]
+    for start, end in runs:
+        for m in _TOKEN_RE.finditer(text, start, end):
+            kind = _TOKEN_KIND[m.lastgroup or ""]
+            if kind not in kinds:
+                kinds.append(kind)
+    if not kinds and any(_high_entropy(text, start, end) for start, end in runs):
+        kinds.append("high_entropy")
+    return kinds
+
+
+_SENSITIVE_NAMES = frozenset(
+    {
+        "password", "passwd", "passphrase", "secret", "clientsecret", "apikey", "apisecret",
+        "accesstoken", "refreshtoken", "authtoken", "sessiontoken", "bearertoken", "privatekey",
+        "secretkey", "secretaccesskey", "authorization", "proxyauthorization",
+    }
+)  # fmt: skip
+_SENSITIVE_SUFFIXES = (
+    "password", "passwd", "passphrase", "secret", "apikey", "accesstoken", "refreshtoken",
+    "authtoken", "sessiontoken", "privatekey", "secretkey", "secretaccesskey",
+)  # fmt: skip
+_KEY_SEPARATORS = str.maketrans("", "", "_- .")
+_SENSITIVE_CACHE: dict[str, bool] = {}
+_SENSITIVE_CACHE_MAX = 4096
+
+
+def _sensitive_key(key: str) -> bool:
+    """``password``, ``Client-Secret``, ``apiKey``, ``db_password``: a key naming a credential."""
+    hit = _SENSITIVE_CACHE.get(key)
+    if hit is None:
+        norm = key.lower().translate(_KEY_SEPARATORS)
+        hit = norm in _SENSITIVE_NAMES or norm.endswith(_SENSITIVE_SUFFIXES)
+        if len(_SENSITIVE_CACHE) >= _SENSITIVE_CACHE_MAX:
+            _SENSITIVE_CACHE.clear()
+        _SENSITIVE_CACHE[key] = hit
+    return hit
+
+
+def _redact(key: str) -> str:
+    return key[:4] + "…"
+
+
+_Link: TypeAlias = "tuple[_Link, str] | None"
+"""A path as a chain ``(parent, segment)``: built in O(1) per node, rendered only when needed."""
+
+
+def _render(link: _Link) -> str:
+    parts: list[str] = []
+    while link is not None:
+        link, segment = link
+        parts.append(segment)
+    parts.reverse()
+    return "/".join(parts)
+
+
+def _value_kinds(text: str, key: str | None) -> list[str]:
+    """Kinds for a string value; ``credential_field`` when only its key gives it away."""
+    kinds = _scan_text(text) if len(text) >= _MIN_SCAN else []
+    if not kinds and key is not None and text and _sensitive_key(key) and not _placeholder(text):
+        kinds.append("credential_field")
+    return kinds
+
+
+def find_secrets(value: Any, *, limit: int = 8) -> list[SecretFinding]:
+    """Secrets in a JSON value: in string values and in object keys, at most ``limit``.
+
+    Walks with an explicit stack, so any nesting depth is safe, and never raises
+    on a JSON value (non-JSON leaves are ignored, non-string keys are read as
+    ``str(key)``). A string under a credential-named key (``password``,
+    ``api_key``, ...) that matches no known format is still reported, as
+    ``credential_field``, unless it is empty or a placeholder like ``****``.
+    Findings come out object by object: an object's own keys and strings
+    before what is nested in it.
+    """
+    found: list[SecretFinding] = []
+    if limit <= 0:
+        return found
+    if type(value) is str:
+        return [SecretFinding("", kind, False) for kind in _value_kinds(value, None)][:limit]
+    stack: list[tuple[Any, _Link]] = [(value, None)]
+    while stack:
+        node, link = stack.pop()
+        pending: list[tuple[Any, _Link]] = []
+        if type(node) is dict:
+            for key, child in node.items():
+                name = key if type(key) is str else str(key)
+                segment = name
+                if len(name) >= _MIN_SCAN and (key_kinds := _scan_text(name)):
+                    segment = _redact(name)
+                    where = _render((link, segment))
+                    found.extend(SecretFinding(where, kind, True) for kind in key_kinds)
+                    if len(found) >= limit:
+                        return found[:limit]
+                kind_of = type(child)
+                if kind_of is str:
+                    kinds = _value_kinds(child, name)
+                    if kinds:
+                        where = _render((link, segment))
+                        found.extend(SecretFinding(where, kind, False) for kind in kinds)
+                        if len(found) >= limit:
+                            return found[:limit]
+                elif kind_of is dict or kind_of is list or kind_of is tuple:
+                    pending.append((child, (link, segment)))
+        elif type(node) is list or type(node) is tuple:
+            for i, child in enumerate(node):
+                kind_of = type(child)
+                if kind_of is str:
+                    kinds = _value_kinds(child, None)
+                    if kinds:
+                        where = _render((link, str(i)))
+                        found.extend(SecretFinding(where, kind, False) for kind in kinds)
+                        if len(found) >= limit:
+                            return found[:limit]
+                elif kind_of is dict or kind_of is list or kind_of is tuple:
+                    pending.append((child, (link, str(i))))
+        pending.reverse()
+        stack.extend(pending)
+    return found
+
+
+# --- URLs -----------------------------------------------------------------------------------------
+
+_WS = "".join(map(chr, range(33))) + "\x7f\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005"
+_WS += "\u2006\u2007\u2008\u2009\u200a\u200b\u2028\u2029\u202f\u205f\u3000\ufeff"
+_URL_LIKE = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://\S*"
+    r"|(?i:www)\.\S+"
+    r"|(?i:javascript|vbscript|gopher):\S"
+    r"|(?i:data):[^,\s]*,"
+    r"|(?i:file):[/\\]"
+)
+_DANGEROUS_PREFIX = re.compile(r"(?i:javascript|vbscript|gopher|data|file):")
+
+
+def _url_like(text: str) -> str | None:
+    """``text`` stripped when it is a URL as a whole, else None.
+
+    Browsers drop tabs and newlines anywhere in a URL (``java\\tscript:``), so
+    they are ignored when deciding; the returned text keeps them, for
+    :func:`egress_violation` to refuse. A ``scheme://`` or ``www.`` string with
+    whitespace inside is prose that starts with a URL, not a URL; the dangerous
+    schemes only need to start the string.
+    """
+    t = text.strip(_WS)
+    if len(t) < 4:
+        return None
+    probe = t.replace("\t", "").replace("\n", "").replace("\r", "") if not t.isprintable() else t
+    m = _URL_LIKE.match(probe)
+    if m is None:
+        return None
+    if m.end() == len(probe) or _DANGEROUS_PREFIX.match(probe):
+        return t
+    return None
+
+
+def find_urls(value: Any) -> list[tuple[str, str]]:
+    """``(path, url)`` for every string value that is a URL as a whole.
+
+    Accepted: ``scheme://...``, ``www....``, and ``javascript:``, ``vbscript:``,
+    ``data:``, ``file:``, ``gopher:`` URLs. A URL inside prose (``see
+    https://x.io``) is not returned: free text is not an address a tool fetches.
+    Object keys that hold secrets are redacted in the paths as in
+    :func:`find_secrets`, and the order is the same.
+    """
+    if type(value) is str:
+        url = _url_like(value)
+        return [] if url is None else [("", url)]
+    found: list[tuple[str, str]] = []
+    stack: list[tuple[Any, _Link]] = [(value, None)]
+    while stack:
+        node, link = stack.pop()
+        pending: list[tuple[Any, _Link]] = []
+        if type(node) is dict:
+            items: Any = node.items()
+        elif type(node) is list or type(node) is tuple:
+            items = enumerate(node)
+        else:
+            continue
+        for key, child in items:
+            kind_of = type(child)
+            if kind_of is str:
+                if ":" in child or "." in child:
+                    url = _url_like(child)
+                    if url is not None:
+                        found.append((_render((link, _segment(key))), url))
+            elif kind_of is dict or kind_of is list or kind_of is tuple:
+                pending.append((child, (link, _segment(key))))
+        pending.reverse()
+        stack.extend(pending)
+    return found
+
+
+def _segment(key: Any) -> str:
+    name = key if type(key) is str else str(key)
+    if len(name) >= _MIN_SCAN and type(key) is str and _scan_text(name):
+        return _redact(name)
+    return name
+
+
+# --- egress ---------------------------------------------------------------------------------------
+
+_POLICIES = frozenset(
+    {"none", "allowlisted_domains", "private_network_only", "unrestricted_with_approval"}
+)
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+_ASCII_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_WHITESPACE = re.compile(r"\s")
+_AUTHORITY_END = re.compile(r"[/?#]")
+_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+_HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")
+_DOT_LOOKALIKES = frozenset("\u3002\uff0e\uff61")
+_LOOPBACK = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+_METADATA = frozenset(
+    {"metadata", "metadata.google.internal", "metadata.goog", "instance-data",
+     "instance-data.ec2.internal", "metadata.azure.internal"}
+)  # fmt: skip
+_NON_PUBLIC_SUFFIXES = frozenset(
+    {"local", "localdomain", "internal", "intranet", "lan", "home", "corp", "private",
+     "home.arpa", "localhost", "test", "invalid", "example"}
+)  # fmt: skip
+_SHOW = 60
+
+
+def _show(host: str) -> str:
+    return host if len(host) <= _SHOW else host[: _SHOW - 1] + "…"
+
+
+def _hidden_character(text: str) -> bool:
+    """Control, format (zero-width, bidi override) and separator characters hide what a URL is."""
+    if text.isascii():
+        return _ASCII_CONTROL.search(text) is not None
+    return any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in text)
+
+
+def _ascii_host(host: str) -> str | None:
+    """The host in lowercase ASCII (IDNA labels as ``xn--``), or None for a look-alike.
+
+    A non-ASCII label must encode to an ``xn--`` label: one that nameprep folds
+    into plain ASCII (fullwidth letters, a zero-width space inside a name,
+    ``ß`` to ``ss``) is a host that reads as one name and may resolve as
+    another, and so is refused rather than compared.
+    """
+    host = host.lower()
+    if host.isascii():
+        return host
+    if not _DOT_LOOKALIKES.isdisjoint(host):
+        return None
+    labels: list[str] = []
+    for label in host.split("."):
+        if label.isascii():
+            labels.append(label)
+            continue
+        try:
+            encoded = idna.ToASCII(label).decode("ascii")
+        except UnicodeError:
+            return None
+        if not encoded.startswith("xn--"):
+            return None
+        labels.append(encoded)
+    return ".".join(labels)
+
+
+@lru_cache(maxsize=256)
+def _domains(domains: tuple[str, ...]) -> tuple[str, ...]:
+    """Configured domains normalised like hosts: lowercase, IDNA, no ``*.``, no dots at the ends.
+
+    An empty entry is dropped: it would otherwise match every host.
+    """
+    out: list[str] = []
+    for raw in domains:
+        d = raw.strip().lower().removeprefix("*.").strip(".")
+        ascii_d = _ascii_host(d) if d else None
+        if ascii_d and _HOST.fullmatch(ascii_d):
+            out.append(ascii_d)
+    return tuple(out)
+
+
+def _within(host: str, domains: tuple[str, ...]) -> bool:
+    """``host`` is one of ``domains`` or a subdomain of one, on a label boundary."""
+    return any(host == d or host.endswith("." + d) for d in domains)
+
+
+def _host_of(rest: str) -> tuple[str | None, str]:
+    """The normalised host after ``scheme:``, or None and the reason it is refused."""
+    if not rest.startswith("//") or rest.startswith("///"):
+        return None, "malformed URL: expected scheme://host"
+    authority = _AUTHORITY_END.split(rest[2:], maxsplit=1)[0]
+    if "@" in authority:
+        return None, "credentials (user@ or user:password@) are not allowed in a URL"
+    if authority.startswith("["):
+        return None, "IP address hosts are not allowed; use a domain name"
+    host, colon, port = authority.rpartition(":")
+    if not colon:
+        host = authority
+    elif not (port == "" or (port.isascii() and port.isdigit() and int(port) <= 65535)):
+        return None, "malformed URL: bad port"
+    if host.endswith("."):
+        host = host[:-1]
+    if not host:
+        return None, "malformed URL: no host"
+    ascii_host = _ascii_host(host)
+    if ascii_host is None:
+        return None, "host uses look-alike Unicode characters"
+    if len(ascii_host) > 253 or not _HOST.fullmatch(ascii_host):
+        return None, f"host {_show(ascii_host)} has characters outside a-z 0-9 . -"
+    return ascii_host, ""
+
+
+def egress_violation(
+    url: str,
+    egress_policy: str,
+    allowed_domains: tuple[str, ...],
+    internal_domains: tuple[str, ...],
+) -> str | None:
+    """None when the contract's egress policy lets a tool reach ``url``, else why not.
+
+    Parsing is strict on purpose: the URL is refused whenever two common
+    parsers could disagree about its host (backslashes, control or invisible
+    characters, ``https:/host`` or ``https:///host``, userinfo, Unicode dots),
+    because the host this check sees must be the host the tool connects to.
+    IP literals in any spelling (``2130706433``, ``0x7f.1``, ``0177.0.0.1``,
+    ``[::1]``) are recognised as WHATWG does: a host whose last label is a
+    number. A URL without a scheme (``www.example.com``) is refused: how the
+    executor would complete it, http or https, is unknown.
+    """
+    if egress_policy not in _POLICIES:
+        return f"unknown egress policy {_show(str(egress_policy))}; refusing"
+    if egress_policy == "none":
+        return "this tool may not reach any URL (egress policy none)"
+    if type(url) is not str:
+        return "not a URL"
+    u = url.strip(_WS)
+    if not u:
+        return "empty URL"
+    if "\\" in u:
+        return "backslash in URL"
+    if _hidden_character(u):
+        return "control or invisible character in URL"
+    m = _SCHEME.match(u)
+    if m is None:
+        return "URL has no scheme; write it in full as https://host/path"
+    scheme = m.group(1).lower()
+    if scheme not in ("http", "https"):
+        return f"scheme {_show(scheme)}: is not allowed; only https"
+    if scheme == "http" and egress_policy != "private_network_only":
+        return "plain http is not allowed; use https"
+    if _WHITESPACE.search(u):
+        return "whitespace in URL"
+    host, reason = _host_of(u[m.end() :])
+    if host is None:
+        return reason
+    last = host.rsplit(".", 1)[-1]
+    if _NUMERIC_LABEL.fullmatch(last):
+        return "IP address hosts are not allowed; use a domain name"
+    if host in _LOOPBACK or host.endswith(".localhost"):
+        return "localhost is not allowed"
+    if host in _METADATA or _within(host, ("metadata.google.internal",)):
+        return "cloud metadata endpoints are not allowed"
+    if egress_policy == "allowlisted_domains":
+        allowed = _domains(allowed_domains)
+        if not _within(host, allowed):
+            listed = ", ".join(allowed[:3]) + (", ..." if len(allowed) > 3 else "")
+            return f"host {_show(host)} is not an allowed domain ({listed or 'none configured'})"
+        return None
+    internal = _domains(internal_domains)
+    if egress_policy == "private_network_only":
+        if not _within(host, internal):
+            return f"host {_show(host)} is not on the private network"
+        return None
+    if "." not in host or _within(host, internal):
+        return f"host {_show(host)} is internal; this tool may reach public hosts only"
+    if last in _NON_PUBLIC_SUFFIXES or host.endswith(".home.arpa"):
+        return f"host {_show(host)} is not a public host name"
+    return None

@@ -1,0 +1,317 @@
+"""Who is asking: principals from signed tokens, and nothing else.
+
+A proposal's ``tenant_id`` and any other identity field in the envelope are
+claims. The principal (tenant, user, agent, scopes, clearance) is read only
+from a JWT the proposal carries, verified with a key the operator configured
+(a JWKS document or single key files). Each key is pinned to one algorithm:
+EdDSA for Ed25519, ES256 for P-256, HS256 for shared secrets. A token whose
+header asks for another algorithm, or for ``none``, is refused before any
+cryptography runs, which closes the algorithm-confusion attacks (an HMAC
+"signed" with a public key, an unsigned token).
+
+Verification costs tens of microseconds for the asymmetric algorithms, and an
+agent run sends many proposals under one token, so verified tokens are
+cached by their exact bytes; the time claims are checked again on every use.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jwt
+import orjson
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+from processor.config import IdentitySettings
+from processor.model import CLEARANCE_LEVELS, FieldError, Principal
+
+logger = logging.getLogger(__name__)
+
+ALGORITHMS = ("EdDSA", "ES256", "HS256")
+DEVELOPMENT_WARNING = (
+    "identity NOT verified: the processor runs in development mode and trusts the "
+    "envelope's tenant_id"
+)
+_MAX_CACHE = 8192
+
+
+class KeyError_(ValueError):
+    """A key file cannot be used."""
+
+
+@dataclass(frozen=True, slots=True)
+class VerificationKey:
+    kid: str
+    alg: str
+    key: Any
+
+
+def _alg_for(jwk: dict[str, Any]) -> str:
+    kty, crv = str(jwk.get("kty")), jwk.get("crv")
+    inferred: dict[tuple[str, Any], str] = {
+        ("OKP", "Ed25519"): "EdDSA",
+        ("EC", "P-256"): "ES256",
+        ("oct", None): "HS256",
+    }
+    alg = inferred.get((kty, crv))
+    if alg is None:
+        raise KeyError_(f"key {jwk.get('kid')!r}: unsupported key type {kty}/{crv}")
+    if "alg" in jwk and jwk["alg"] != alg:
+        raise KeyError_(f"key {jwk.get('kid')!r}: alg {jwk['alg']} does not fit a {kty} key")
+    return alg
+
+
+def _from_jwk(jwk: dict[str, Any], where: str) -> VerificationKey:
+    kid = jwk.get("kid")
+    if not isinstance(kid, str) or not kid:
+        raise KeyError_(f"{where}: every key needs a kid")
+    alg = _alg_for(jwk)
+    if jwk.get("d") is not None and alg != "HS256":
+        raise KeyError_(f"{where}: key {kid!r} is a private key; configure its public half")
+    try:
+        key = jwt.PyJWK(jwk, algorithm=alg).key
+    except jwt.PyJWKError as exc:
+        raise KeyError_(f"{where}: key {kid!r}: {exc}") from exc
+    return VerificationKey(kid, alg, key)
+
+
+def _from_pem(path: Path) -> VerificationKey:
+    key = serialization.load_pem_public_key(path.read_bytes())
+    if isinstance(key, ed25519.Ed25519PublicKey):
+        alg = "EdDSA"
+    elif isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name == "secp256r1":
+        alg = "ES256"
+    else:
+        raise KeyError_(f"{path}: only Ed25519 and P-256 public keys are accepted")
+    return VerificationKey(path.stem, alg, key)
+
+
+def load_keys(settings: IdentitySettings) -> dict[str, VerificationKey]:
+    keys: list[VerificationKey] = []
+    if settings.jwks_file is not None:
+        doc = orjson.loads(Path(settings.jwks_file).read_bytes())
+        if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list):
+            raise KeyError_(f"{settings.jwks_file}: not a JWKS document (no keys list)")
+        keys.extend(_from_jwk(k, str(settings.jwks_file)) for k in doc["keys"])
+    for path in settings.key_files:
+        path = Path(path)
+        raw = path.read_bytes()
+        if raw.lstrip().startswith(b"{"):
+            keys.append(_from_jwk(orjson.loads(raw), str(path)))
+        else:
+            keys.append(_from_pem(path))
+    by_kid: dict[str, VerificationKey] = {}
+    for k in keys:
+        if k.kid in by_kid:
+            raise KeyError_(f"key id {k.kid!r} is configured twice")
+        by_kid[k.kid] = k
+    return by_kid
+
+
+def _b64(segment: str) -> bytes:
+    return base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
+
+
+def _refuse(code: str, message: str) -> FieldError:
+    return FieldError("principal_token", message, code)
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    principal: Principal
+    exp: float
+    nbf: float
+
+
+class Verifier:
+    """Turns a token into a ``Principal`` or a typed refusal."""
+
+    def __init__(self, settings: IdentitySettings, keys: dict[str, VerificationKey]) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.development = settings.mode == "development"
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+
+    @classmethod
+    def from_settings(cls, settings: IdentitySettings) -> Verifier:
+        keys = load_keys(settings)
+        if settings.mode == "development":
+            logger.warning("*** %s ***", DEVELOPMENT_WARNING)
+        elif not keys:
+            logger.warning("no identity keys configured: every proposal will be refused")
+        return cls(settings, keys)
+
+    def development_principal(self, tenant_id: str | None) -> Principal:
+        return Principal(
+            tenant_id=tenant_id or "",
+            user_id="development-user",
+            agent_id="development-agent",
+            scopes=frozenset({"*"}),
+            clearance=CLEARANCE_LEVELS[-1],
+            verified=False,
+        )
+
+    def verify(self, token: str | None, now: float | None = None) -> Principal | FieldError:
+        if now is None:
+            now = time.time()
+        if token is None:
+            return _refuse(
+                "token_missing", "the proposal carries no principal_token; identity is required"
+            )
+        hit = self._cache.get(token)
+        if hit is not None:
+            leeway = self.settings.leeway_s
+            if now > hit.exp + leeway:
+                return _refuse("token_expired", "the principal token has expired")
+            if now < hit.nbf - leeway:
+                return _refuse("token_not_yet_valid", "the principal token is not valid yet")
+            return hit.principal
+        result = self._verify(token, now)
+        if isinstance(result, _Cached):
+            self._cache[token] = result
+            if len(self._cache) > _MAX_CACHE:
+                self._cache.popitem(last=False)
+            return result.principal
+        return result
+
+    def _verify(self, token: str, now: float) -> _Cached | FieldError:
+        parts = token.split(".")
+        if len(parts) != 3:
+            return _refuse("token_malformed", "the principal token is not a compact JWS")
+        try:
+            header = json.loads(_b64(parts[0]))
+        except (ValueError, binascii.Error):
+            return _refuse("token_malformed", "the principal token's header is not JSON")
+        if not isinstance(header, dict):
+            return _refuse("token_malformed", "the principal token's header is not an object")
+        alg = header.get("alg")
+        if not isinstance(alg, str) or alg not in ALGORITHMS:
+            return _refuse("token_alg_refused", f"token algorithm {alg!r} is not accepted")
+        kid = header.get("kid")
+        key = self.keys.get(kid) if isinstance(kid, str) else None
+        if key is None or not isinstance(kid, str):
+            return _refuse("token_unknown_key", f"no configured key has id {kid!r}")
+        if key.alg != alg:
+            return _refuse("token_alg_refused", f"key {kid!r} verifies {key.alg} tokens, not {alg}")
+        try:
+            claims = jwt.decode(
+                token,
+                key.key,
+                algorithms=[key.alg],
+                audience=self.settings.audience,
+                issuer=self.settings.issuer,
+                leeway=self.settings.leeway_s,
+                options={"require": ["exp", "iat", "aud", "sub"]},
+            )
+        except jwt.ExpiredSignatureError:
+            return _refuse("token_expired", "the principal token has expired")
+        except jwt.ImmatureSignatureError:
+            return _refuse("token_not_yet_valid", "the principal token is not valid yet")
+        except (jwt.InvalidAudienceError, jwt.InvalidIssuerError):
+            return _refuse(
+                "token_wrong_audience", "the principal token was issued for another audience"
+            )
+        except jwt.InvalidSignatureError:
+            return _refuse("token_signature_invalid", "the principal token's signature is wrong")
+        except jwt.MissingRequiredClaimError as exc:
+            return _refuse("token_claims_invalid", f"the principal token lacks {exc.claim}")
+        except jwt.InvalidTokenError as exc:
+            return _refuse("token_malformed", f"the principal token is unreadable: {exc}")
+        return _principal(claims, kid)
+
+
+def _principal(claims: dict[str, Any], kid: str) -> _Cached | FieldError:
+    tenant, agent, user = claims.get("tenant_id"), claims.get("agent_id"), claims.get("sub")
+    for name, value in (("tenant_id", tenant), ("agent_id", agent), ("sub", user)):
+        if not isinstance(value, str) or not value:
+            return _refuse("token_claims_invalid", f"the principal token has no {name}")
+    scope = claims.get("scope", "")
+    if isinstance(scope, str):
+        scopes = frozenset(scope.split())
+    elif isinstance(scope, list) and all(isinstance(s, str) for s in scope):
+        scopes = frozenset(scope)
+    else:
+        return _refuse("token_claims_invalid", "scope must be a space-separated string")
+    clearance = claims.get("clearance", CLEARANCE_LEVELS[0])
+    if clearance not in CLEARANCE_LEVELS:
+        return _refuse("token_claims_invalid", f"unknown clearance {clearance!r}")
+    exp = claims["exp"]
+    nbf = claims.get("nbf", 0)
+    if not isinstance(exp, (int, float)) or not isinstance(nbf, (int, float)):
+        return _refuse("token_claims_invalid", "exp and nbf must be numbers")
+    principal = Principal(
+        tenant_id=str(tenant),
+        user_id=str(user),
+        agent_id=str(agent),
+        scopes=scopes,
+        clearance=str(clearance),
+        key_id=kid,
+    )
+    return _Cached(principal, float(exp), float(nbf))
+
+
+# -- issuing (clients, tests, the demo) ---------------------------------------------------
+
+
+class TokenIssuer:
+    """Mints principal tokens with a private key: what an identity provider does."""
+
+    def __init__(self, kid: str, alg: str, private_key: Any, audience: str = "toolsentry") -> None:
+        self.kid, self.alg, self.private_key, self.audience = kid, alg, private_key, audience
+
+    @classmethod
+    def from_jwk_file(cls, path: Path, audience: str = "toolsentry") -> TokenIssuer:
+        jwk = orjson.loads(Path(path).read_bytes())
+        alg = _alg_for(jwk)
+        return cls(jwk["kid"], alg, jwt.PyJWK(jwk, algorithm=alg).key, audience)
+
+    def mint(
+        self,
+        tenant_id: str,
+        user_id: str,
+        agent_id: str,
+        scopes: list[str] | tuple[str, ...] = (),
+        clearance: str = "internal",
+        ttl_s: int = 3600,
+        now: float | None = None,
+        **extra: Any,
+    ) -> str:
+        now = time.time() if now is None else now
+        claims = {
+            "sub": user_id,
+            "tenant_id": tenant_id,
+            "agent_id": agent_id,
+            "scope": " ".join(scopes),
+            "clearance": clearance,
+            "aud": self.audience,
+            "iat": int(now),
+            "exp": int(now + ttl_s),
+            **extra,
+        }
+        return jwt.encode(claims, self.private_key, algorithm=self.alg, headers={"kid": self.kid})
+
+
+def generate_ed25519_jwk(kid: str) -> tuple[dict[str, str], dict[str, str]]:
+    """A new Ed25519 key as (private JWK, public JWK)."""
+    private = ed25519.Ed25519PrivateKey.generate()
+    raw_private = private.private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+    raw_public = private.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+    public = {"kty": "OKP", "crv": "Ed25519", "kid": kid, "alg": "EdDSA", "x": _b64e(raw_public)}
+    return {**public, "d": _b64e(raw_private)}, public
+
+
+def _b64e(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()

@@ -1,0 +1,48 @@
+"""Publishing reference data: what a system of record does, for the demo, tests and ops."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+import redis
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from processor.config import Settings
+from processor.state.references import positions
+
+
+def publish_references(
+    settings: Settings, entities: list[tuple[str, dict[str, Any] | None]]
+) -> None:
+    """Publish ``(tenant/entity/id, value or None)`` pairs to ``tool.reference``."""
+    producer = Producer(settings.client_config(**{"enable.idempotence": True}))
+    for key, value in entities:
+        body = None if value is None else orjson.dumps(value)
+        producer.produce(settings.topics.reference, body, key.encode())
+    if producer.flush(30):
+        raise TimeoutError("reference data was not delivered")
+
+
+def wait_until_loaded(settings: Settings, timeout: float = 60.0) -> None:
+    """Block until the processors' loader has written everything now on tool.reference."""
+    consumer = Consumer(settings.client_config(**{"group.id": "toolsentry-reference-probe"}))
+    try:
+        topic = settings.topics.reference
+        meta = consumer.list_topics(topic, timeout=10)
+        ends = {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+            for p in meta.topics[topic].partitions
+        }
+    finally:
+        consumer.close()
+    client: redis.Redis[bytes] = redis.Redis.from_url(settings.redis_url)
+    deadline = time.monotonic() + timeout
+    while True:
+        done = positions(client, settings.reference_group_id)
+        if all(end <= 0 or done.get((topic, p), 0) >= end for p, end in ends.items()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tool.reference not loaded into Redis within {timeout}s")
+        time.sleep(0.1)

@@ -1,0 +1,247 @@
+"""Reference data: ``tool.reference`` materialised in Redis, read once per batch.
+
+Systems of record publish each entity on the compacted ``tool.reference``
+topic: key ``tenant/entity/id``, value ``{"state": ..., "owner": ...,
+"attributes": {...}}``, a tombstone when the entity is gone. A loader in
+every processor (one consumer group, partitions shared out) writes them to
+Redis, where all instances read the same answers:
+
+- ``ts:ref:{tenant}:<entity>:<id>``: the entity, as JSON; the ``{tenant}``
+  hash tag keeps a tenant's keys in one Redis Cluster slot;
+- ``ts:refidx:<entity>:<id>``: the set of tenants that have that id, which is
+  how an id of *another* tenant is told apart from one that exists nowhere.
+
+The loader keeps its own position in Redis (``ts:refpos:<group>``), written
+after the values it covers, and resumes from it; re-applying a record is
+harmless because the last value of a key wins either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+
+from processor.config import Settings
+from processor.gates.semantic import FOREIGN, RefEntry, RefKey
+from processor.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+def entity_key(tenant: str, entity: str, entity_id: str) -> str:
+    return f"ts:ref:{{{tenant}}}:{entity}:{entity_id}"
+
+
+def index_key(entity: str, entity_id: str) -> str:
+    return f"ts:refidx:{entity}:{entity_id}"
+
+
+def position_key(group: str) -> str:
+    return f"ts:refpos:{group}"
+
+
+class ReferenceStore:
+    """Batched reads of reference data: one pipeline, one round trip, per batch."""
+
+    def __init__(self, client: redis.Redis[bytes]) -> None:
+        self.client = client
+
+    def lookup(self, keys: Iterable[RefKey]) -> dict[RefKey, RefEntry | None]:
+        ordered = list(keys)
+        if not ordered:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for tenant, entity, entity_id in ordered:
+            pipe.get(entity_key(tenant, entity, entity_id))
+            pipe.exists(index_key(entity, entity_id))
+        replies = pipe.execute()
+        out: dict[RefKey, RefEntry | None] = {}
+        for i, key in enumerate(ordered):
+            raw, elsewhere = replies[2 * i], replies[2 * i + 1]
+            if raw is not None:
+                out[key] = _entry(key[0], raw)
+            else:
+                out[key] = FOREIGN if elsewhere else None
+        return out
+
+
+def _entry(tenant: str, raw: bytes) -> RefEntry:
+    doc = orjson.loads(raw)
+    attributes = doc.get("attributes")
+    owner = doc.get("owner")
+    return RefEntry(
+        tenant,
+        str(doc["state"]),
+        owner if isinstance(owner, str) else None,
+        attributes if isinstance(attributes, dict) else {},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceRecord:
+    tenant: str
+    entity: str
+    entity_id: str
+    value: bytes | None
+    """The normalised JSON to store, or None for a tombstone."""
+
+
+class BadReference(ValueError):
+    pass
+
+
+def parse_reference(key: bytes | None, value: bytes | None) -> ReferenceRecord:
+    """One ``tool.reference`` record, checked; ``BadReference`` says why it is unusable."""
+    if key is None:
+        raise BadReference("no key")
+    try:
+        text = key.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadReference("key is not UTF-8") from exc
+    parts = text.split("/", 2)
+    if len(parts) != 3 or not all(parts):
+        raise BadReference("key must be tenant/entity/id")
+    tenant, entity, entity_id = parts
+    if value is None:
+        return ReferenceRecord(tenant, entity, entity_id, None)
+    try:
+        doc = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise BadReference("value is not JSON") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("state"), str) or not doc["state"]:
+        raise BadReference("value must be an object with a non-empty state")
+    kept: dict[str, Any] = {"state": doc["state"]}
+    if isinstance(doc.get("owner"), str):
+        kept["owner"] = doc["owner"]
+    if isinstance(doc.get("attributes"), dict):
+        kept["attributes"] = doc["attributes"]
+    return ReferenceRecord(tenant, entity, entity_id, orjson.dumps(kept))
+
+
+def apply_records(
+    client: redis.Redis[bytes],
+    records: list[tuple[str, int, int, bytes | None, bytes | None]],
+    group: str,
+) -> tuple[int, int]:
+    """Write a batch of (topic, partition, offset, key, value); positions last.
+
+    Returns (applied, refused)."""
+    pipe = client.pipeline(transaction=False)
+    positions: dict[str | bytes, int] = {}
+    applied = refused = 0
+    for topic, partition, offset, key, value in records:
+        positions[f"{topic}/{partition}"] = offset + 1
+        try:
+            rec = parse_reference(key, value)
+        except BadReference as exc:
+            refused += 1
+            logger.warning("tool.reference %s@%s refused: %s", partition, offset, exc)
+            continue
+        applied += 1
+        ek = entity_key(rec.tenant, rec.entity, rec.entity_id)
+        ik = index_key(rec.entity, rec.entity_id)
+        if rec.value is None:
+            pipe.delete(ek)
+            pipe.srem(ik, rec.tenant)
+        else:
+            pipe.set(ek, rec.value)
+            pipe.sadd(ik, rec.tenant)
+    if positions:
+        pipe.hset(position_key(group), mapping=positions)
+    pipe.execute()
+    return applied, refused
+
+
+def positions(client: redis.Redis[bytes], group: str) -> dict[tuple[str, int], int]:
+    raw = client.hgetall(position_key(group))
+    out: dict[tuple[str, int], int] = {}
+    for k, v in raw.items():
+        topic, _, partition = k.decode().rpartition("/")
+        out[(topic, int(partition))] = int(v)
+    return out
+
+
+class ReferenceLoader:
+    """Background thread: ``tool.reference`` into Redis, from Redis's own position."""
+
+    def __init__(self, settings: Settings, client: redis.Redis[bytes], metrics: Metrics) -> None:
+        self.settings = settings
+        self.client = client
+        self.metrics = metrics
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reference-loader", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        try:
+            known = positions(self.client, self.settings.reference_group_id)
+        except redis.RedisError:
+            logger.warning("cannot read reference positions; starting from the beginning")
+            known = {}
+        for tp in partitions:
+            tp.offset = known.get((tp.topic, tp.partition), OFFSET_BEGINNING)
+        consumer.assign(partitions)
+
+    def _run(self) -> None:
+        s = self.settings
+        consumer = Consumer(
+            s.client_config(
+                **{
+                    "group.id": s.reference_group_id,
+                    "enable.auto.commit": False,
+                    "enable.auto.offset.store": False,
+                    "auto.offset.reset": "earliest",
+                    "isolation.level": "read_committed",
+                    **s.consumer,
+                }
+            )
+        )
+        consumer.subscribe([s.topics.reference], on_assign=self._on_assign)
+        try:
+            while not self._stop.is_set():
+                try:
+                    batch = consumer.consume(1000, 0.2)
+                except KafkaException as exc:
+                    logger.warning("reference consumer: %s", exc)
+                    continue
+                records = [
+                    (m.topic(), m.partition(), m.offset(), m.key(), m.value())
+                    for m in batch
+                    if m.error() is None
+                ]
+                if records:
+                    self._apply(consumer, records)
+        finally:
+            consumer.close()
+
+    def _apply(
+        self, consumer: Consumer, records: list[tuple[Any, Any, Any, bytes | None, bytes | None]]
+    ) -> None:
+        delay = 0.2
+        while not self._stop.is_set():
+            try:
+                applied, refused = apply_records(
+                    self.client, records, self.settings.reference_group_id
+                )
+                self.metrics.references.labels("applied").inc(applied)
+                self.metrics.references.labels("refused").inc(refused)
+                return
+            except redis.RedisError as exc:
+                self.metrics.dependency_errors.labels("redis").inc()
+                logger.warning("reference load failed (%s); retrying in %.1fs", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
