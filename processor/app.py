@@ -208,8 +208,8 @@ class Processor:
         self.redis: redis.Redis[bytes] = redis.Redis.from_url(
             settings.redis_url, socket_timeout=5, socket_connect_timeout=2
         )
-        self.references = ReferenceStore(self.redis)
-        self.approval_store = ApprovalStore(self.redis)
+        self.references = ReferenceStore(self.redis, settings.redis_namespace)
+        self.approval_store = ApprovalStore(self.redis, settings.redis_namespace)
         self.loader = ReferenceLoader(settings, self.redis, self.metrics)
         self.sweeper = ExpirySweeper(settings, self.approval_store, self.metrics, self._stop)
         self._redis_backoff = 0.0

@@ -307,6 +307,67 @@ def contracts_show(
         raise typer.Exit(1) from exc
 
 
+@app.command("eval")
+def evaluate(
+    suite: Annotated[Path, typer.Option(help="Suite folder (suite.yaml, cases/).")] = Path(
+        "tests/conformance"
+    ),
+    keys: Annotated[Path, typer.Option(help="Where the suite's keys are (or go).")] = Path(
+        ".stack/eval-keys"
+    ),
+    prepare: Annotated[
+        bool, typer.Option("--prepare", help="Only write the keys the processor must trust.")
+    ] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each observation.")] = 60.0,
+    report: Annotated[Path | None, typer.Option(help="Also write the results as JSON.")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Run a labelled conformance suite through the running processors; per-category accuracy.
+
+    First ``--prepare``: it writes the keys and prints the settings to start the processors
+    with (JWKS, approvers, the suite's policy). Exit status 1 below 100%."""
+    from processor.evaluate import Runner, load_suite, prepare_keys, summary
+
+    loaded = load_suite(suite)
+    if prepare:
+        k = prepare_keys(loaded, keys)
+        console.print(f"TOOLSENTRY_IDENTITY__JWKS_FILE={k.jwks.resolve()}")
+        console.print(f"TOOLSENTRY_APPROVERS_FILE={k.approvers.resolve()}")
+        console.print(f"TOOLSENTRY_POLICY_FILE={loaded.policy.resolve()}")
+        return
+    from processor.evaluate import SuiteKeys
+
+    s = _settings(config)
+    runner = Runner(s, loaded, SuiteKeys(keys))
+    try:
+        runner.publish_references()
+        results = runner.run(timeout)
+    finally:
+        runner.close()
+    table = Table("category", "passed", "cases", "accuracy")
+    for category, (good, total) in summary(results).items():
+        table.add_row(category, str(good), str(total), f"{100 * good / total:.1f}%")
+    passed = sum(r.passed for r in results)
+    table.add_row("all", str(passed), str(len(results)), f"{100 * passed / len(results):.1f}%")
+    console.print(table)
+    for r in results:
+        if not r.passed:
+            console.print(f"[red]FAIL[/red] {r.case_id} ({r.category}): {'; '.join(r.problems)}")
+    if report is not None:
+        doc = {
+            "passed": passed,
+            "total": len(results),
+            "categories": {c: {"passed": g, "total": t} for c, (g, t) in summary(results).items()},
+            "failures": [
+                {"id": r.case_id, "category": r.category, "problems": r.problems}
+                for r in results
+                if not r.passed
+            ],
+        }
+        report.write_text(json.dumps(doc, indent=2) + "\n")
+    raise typer.Exit(0 if passed == len(results) else 1)
+
+
 # -- keys, reference data, approvals ----------------------------------------------------------
 
 
@@ -346,7 +407,7 @@ def _approval_store(s: Settings) -> Any:
 
     from processor.state.approvals import ApprovalStore
 
-    return ApprovalStore(redis.Redis.from_url(s.redis_url, socket_timeout=5))
+    return ApprovalStore(redis.Redis.from_url(s.redis_url, socket_timeout=5), s.redis_namespace)
 
 
 @approvals_app.command("list")

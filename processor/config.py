@@ -176,6 +176,8 @@ class Settings(BaseSettings):
     metrics_port: int = 9464
     """Prometheus /metrics port; 0 disables the endpoint."""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_namespace: str = "ts"
+    """Prefix of every Redis key, so deployments (or test runs) can share one Redis."""
     identity: IdentitySettings = IdentitySettings()
     policy_file: Path | None = Path("policy/policy.yaml")
     """Tenant classes, confirmation, egress and secret-scanning policy; None means the
@@ -212,6 +214,7 @@ class Settings(BaseSettings):
         env = {
             "TOOLSENTRY_BOOTSTRAP_SERVERS": self.bootstrap_servers,
             "TOOLSENTRY_REDIS_URL": self.redis_url,
+            "TOOLSENTRY_REDIS_NAMESPACE": self.redis_namespace,
             "TOOLSENTRY_TOPICS__PREFIX": self.topics.prefix,
             "TOOLSENTRY_GROUP_ID": self.group_id,
             "TOOLSENTRY_INSTANCE_ID": self.instance_id,

@@ -40,7 +40,7 @@ def wait_until_loaded(settings: Settings, timeout: float = 60.0) -> None:
     client: redis.Redis[bytes] = redis.Redis.from_url(settings.redis_url)
     deadline = time.monotonic() + timeout
     while True:
-        done = positions(client, settings.reference_group_id)
+        done = positions(client, settings.reference_group_id, settings.redis_namespace)
         if all(end <= 0 or done.get((topic, p), 0) >= end for p, end in ends.items()):
             return
         if time.monotonic() > deadline:

@@ -37,29 +37,45 @@ class SecretFinding:
 
 # --- known formats ------------------------------------------------------------------------------
 
-_NOT_ALNUM_BEFORE = r"(?<![A-Za-z0-9])"
-_NOT_ALNUM_AFTER = r"(?![A-Za-z0-9])"
-
-# Token formats: each is one run of at least 20 characters of ``[A-Za-z0-9_+/=.-]``,
-# so they are only looked for inside such runs. Alternatives are tried left to
-# right, hence the specific ``sk-ant-`` before the generic ``sk-``.
-_TOKEN_PATTERNS: tuple[tuple[str, str], ...] = (
-    ("aws_access_key_id", r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])"),
-    ("github_token", _NOT_ALNUM_BEFORE + r"gh[pousr]_[A-Za-z0-9]{36,251}" + _NOT_ALNUM_AFTER),
-    ("github_pat", _NOT_ALNUM_BEFORE + r"github_pat_[A-Za-z0-9_]{22,}"),
-    ("gitlab_token", _NOT_ALNUM_BEFORE + r"glpat-[A-Za-z0-9_-]{20,}"),
-    ("slack_token", _NOT_ALNUM_BEFORE + r"xox[abposr]-[A-Za-z0-9-]{15,}"),
-    ("stripe_secret_key", _NOT_ALNUM_BEFORE + r"(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{16,}"),
-    ("stripe_webhook_secret", _NOT_ALNUM_BEFORE + r"whsec_[A-Za-z0-9+/=]{20,}"),
-    ("npm_token", _NOT_ALNUM_BEFORE + r"npm_[A-Za-z0-9]{36}" + _NOT_ALNUM_AFTER),
-    ("google_api_key", _NOT_ALNUM_BEFORE + r"AIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])"),
-    ("anthropic_api_key", _NOT_ALNUM_BEFORE + r"sk-ant-[A-Za-z0-9_-]{20,}"),
-    ("openai_api_key", _NOT_ALNUM_BEFORE + r"sk-(?=[A-Za-z0-9_-]*[0-9])[A-Za-z0-9_-]{32,}"),
-    ("jwt", r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"),
+# Token formats: each is a whitespace-free run of at least 20 characters, so
+# they are only looked for in whitespace-delimited tokens that long. Every
+# alternative starts with a literal character (its "not after a letter or
+# digit" check comes second) so that ``re`` can skip positions that cannot
+# start one; the more specific ``sk-ant-`` comes before the generic ``sk-``.
+_TOKEN_PATTERNS = (
+    r"A(?<![A-Z0-9]A)(?:KIA|SIA)[A-Z0-9]{16}(?![A-Z0-9])",
+    r"A(?<![A-Za-z0-9]A)Iza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])",
+    r"g(?<![A-Za-z0-9]g)h[pousr]_[A-Za-z0-9]{36,251}(?![A-Za-z0-9])",
+    r"g(?<![A-Za-z0-9]g)ithub_pat_[A-Za-z0-9_]{22,}",
+    r"g(?<![A-Za-z0-9]g)lpat-[A-Za-z0-9_-]{20,}",
+    r"x(?<![A-Za-z0-9]x)ox[abposr]-[A-Za-z0-9-]{15,}",
+    r"s(?<![A-Za-z0-9]s)k_(?:live|test)_[A-Za-z0-9]{16,}",
+    r"r(?<![A-Za-z0-9]r)k_(?:live|test)_[A-Za-z0-9]{16,}",
+    r"w(?<![A-Za-z0-9]w)hsec_[A-Za-z0-9+/=]{20,}",
+    r"n(?<![A-Za-z0-9]n)pm_[A-Za-z0-9]{36}(?![A-Za-z0-9])",
+    r"s(?<![A-Za-z0-9]s)k-ant-[A-Za-z0-9_-]{20,}",
+    r"s(?<![A-Za-z0-9]s)k-(?=[A-Za-z0-9_-]*[0-9])[A-Za-z0-9_-]{32,}",
+    r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*",
 )
-_TOKEN_RE = re.compile("|".join(f"(?P<{name}>{pattern})" for name, pattern in _TOKEN_PATTERNS))
-_TOKEN_KIND = {name: name for name, _ in _TOKEN_PATTERNS} | {"github_pat": "github_token"}
-_LONG_RUN = re.compile(r"(?<![A-Za-z0-9_+/=.-])[A-Za-z0-9_+/=.-]{20,}")
+_TOKEN_RE = re.compile("|".join(_TOKEN_PATTERNS))
+_TOKEN_KINDS = (
+    (("AKIA", "ASIA"), "aws_access_key_id"),
+    (("AIza",), "google_api_key"),
+    (("gh", "github_pat_"), "github_token"),
+    (("glpat-",), "gitlab_token"),
+    (("xox",), "slack_token"),
+    (("sk_", "rk_"), "stripe_secret_key"),
+    (("whsec_",), "stripe_webhook_secret"),
+    (("npm_",), "npm_token"),
+    (("sk-ant-",), "anthropic_api_key"),
+    (("sk-",), "openai_api_key"),
+    (("eyJ",), "jwt"),
+)
+
+
+def _token_kind(token: str) -> str:
+    return next((kind for prefixes, kind in _TOKEN_KINDS if token.startswith(prefixes)), "token")
+
 
 # Phrase formats: a keyword, then a value, possibly short and across whitespace.
 # Each regex is matched only where its keyword occurs (found with ``str.find``
@@ -79,8 +95,8 @@ _PASSWORD_NAMES = (
     "password", "passwd", "passwort", "passphrase", "pwd", "kennwort", "contraseña", "contrasena",
 )  # fmt: skip
 _CREDENTIAL_NAMES = (
-    "apikey", "apisecret", "accesstoken", "refreshtoken", "authtoken", "clientsecret",
-    "secretkey", "secretaccesskey",
+    "apikey", "secret", "accesstoken", "refreshtoken", "authtoken", "secretkey",
+    "secretaccesskey",
 )  # fmt: skip
 _MIN_SCAN = 8
 """No format can match fewer characters (``pwd=abcd``), so shorter strings are skipped."""
@@ -92,10 +108,10 @@ _MAX_TOKEN = 256
 _ENTROPY_MARGIN = 0.6
 _MAX_MEAN_PART = 3.5
 _RUN = re.compile(
-    r"(?<![A-Za-z0-9+/_.@%&?#\\$~!*|^-])(?!//)[A-Za-z0-9+/_-]{20,}={0,2}"
+    r"(?<![A-Za-z0-9+/_.@%&?#\\$~!*|^-])(?!//)[A-Za-z0-9+/_-]{20,}+={0,2}+"
     r"(?![@%&#\\$~*|^=]|[.!?][^\s])"
 )
-_PARTS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+|[^A-Za-z0-9]+")
+_PARTS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+")
 _HEX = frozenset("0123456789abcdefABCDEF-")
 _DIGITS = frozenset("0123456789")
 _PUBLISHABLE = ("pk_live_", "pk_test_")
@@ -161,20 +177,20 @@ def _random_looking(run: str) -> bool:
     sample = body[:_MAX_TOKEN]
     if _shannon(sample) < _THRESHOLDS[len(sample)]:
         return False
-    return len(sample) / len(_PARTS.findall(sample)) <= _MAX_MEAN_PART
+    parts = _PARTS.findall(sample)
+    return sum(map(len, parts)) / len(parts) <= _MAX_MEAN_PART
 
 
-def _high_entropy(text: str, start: int, end: int) -> bool:
-    """Whether a base64/base64url token in ``text[start:end]`` looks random.
+def _high_entropy(token: str) -> bool:
+    """Whether a whitespace-delimited ``token`` is, or holds, a random-looking run.
 
-    Tokens are maximal runs of the base64url/base64 alphabet bounded by
-    whitespace, quotes, brackets or ``: = , ;``; runs glued to ``. @ % & ? #``
-    and the like are parts of host names, e-mail addresses, file names or
-    URLs, and a run starting with ``//`` is a URL's authority, so neither is
-    judged.
+    Runs are maximal stretches of the base64/base64url alphabet bounded by the
+    token's ends, quotes, brackets or ``: = , ;`` (``key="…"``, ``[…]``);
+    runs glued to ``. @ % & ? #`` and the like are parts of host names, e-mail
+    addresses, file names or URLs, and a run starting with ``//`` is a URL's
+    authority, so none of those is judged.
     """
-    stop = min(len(text), end + 2)
-    return any(_random_looking(m.group()) for m in _RUN.finditer(text, start, stop))
+    return any(_random_looking(m.group()) for m in _RUN.finditer(token))
 
 
 # --- scanning text and keys ---------------------------------------------------------------------
@@ -221,9 +237,9 @@ def _assignment(text: str, low: str, at: int, word: str) -> str | None:
         start -= 1
     name = low[start : m.start(1)].rstrip(" \t\"'").translate(_KEY_SEPARATORS)
     if name.endswith(_PASSWORD_NAMES):
-        if len(value) >= 4 if sep == "=" else len(value) >= 6 and _has_digit(value):
-            return "password_assignment"
-    elif name.endswith(_CREDENTIAL_NAMES) and len(value) >= 8 and _has_digit(value):
+        strong = len(value) >= 4 if sep == "=" else len(value) >= 6 and _has_digit(value)
+        return "password_assignment" if strong else None
+    if name.endswith(_CREDENTIAL_NAMES) and len(value) >= 8 and _has_digit(value):
         return "credential_assignment"
     return None
 
@@ -256,7 +272,7 @@ def _phrases(text: str) -> list[str]:
         return kinds
     if len(low) != len(text):
         low = "".join(c if len(c.lower()) != 1 else c.lower() for c in text)
-    words = _ALWAYS_WORDS
+    words: tuple[str, ...] = _ALWAYS_WORDS
     if at_sign:
         words += ("://",)
     if assigns:
@@ -276,13 +292,13 @@ def _scan_text(text: str) -> list[str]:
     kinds = _phrases(text)
     if len(text) < _MIN_TOKEN:
         return kinds
-    runs = [m.span() for m in _LONG_RUN.finditer(text)]
-    for start, end in runs:
-        for m in _TOKEN_RE.finditer(text, start, end):
-            kind = _TOKEN_KIND[m.lastgroup or ""]
+    tokens = [t for t in text.split() if len(t) >= _MIN_TOKEN]
+    for token in tokens:
+        for m in _TOKEN_RE.finditer(token):
+            kind = _token_kind(m.group())
             if kind not in kinds:
                 kinds.append(kind)
-    if not kinds and any(_high_entropy(text, start, end) for start, end in runs):
+    if not kinds and any(_high_entropy(token) for token in tokens):
         kinds.append("high_entropy")
     return kinds
 
@@ -617,7 +633,7 @@ def egress_violation(
     if _hidden_character(u):
         return "control or invisible character in URL"
     m = _SCHEME.match(u)
-    if m is None:
+    if m is None or "." in m.group(1):
         return "URL has no scheme; write it in full as https://host/path"
     scheme = m.group(1).lower()
     if scheme not in ("http", "https"):

@@ -10,10 +10,10 @@ release be re-emitted by the retried transaction, exactly once in the output.
 Keys share the ``{tenant}`` hash tag and one script runs per tenant per
 batch, so the whole thing works on Redis Cluster:
 
-- ``ts:{T}:park:<request_id>``: the parked call and its approval state (JSON);
-- ``ts:{T}:parkexp``: parked requests by expiry time, for the expiry sweeper;
-- ``ts:{T}:apr:<approval_id>``: which input record spent that approval;
-- ``ts:park:tenants``: tenants that have parked calls (the sweeper's index).
+- ``<ns>:{T}:park:<request_id>``: the parked call and its approval state (JSON);
+- ``<ns>:{T}:parkexp``: parked requests by expiry time, for the expiry sweeper;
+- ``<ns>:{T}:apr:<approval_id>``: which input record spent that approval;
+- ``<ns>:park:tenants``: tenants that have parked calls (the sweeper's index).
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ import redis
 
 logger = logging.getLogger(__name__)
 
-TENANTS_KEY = "ts:park:tenants"
+
+def tenants_key(ns: str) -> str:
+    return f"{ns}:park:tenants"
+
+
 _RETAIN_MS = 24 * 3600 * 1000
 """How long an ended request stays readable (``approvals show``) after its expiry."""
 
@@ -158,8 +162,8 @@ return cjson.encode(out)
 """
 
 
-def base_key(tenant: str) -> str:
-    return f"ts:{{{tenant}}}"
+def base_key(ns: str, tenant: str) -> str:
+    return f"{ns}:{{{tenant}}}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +189,9 @@ def _result(raw: list[Any]) -> OpResult:
 
 
 class ApprovalStore:
-    def __init__(self, client: redis.Redis[bytes]) -> None:
+    def __init__(self, client: redis.Redis[bytes], ns: str = "ts") -> None:
         self.client = client
+        self.ns = ns
         self._script = client.register_script(_SCRIPT)
 
     def apply(self, ops: list[tuple[str, dict[str, Any]]]) -> list[OpResult]:
@@ -202,10 +207,10 @@ class ApprovalStore:
         tenants = list(by_tenant)
         for tenant in tenants:
             body = orjson.dumps([ops[i][1] for i in by_tenant[tenant]])
-            self._script(keys=[base_key(tenant)], args=[body], client=pipe)
+            self._script(keys=[base_key(self.ns, tenant)], args=[body], client=pipe)
         parks = [t for t, op in ops if op["op"] == "park"]
         if parks:
-            pipe.sadd(TENANTS_KEY, *set(parks))
+            pipe.sadd(tenants_key(self.ns), *set(parks))
         replies = pipe.execute()
         results: list[OpResult | None] = [None] * len(ops)
         for tenant, reply in zip(tenants, replies, strict=False):
@@ -222,7 +227,7 @@ class ApprovalStore:
             return {}
         pipe = self.client.pipeline(transaction=False)
         for tenant, rid in keys:
-            pipe.get(f"{base_key(tenant)}:park:{rid}")
+            pipe.get(f"{base_key(self.ns, tenant)}:park:{rid}")
         out: dict[tuple[str, str], dict[str, Any] | None] = {}
         for key, raw in zip(keys, pipe.execute(), strict=True):
             entry = orjson.loads(raw) if raw is not None else None
@@ -234,23 +239,25 @@ class ApprovalStore:
     def due(self, now_ms: int, limit: int = 200) -> list[tuple[str, str]]:
         """(tenant, request_id) of parked calls past their expiry."""
         out: list[tuple[str, str]] = []
-        for raw in self.client.smembers(TENANTS_KEY):
+        for raw in self.client.smembers(tenants_key(self.ns)):
             tenant = raw.decode()
             rids = self.client.zrangebyscore(
-                f"{base_key(tenant)}:parkexp", "-inf", now_ms, start=0, num=limit
+                f"{base_key(self.ns, tenant)}:parkexp", "-inf", now_ms, start=0, num=limit
             )
             out.extend((tenant, r.decode()) for r in rids)
         return out
 
     def postpone(self, tenant: str, rid: str, until_ms: int) -> None:
-        self.client.zadd(f"{base_key(tenant)}:parkexp", {rid: until_ms}, xx=True)
+        self.client.zadd(f"{base_key(self.ns, tenant)}:parkexp", {rid: until_ms}, xx=True)
 
     def list_parked(self, include_ended: bool = False) -> list[dict[str, Any]]:
         """Every parked request (for ``toolsentry approvals list``)."""
         out: list[dict[str, Any]] = []
-        for raw in sorted(self.client.smembers(TENANTS_KEY)):
+        for raw in sorted(self.client.smembers(tenants_key(self.ns))):
             tenant = raw.decode()
-            for key in self.client.scan_iter(match=f"{base_key(tenant)}:park:*", count=500):
+            for key in self.client.scan_iter(
+                match=f"{base_key(self.ns, tenant)}:park:*", count=500
+            ):
                 value = self.client.get(key)
                 if value is None:
                     continue
@@ -260,8 +267,8 @@ class ApprovalStore:
         return sorted(out, key=lambda e: e.get("created_at", 0))
 
     def find(self, request_id: str) -> dict[str, Any] | None:
-        for raw in self.client.smembers(TENANTS_KEY):
-            value = self.client.get(f"{base_key(raw.decode())}:park:{request_id}")
+        for raw in self.client.smembers(tenants_key(self.ns)):
+            value = self.client.get(f"{base_key(self.ns, raw.decode())}:park:{request_id}")
             if value is not None:
                 entry: dict[str, Any] = orjson.loads(value)
                 if isinstance(entry.get("approvers"), dict):

@@ -6,12 +6,13 @@ topic: key ``tenant/entity/id``, value ``{"state": ..., "owner": ...,
 every processor (one consumer group, partitions shared out) writes them to
 Redis, where all instances read the same answers:
 
-- ``ts:ref:{tenant}:<entity>:<id>``: the entity, as JSON; the ``{tenant}``
+- ``<ns>:ref:{tenant}:<entity>:<id>``: the entity, as JSON; the ``{tenant}``
   hash tag keeps a tenant's keys in one Redis Cluster slot;
-- ``ts:refidx:<entity>:<id>``: the set of tenants that have that id, which is
+- ``<ns>:refidx:<entity>:<id>``: the set of tenants that have that id, which is
   how an id of *another* tenant is told apart from one that exists nowhere.
 
-The loader keeps its own position in Redis (``ts:refpos:<group>``), written
+The loader keeps its own position in Redis (``<ns>:refpos:<group>``; ``<ns>`` is the
+configured namespace, ``ts`` by default), written
 after the values it covers, and resumes from it; re-applying a record is
 harmless because the last value of a key wins either way.
 """
@@ -36,23 +37,24 @@ from processor.metrics import Metrics
 logger = logging.getLogger(__name__)
 
 
-def entity_key(tenant: str, entity: str, entity_id: str) -> str:
-    return f"ts:ref:{{{tenant}}}:{entity}:{entity_id}"
+def entity_key(ns: str, tenant: str, entity: str, entity_id: str) -> str:
+    return f"{ns}:ref:{{{tenant}}}:{entity}:{entity_id}"
 
 
-def index_key(entity: str, entity_id: str) -> str:
-    return f"ts:refidx:{entity}:{entity_id}"
+def index_key(ns: str, entity: str, entity_id: str) -> str:
+    return f"{ns}:refidx:{entity}:{entity_id}"
 
 
-def position_key(group: str) -> str:
-    return f"ts:refpos:{group}"
+def position_key(ns: str, group: str) -> str:
+    return f"{ns}:refpos:{group}"
 
 
 class ReferenceStore:
     """Batched reads of reference data: one pipeline, one round trip, per batch."""
 
-    def __init__(self, client: redis.Redis[bytes]) -> None:
+    def __init__(self, client: redis.Redis[bytes], ns: str = "ts") -> None:
         self.client = client
+        self.ns = ns
 
     def lookup(self, keys: Iterable[RefKey]) -> dict[RefKey, RefEntry | None]:
         ordered = list(keys)
@@ -60,8 +62,8 @@ class ReferenceStore:
             return {}
         pipe = self.client.pipeline(transaction=False)
         for tenant, entity, entity_id in ordered:
-            pipe.get(entity_key(tenant, entity, entity_id))
-            pipe.exists(index_key(entity, entity_id))
+            pipe.get(entity_key(self.ns, tenant, entity, entity_id))
+            pipe.exists(index_key(self.ns, entity, entity_id))
         replies = pipe.execute()
         out: dict[RefKey, RefEntry | None] = {}
         for i, key in enumerate(ordered):
@@ -130,6 +132,7 @@ def apply_records(
     client: redis.Redis[bytes],
     records: list[tuple[str, int, int, bytes | None, bytes | None]],
     group: str,
+    ns: str = "ts",
 ) -> tuple[int, int]:
     """Write a batch of (topic, partition, offset, key, value); positions last.
 
@@ -146,8 +149,8 @@ def apply_records(
             logger.warning("tool.reference %s@%s refused: %s", partition, offset, exc)
             continue
         applied += 1
-        ek = entity_key(rec.tenant, rec.entity, rec.entity_id)
-        ik = index_key(rec.entity, rec.entity_id)
+        ek = entity_key(ns, rec.tenant, rec.entity, rec.entity_id)
+        ik = index_key(ns, rec.entity, rec.entity_id)
         if rec.value is None:
             pipe.delete(ek)
             pipe.srem(ik, rec.tenant)
@@ -155,13 +158,13 @@ def apply_records(
             pipe.set(ek, rec.value)
             pipe.sadd(ik, rec.tenant)
     if positions:
-        pipe.hset(position_key(group), mapping=positions)
+        pipe.hset(position_key(ns, group), mapping=positions)
     pipe.execute()
     return applied, refused
 
 
-def positions(client: redis.Redis[bytes], group: str) -> dict[tuple[str, int], int]:
-    raw = client.hgetall(position_key(group))
+def positions(client: redis.Redis[bytes], group: str, ns: str = "ts") -> dict[tuple[str, int], int]:
+    raw = client.hgetall(position_key(ns, group))
     out: dict[tuple[str, int], int] = {}
     for k, v in raw.items():
         topic, _, partition = k.decode().rpartition("/")
@@ -188,7 +191,9 @@ class ReferenceLoader:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         try:
-            known = positions(self.client, self.settings.reference_group_id)
+            known = positions(
+                self.client, self.settings.reference_group_id, self.settings.redis_namespace
+            )
         except redis.RedisError:
             logger.warning("cannot read reference positions; starting from the beginning")
             known = {}
@@ -235,7 +240,10 @@ class ReferenceLoader:
         while not self._stop.is_set():
             try:
                 applied, refused = apply_records(
-                    self.client, records, self.settings.reference_group_id
+                    self.client,
+                    records,
+                    self.settings.reference_group_id,
+                    self.settings.redis_namespace,
                 )
                 self.metrics.references.labels("applied").inc(applied)
                 self.metrics.references.labels("refused").inc(refused)

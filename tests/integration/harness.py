@@ -50,7 +50,14 @@ def token(
 
 def isolated(settings: Settings, name: str) -> Settings:
     """The same stack with its own topic prefix and consumer group, topics created."""
-    s = settings.model_copy(update={"topics": Topics(prefix=f"{name}."), "group_id": f"ts-{name}"})
+    s = settings.model_copy(
+        update={
+            "topics": Topics(prefix=f"{name}."),
+            "group_id": f"ts-{name}",
+            "reference_group_id": f"ts-{name}-reference",
+            "redis_namespace": f"ts-{name}",
+        }
+    )
     ensure_topics(s)
     return s
 
