@@ -353,7 +353,7 @@ class Processor:
         owners: list[int] = []
         for i, x in enumerate(slots):
             if isinstance(x, ApprovalInput):
-                op = self._approval_op(x, entries, out, i)
+                op = self._approval_op(x, entries, out, i, now_ms)
             else:
                 op = _proposal_op(x, now_ms)
             if op is not None:
@@ -362,7 +362,7 @@ class Processor:
         for i, result in zip(owners, self.approval_store.apply(ops), strict=True):
             x = slots[i]
             if isinstance(x, ApprovalInput):
-                out[i] = self._approval_outcome(x, result)
+                out[i] = self._approval_outcome(x, result, now_ms)
                 continue
             if result.status == "reused":
                 out[i] = _reused(x, result.detail)
@@ -378,17 +378,20 @@ class Processor:
         entries: dict[tuple[str, str], dict[str, Any] | None],
         out: list[Decision | None],
         i: int,
+        now_ms: int,
     ) -> tuple[str, dict[str, Any]] | None:
+        """The Redis op for one record of tool.approvals. Time is this processor's clock,
+        never the record's timestamp, which whoever produced the record chose."""
         pos = position(item.src)
         if item.kind == EXPIRY_CHECK:
-            op = {"op": "expire", "rid": item.request_id, "pos": pos, "now": item.src.timestamp_ms}
+            op = {"op": "expire", "rid": item.request_id, "pos": pos, "now": now_ms}
             return item.tenant_id, op
         entry = entries.get((item.tenant_id, item.request_id))
         if entry is None:
             out[i] = dead_letter(item.src, "approval_unknown_request", item.request_id)
             self.metrics.approvals.labels("refused").inc()
             return None
-        verified = verify_decision(item, entry, self.gates.approvers)
+        verified = verify_decision(item, entry, self.gates.approvers, now_ms)
         if isinstance(verified, FieldError):
             out[i] = dead_letter(item.src, verified.code, verified.message)
             self.metrics.approvals.labels("refused").inc()
@@ -403,16 +406,25 @@ class Processor:
             "decision": verified.decision,
             "reason": verified.reason or "",
             "pos": pos,
-            "now": item.src.timestamp_ms,
-            "ttl": retain_ms(expires, item.src.timestamp_ms),
+            "now": now_ms,
+            "ttl": retain_ms(expires, now_ms),
         }
         return item.tenant_id, op
 
-    def _approval_outcome(self, item: ApprovalInput, result: Any) -> Decision:
-        if result.status == "reused":
-            self.metrics.approvals.labels("reused").inc()
-            return dead_letter(item.src, "approval_reused", item.request_id)
-        decision = outcome_decision(item, result)
+    def _approval_outcome(self, item: ApprovalInput, result: Any, now_ms: int) -> Decision:
+        """What a record of tool.approvals yields. A decision that changes nothing (spent,
+        a second vote of one approver, for a request already ended) goes to the DLQ with
+        the reason, so every approval an operator sent is accounted for."""
+        refused = {
+            "reused": "approval_reused",
+            "duplicate_approver": "approver_already_counted",
+            "ended": "approval_request_ended",
+            "unknown": "approval_unknown_request",
+        }
+        if item.kind != EXPIRY_CHECK and result.status in refused:
+            self.metrics.approvals.labels("refused").inc()
+            return dead_letter(item.src, refused[result.status], item.request_id)
+        decision = outcome_decision(item, result, now_ms)
         if decision is None:
             label = "pending" if result.status == "pending" else "ignored"
             self.metrics.approvals.labels(label).inc()

@@ -6,8 +6,9 @@
   of a parked call, signed by an approver;
 - an expiry check, ``{"type": "expiry_check", "tenant_id": ..., "request_id":
   ...}``, which the processors' sweeper publishes when a parked call's expiry
-  passes. It carries no authority: the stored expiry decides, so a forged
-  check can do nothing early.
+  passes. It carries no authority: the stored expiry and the processor's own
+  clock decide (never the record's timestamp, which its producer sets), so a
+  forged check can do nothing early.
 
 Both are consumed by the same transactional loop as the proposals, so a
 release (approved call plus observation) is written exactly once. Invalid
@@ -70,7 +71,7 @@ def position(src: SourceRecord) -> str:
 
 
 def verify_decision(
-    item: ApprovalInput, entry: dict[str, Any], approvers: dict[str, Approver]
+    item: ApprovalInput, entry: dict[str, Any], approvers: dict[str, Approver], now_ms: int
 ) -> VerifiedApproval | FieldError:
     binding = Binding(
         entry["tenant_id"],
@@ -87,7 +88,7 @@ def verify_decision(
         frozenset(),
         "public",
     )
-    return verify_approval(item.approval, approvers, binding, requester, item.src.timestamp_ms)
+    return verify_approval(item.approval, approvers, binding, requester, now_ms)
 
 
 def entry_proposal(entry: dict[str, Any]) -> Proposal:
@@ -118,7 +119,7 @@ def parked_entry(d: Decision) -> dict[str, Any]:
     }
 
 
-def outcome_decision(item: ApprovalInput, result: OpResult) -> Decision | None:
+def outcome_decision(item: ApprovalInput, result: OpResult, now_ms: int) -> Decision | None:
     """The observation (and, for a release, the approved call) an approval result yields."""
     entry = result.entry
     if entry is None or result.status not in ("released", "rejected", "expired"):
@@ -130,7 +131,7 @@ def outcome_decision(item: ApprovalInput, result: OpResult) -> Decision | None:
         "contract_name": entry["tool_name"],
         "contract_version": entry["tool_version"],
         "side_effect_class": cls,
-        "decided_at_ms": src.timestamp_ms,
+        "decided_at_ms": now_ms,
     }
     if result.status == "released":
         approvers = entry.get("approvers") or []
@@ -142,7 +143,7 @@ def outcome_decision(item: ApprovalInput, result: OpResult) -> Decision | None:
             canonical_arguments=entry["arguments"],
             payload_hash=entry["payload_hash"],
             idempotency_key=entry["idempotency_key"],
-            deadline_ms=src.timestamp_ms + int(entry["timeout_ms"]),
+            deadline_ms=now_ms + int(entry["timeout_ms"]),
             approval_ids=tuple(a["approval_id"] for a in approvers),
         )
         return Decision(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -116,6 +117,10 @@ def parse_iso_ms(text: str) -> int:
 
 
 def approval_id_for(request_id: str | None, approver_id: str, payload_hash: str) -> str:
+    """One approver's answer to one parked request has one id, however often it is sent;
+    an approval not tied to a request (attached to a resubmission) gets a fresh one."""
+    if request_id is None:
+        return "appr_" + uuid.uuid4().hex[:24]
     material = f"{request_id}/{approver_id}/{payload_hash}".encode()
     return "appr_" + hashlib.sha256(material).hexdigest()[:24]
 

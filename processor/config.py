@@ -217,6 +217,7 @@ class Settings(BaseSettings):
             "TOOLSENTRY_REDIS_NAMESPACE": self.redis_namespace,
             "TOOLSENTRY_TOPICS__PREFIX": self.topics.prefix,
             "TOOLSENTRY_GROUP_ID": self.group_id,
+            "TOOLSENTRY_REFERENCE_GROUP_ID": self.reference_group_id,
             "TOOLSENTRY_INSTANCE_ID": self.instance_id,
             "TOOLSENTRY_METRICS_PORT": str(self.metrics_port),
             "TOOLSENTRY_CONTRACTS_DIR": str(Path(self.contracts_dir).resolve()),

@@ -12,9 +12,11 @@ schema, identity) and says which entities the rest need; the caller fetches
 all of them in one round trip; ``finish`` runs semantic, policy, state and
 confirmation gates on the answers.
 
-Identity runs before the semantic gate, one place earlier than the seed's
-order, on purpose: a caller whose token does not verify learns nothing about
-which ids exist.
+Two checks run earlier than the seed's order, on purpose: credentials in the
+arguments are refused before the schema gate, whose answers quote arguments
+back (a secret must never travel on in an observation); and identity runs
+before the semantic gate, so a caller whose token does not verify learns
+nothing about which ids exist.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from processor.contracts.registry import Contract, ContractSet
 from processor.gates.confirmation import Approved, Park, check_confirmation
 from processor.gates.identity import check_identity
 from processor.gates.parse import DeadLetter, Limits, parse_proposal
-from processor.gates.policy import check_policy
+from processor.gates.policy import check_policy, check_secrets
 from processor.gates.resolve import resolve_tool
 from processor.gates.schema import check_arguments
 from processor.gates.semantic import (
@@ -232,7 +234,7 @@ def _prepare(src: SourceRecord, gates: Gates, now_ms: int, started: float) -> De
     contract = resolved
     warnings += _lifecycle_warnings(contract)
 
-    refusal = check_arguments(p.arguments, contract)
+    refusal = check_secrets(p, gates.policy) or check_arguments(p.arguments, contract)
     if refusal is not None:
         return _rejected(src, p, refusal, warnings, now_ms, contract)
 

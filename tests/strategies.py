@@ -81,7 +81,8 @@ class Verdict:
     @classmethod
     def of_observation(cls, obs: dict[str, Any]) -> Verdict:
         errs = tuple((e["field"], e["code"]) for e in obs["result_payload"]["errors"])
-        return cls(obs["decision"], obs["gate"], obs["status"]["taxonomy_class"], None, errs)
+        outcome = {"PENDING_APPROVAL": Outcome.PARKED.value}.get(obs["decision"], obs["decision"])
+        return cls(outcome, obs["gate"], obs["status"]["taxonomy_class"], None, errs)
 
     def key(self) -> tuple[Any, ...]:
         """What two deciders must agree on (the gate of a dead letter is internal detail)."""

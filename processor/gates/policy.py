@@ -2,10 +2,15 @@
 
 Reports every violation it finds in one answer: the side-effect classes the
 tenant may use, the data classification against the principal's clearance,
-secrets or credentials anywhere in the arguments (keys included), and the
-egress policy for arguments that are URLs. Lifecycle policy (deprecated
-versions warn, sunsetted ones are refused) is applied where the version is
-resolved.
+and the egress policy for arguments that are URLs. Lifecycle policy
+(deprecated versions warn, sunsetted ones are refused) is applied where the
+version is resolved.
+
+Secrets and credentials in the arguments (keys included) are the one policy
+checked *early*, right after the tool is resolved and before the schema
+gate: every later gate's answer may quote the arguments back (an unknown
+field's name, a value that breaks a pattern), and a credential must never
+travel on in an observation, however the call is otherwise wrong.
 """
 
 from __future__ import annotations
@@ -22,6 +27,29 @@ from processor.model import (
     TaxonomyClass,
 )
 from processor.policy import Policy
+
+
+def check_secrets(p: Proposal, policy: Policy) -> Rejection | None:
+    if not policy.secrets_enabled:
+        return None
+    findings = find_secrets(p.arguments)
+    if not findings:
+        return None
+    return Rejection(
+        TaxonomyClass.POLICY_VIOLATION,
+        Gate.POLICY,
+        tuple(
+            FieldError(
+                f.path,
+                f"the arguments carry a credential ({f.kind}, in a "
+                f"{'key' if f.in_key else 'value'}); it is not repeated here",
+                "secret_in_arguments",
+            )
+            for f in findings
+        ),
+        "Never put credentials in tool arguments: the platform injects them. Propose the "
+        "call again without the secret, and do not repeat it to the user.",
+    )
 
 
 def check_policy(
@@ -55,21 +83,6 @@ def check_policy(
             )
         )
         actions.append("This data is above the principal's clearance; call handoff_to_human.")
-    if policy.secrets_enabled:
-        for finding in find_secrets(p.arguments):
-            where = "key" if finding.in_key else "value"
-            errors.append(
-                FieldError(
-                    finding.path,
-                    f"the arguments carry a credential ({finding.kind}, in a {where})",
-                    "secret_in_arguments",
-                )
-            )
-        if any(e.code == "secret_in_arguments" for e in errors):
-            actions.append(
-                "Never put credentials in tool arguments: the platform injects them. Propose "
-                "the call again without the secret, and do not repeat it to the user."
-            )
     domains = policy.allowed_domains + tenant.allowed_domains
     for path, url in find_urls(p.arguments):
         reason = egress_violation(url, contract.egress_policy, domains, policy.internal_domains)

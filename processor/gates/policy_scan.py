@@ -430,16 +430,19 @@ _DANGEROUS_PREFIX = re.compile(r"(?i:javascript|vbscript|gopher|data|file):")
 def _url_like(text: str) -> str | None:
     """``text`` stripped when it is a URL as a whole, else None.
 
-    Browsers drop tabs and newlines anywhere in a URL (``java\\tscript:``), so
-    they are ignored when deciding; the returned text keeps them, for
+    Browsers drop control characters and spaces at the ends of a URL and tabs
+    and newlines anywhere in it (``java\\tscript:``), so they are ignored when
+    deciding; the returned text, stripped of whitespace only, keeps them for
     :func:`egress_violation` to refuse. A ``scheme://`` or ``www.`` string with
     whitespace inside is prose that starts with a URL, not a URL; the dangerous
     schemes only need to start the string.
     """
-    t = text.strip(_WS)
-    if len(t) < 4:
+    t = text.strip()
+    probe = t.strip(_WS)
+    if len(probe) < 4:
         return None
-    probe = t.replace("\t", "").replace("\n", "").replace("\r", "") if not t.isprintable() else t
+    if not probe.isprintable():
+        probe = probe.replace("\t", "").replace("\n", "").replace("\r", "")
     m = _URL_LIKE.match(probe)
     if m is None:
         return None
@@ -528,17 +531,35 @@ def _hidden_character(text: str) -> bool:
     return any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in text)
 
 
+def _confusable_scripts(label: str) -> set[str]:
+    """Which of Latin, Cyrillic and Greek, whose letters look alike, ``label`` draws on."""
+    found: set[str] = set()
+    for c in label:
+        if c.isalpha():
+            script = unicodedata.name(c, "").partition(" ")[0]
+            if script in ("LATIN", "CYRILLIC", "GREEK"):
+                found.add(script)
+    return found
+
+
 def _ascii_host(host: str) -> str | None:
     """The host in lowercase ASCII (IDNA labels as ``xn--``), or None for a look-alike.
 
     A non-ASCII label must encode to an ``xn--`` label: one that nameprep folds
     into plain ASCII (fullwidth letters, a zero-width space inside a name,
     ``ß`` to ``ss``) is a host that reads as one name and may resolve as
-    another, and so is refused rather than compared.
+    another, and so is refused rather than compared. So is a label mixing
+    Latin, Cyrillic or Greek letters (``example`` spelt with a Cyrillic a): even
+    where the punycode comparison would catch it, a person approving the call
+    would read it as the real name. Whole-script look-alikes (an all-Cyrillic
+    label) pass here and are compared as punycode.
     """
     host = host.lower()
-    if host.isascii():
-        return host
+    return host if host.isascii() else _unicode_host(host)
+
+
+@lru_cache(maxsize=1024)
+def _unicode_host(host: str) -> str | None:
     if not _DOT_LOOKALIKES.isdisjoint(host):
         return None
     labels: list[str] = []
@@ -546,6 +567,8 @@ def _ascii_host(host: str) -> str | None:
         if label.isascii():
             labels.append(label)
             continue
+        if len(_confusable_scripts(label)) > 1:
+            return None
         try:
             encoded = idna.ToASCII(label).decode("ascii")
         except UnicodeError:
@@ -564,6 +587,8 @@ def _domains(domains: tuple[str, ...]) -> tuple[str, ...]:
     """
     out: list[str] = []
     for raw in domains:
+        if type(raw) is not str:
+            continue
         d = raw.strip().lower().removeprefix("*.").strip(".")
         ascii_d = _ascii_host(d) if d else None
         if ascii_d and _HOST.fullmatch(ascii_d):
@@ -617,15 +642,17 @@ def egress_violation(
     IP literals in any spelling (``2130706433``, ``0x7f.1``, ``0177.0.0.1``,
     ``[::1]``) are recognised as WHATWG does: a host whose last label is a
     number. A URL without a scheme (``www.example.com``) is refused: how the
-    executor would complete it, http or https, is unknown.
+    executor would complete it, http or https, is unknown. The reason names the
+    most basic problem first (an IP host before plain http), so that fixing
+    what it says is worth a retry.
     """
-    if egress_policy not in _POLICIES:
+    if type(egress_policy) is not str or egress_policy not in _POLICIES:
         return f"unknown egress policy {_show(str(egress_policy))}; refusing"
     if egress_policy == "none":
         return "this tool may not reach any URL (egress policy none)"
     if type(url) is not str:
         return "not a URL"
-    u = url.strip(_WS)
+    u = url.strip()
     if not u:
         return "empty URL"
     if "\\" in u:
@@ -638,8 +665,6 @@ def egress_violation(
     scheme = m.group(1).lower()
     if scheme not in ("http", "https"):
         return f"scheme {_show(scheme)}: is not allowed; only https"
-    if scheme == "http" and egress_policy != "private_network_only":
-        return "plain http is not allowed; use https"
     if _WHITESPACE.search(u):
         return "whitespace in URL"
     host, reason = _host_of(u[m.end() :])
@@ -653,18 +678,18 @@ def egress_violation(
     if host in _METADATA or _within(host, ("metadata.google.internal",)):
         return "cloud metadata endpoints are not allowed"
     if egress_policy == "allowlisted_domains":
-        allowed = _domains(allowed_domains)
+        allowed = _domains(tuple(allowed_domains))
         if not _within(host, allowed):
             listed = ", ".join(allowed[:3]) + (", ..." if len(allowed) > 3 else "")
             return f"host {_show(host)} is not an allowed domain ({listed or 'none configured'})"
-        return None
-    internal = _domains(internal_domains)
-    if egress_policy == "private_network_only":
-        if not _within(host, internal):
+    elif egress_policy == "private_network_only":
+        if not _within(host, _domains(tuple(internal_domains))):
             return f"host {_show(host)} is not on the private network"
         return None
-    if "." not in host or _within(host, internal):
+    elif "." not in host or _within(host, _domains(tuple(internal_domains))):
         return f"host {_show(host)} is internal; this tool may reach public hosts only"
-    if last in _NON_PUBLIC_SUFFIXES or host.endswith(".home.arpa"):
+    elif last in _NON_PUBLIC_SUFFIXES or host.endswith(".home.arpa"):
         return f"host {_show(host)} is not a public host name"
+    if scheme == "http":
+        return "plain http is not allowed; use https"
     return None

@@ -118,9 +118,18 @@ for i, op in ipairs(ops) do
       finish(op.rid, e, 'expired', op.pos)
       out[i] = {'expired', cjson.encode(e)}
     else
+      local seen, other = false, false
+      for _, a in ipairs(e.approvers) do
+        if a.id == op.approver then
+          seen = true
+          if a.pos ~= op.pos then other = true end
+        end
+      end
       local bad = spent_by_other({op.approval_id}, op.pos)
       if bad then
         out[i] = {'reused', cjson.encode(e)}
+      elseif other and op.decision ~= 'rejected' then
+        out[i] = {'duplicate_approver', cjson.encode(e)}
       else
         spend({op.approval_id}, op.pos, op.ttl)
         if op.decision == 'rejected' then
@@ -129,27 +138,16 @@ for i, op in ipairs(ops) do
           finish(op.rid, e, 'rejected', op.pos)
           out[i] = {'rejected', cjson.encode(e)}
         else
-          local seen, other = false, false
-          for _, a in ipairs(e.approvers) do
-            if a.id == op.approver then
-              seen = true
-              if a.pos ~= op.pos then other = true end
-            end
+          if not seen then
+            local a = {id = op.approver, pos = op.pos, approval_id = op.approval_id}
+            table.insert(e.approvers, a)
           end
-          if other then
-            out[i] = {'duplicate_approver', cjson.encode(e)}
+          if #e.approvers >= e.needed then
+            finish(op.rid, e, 'released', op.pos)
+            out[i] = {'released', cjson.encode(e)}
           else
-            if not seen then
-              local a = {id = op.approver, pos = op.pos, approval_id = op.approval_id}
-              table.insert(e.approvers, a)
-            end
-            if #e.approvers >= e.needed then
-              finish(op.rid, e, 'released', op.pos)
-              out[i] = {'released', cjson.encode(e)}
-            else
-              save(op.rid, e)
-              out[i] = {'pending', cjson.encode(e)}
-            end
+            save(op.rid, e)
+            out[i] = {'pending', cjson.encode(e)}
           end
         end
       end

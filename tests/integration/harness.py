@@ -13,6 +13,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
+from processor.approvals import load_private_key, sign_approval
 from processor.codec.avro import codec
 from processor.config import Settings, Topics
 from processor.contracts.registry import load_contracts
@@ -24,6 +25,53 @@ ALL_SCOPES = sorted(
     {s for versions in load_contracts(ROOT / "contracts").by_name.values()
      for c in versions for s in c.required_scopes}
 )  # fmt: skip
+
+
+def existing(
+    tenant: str, tool: str, arguments: dict[str, Any], version: str | None = None
+) -> list[tuple[str, dict[str, Any] | None]]:
+    """tool.reference records under which every id ``arguments`` names exists for ``tenant``,
+    in the first state the contract allows: publish them and the call passes the reference
+    checks."""
+    out: list[tuple[str, dict[str, Any] | None]] = []
+    for c in load_contracts(ROOT / "contracts").versions(tool):
+        if version is not None and c.version != version:
+            continue
+        for ref in c.references:
+            value = arguments.get(ref.argument)
+            if isinstance(value, str):
+                out.append((f"{tenant}/{ref.entity}/{value}", {"state": ref.allowed_states[0]}))
+    return out
+
+
+def approval(
+    settings: Settings, approver: str, observation: dict[str, Any], **overrides: Any
+) -> dict[str, Any]:
+    """A test approver's signed approval of the call a PENDING_APPROVAL observation names,
+    built from its confirmation packet on the approval requests topic."""
+    packet = approval_request(settings, observation["approval_request_id"])
+    key = load_private_key(Path(str(settings.approvers_file)).parent / f"approver-{approver}.jwk")
+    fields = {
+        "tenant_id": packet["tenant_id"],
+        "trace_id": packet["trace_id"],
+        "tool_name": packet["tool_name"],
+        "tool_version": packet["tool_version"],
+        "payload_hash": packet["payload_hash"],
+        "request_id": packet["request_id"],
+        **overrides,
+    }
+    return sign_approval(key, approver_id=approver, now_ms=int(time.time() * 1000), **fields)
+
+
+def approval_request(settings: Settings, request_id: str, timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        for m in read_all(settings, settings.topics.approval_requests, idle=0.5):
+            packet = codec("approval_request").decode(m.value())
+            if packet["request_id"] == request_id:
+                return dict(packet)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no approval request {request_id}")
 
 
 def issuer(settings: Settings) -> TokenIssuer:

@@ -16,7 +16,16 @@ from processor.codec.avro import codec
 from processor.config import Settings
 from processor.contracts.registry import load_contracts
 from processor.kafka.partitioner import partition_for
-from tests.integration.harness import ROOT, ProcessorProcess, isolated, read_all
+from processor.reference_data import publish_references, wait_until_loaded
+from tests.integration.harness import (
+    ROOT,
+    ProcessorProcess,
+    approval,
+    existing,
+    isolated,
+    read_all,
+    token,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -46,8 +55,13 @@ class E2E:
 @pytest.fixture(scope="module")
 def e2e(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     settings = isolated(stack_settings, "e2e")
+    entities = existing("acme", "cancel_order", CANCEL)
+    for version in ("2.0.0", "2.1.0"):
+        entities += existing("acme", "charge_customer_card_v2", _charge_arguments(version))
+    publish_references(settings, entities)
     proc = ProcessorProcess(settings, "e2e-1", tmp_path_factory.mktemp("logs")).start()
-    client = ToolsentryClient(settings, "acme")
+    wait_until_loaded(settings)
+    client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
     try:
         yield E2E(settings, client, proc)
     finally:
@@ -58,7 +72,12 @@ def e2e(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def test_valid_call_is_routed_with_a_complete_observation(e2e: E2E) -> None:
     run_id = f"run-{uuid.uuid4().hex[:8]}"
-    obs = e2e.call("cancel_order", CANCEL, run_id=run_id, traceparent=TRACEPARENT)
+    parked = e2e.call("cancel_order", CANCEL, run_id=run_id, traceparent=TRACEPARENT)
+    assert parked["decision"] == "PENDING_APPROVAL", parked["result_payload"]  # needs approval
+    approvals = [approval(e2e.settings, "ops-1", parked, request_id=None)]
+    obs = e2e.call(
+        "cancel_order", CANCEL, run_id=run_id, traceparent=TRACEPARENT, approvals=approvals
+    )
     contracts = load_contracts(ROOT / "contracts")
     assert obs["decision"] == "ROUTED"
     assert obs["gate"] == "route"
@@ -86,6 +105,7 @@ def test_valid_call_is_routed_with_a_complete_observation(e2e: E2E) -> None:
     assert call["idempotency_key"] == meta["idempotency_key"]
     assert call["payload_hash"].startswith("sha256:")
     assert call["trace_id"] == meta["trace_id"]
+    assert call["approval_ids"] == [approvals[0]["approval_id"]]
     deadline_ms = call["deadline"].timestamp() * 1000
     created_ms = call["created_at"].timestamp() * 1000
     assert deadline_ms - created_ms == pytest.approx(6000, abs=1)
@@ -158,7 +178,8 @@ def test_truncated_model_json_is_a_parse_failure(e2e: E2E) -> None:
 
 def test_raw_arguments_that_parse_are_validated_like_objects(e2e: E2E) -> None:
     obs = e2e.call("cancel_order", None, arguments_raw=orjson.dumps(CANCEL).decode())
-    assert obs["decision"] == "ROUTED"
+    assert obs["decision"] == "PENDING_APPROVAL"  # through every gate up to confirmation
+    assert obs["status"]["taxonomy_class"] == "CONFIRMATION_MISSING"
 
 
 def test_records_that_cannot_be_tied_to_a_run_go_to_the_dlq(e2e: E2E) -> None:
@@ -227,17 +248,20 @@ def _charge_arguments(version: str) -> dict[str, Any]:
         if c.version == version
     )
     examples = contract.raw["affordance"]["examples"]
-    return dict(next(e["arguments"] for e in examples if e.get("valid", True)))
+    args = dict(next(e["arguments"] for e in examples if e.get("valid", True)))
+    if "order_id" in args:  # its own order: WO-12345-A is the one the cancel tests use
+        args["order_id"] = "WO-24680-B"
+    return args
 
 
 def test_lifecycle_newest_active_deprecated_warns_sunsetted_refused(e2e: E2E) -> None:
     newest = e2e.call("charge_customer_card_v2", _charge_arguments("2.1.0"))
-    assert newest["decision"] == "ROUTED"
+    assert newest["decision"] == "PENDING_APPROVAL", newest  # a critical mutation
     assert newest["tool_identity"]["version"] == "2.1.0"
     assert newest["result_payload"]["warnings"] == []
 
     old = e2e.call("charge_customer_card_v2", _charge_arguments("2.0.0"), version="2.0.0")
-    assert old["decision"] == "ROUTED" and old["tool_identity"]["version"] == "2.0.0"
+    assert old["decision"] == "PENDING_APPROVAL" and old["tool_identity"]["version"] == "2.0.0"
     [warning] = old["result_payload"]["warnings"]
     assert "deprecated" in warning and "2027-03-31" in warning
     assert "charge_customer_card_v2@2.1.0" in warning

@@ -122,6 +122,23 @@ def approvals_for(
     ]
 
 
+def references_in_record(value: bytes | None, contracts: ContractSet) -> RefAnswers:
+    """``existing_references`` for a raw record (arguments or arguments_raw); nothing for a
+    record that is not a JSON envelope."""
+    try:
+        env = orjson.loads(value or b"")
+    except orjson.JSONDecodeError:
+        return {}
+    if not isinstance(env, dict):
+        return {}
+    if "arguments" not in env and isinstance(env.get("arguments_raw"), str):
+        try:
+            env = {**env, "arguments": orjson.loads(env["arguments_raw"])}
+        except orjson.JSONDecodeError:
+            return {}
+    return existing_references(env, contracts)
+
+
 def decide_envelope(
     env: dict[str, Any],
     contracts: ContractSet,

@@ -26,9 +26,11 @@ import yaml_rs
 
 from processor.contracts.registry import Contract, ContractSet, load_contracts
 from processor.gates.parse import DeadLetter, Limits, parse_proposal
+from processor.gates.policy import check_secrets
 from processor.gates.resolve import resolve_tool
 from processor.gates.schema import check_arguments
 from processor.model import Rejection, SourceRecord, TaxonomyClass
+from processor.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE_DIR = ROOT / "tests" / "conformance"
@@ -44,8 +46,10 @@ AFTER_SCHEMA = frozenset(GATES[GATES.index("schema") + 1 :])
 CLEARANCE = ("public", "internal", "confidential", "regulated", "secret")
 TOKEN_CODES = {
     "valid": None,
+    "eddsa": None,
     "es256": None,
-    "hs256": "token_alg_refused",
+    "hs256": None,
+    "hs256_confusion": "token_alg_refused",
     "alg_none": "token_alg_refused",
     "missing": "token_missing",
     "expired": "token_expired",
@@ -86,6 +90,7 @@ SECRET_KEY = re.compile(
     r"(?i)^(?:password|passwd|secret|client_secret|api_?key|access_?token|token|private_?key)$"
 )
 BASE62_RUN = re.compile(r"[A-Za-z0-9]{24,}")
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+|(?i:www)\.\S+")
 
 
 def _load(path: Path) -> Any:
@@ -144,6 +149,7 @@ def _proposals(case: dict[str, Any], principals: dict[str, Any]) -> Iterator[Pro
         approvals = merged.get("approvals") or []
         reused = False
         if approvals and "reuse" in approvals[0]:
+            assert steps and n and 1 <= approvals[0]["reuse"] < n, case["id"]
             source = steps[approvals[0]["reuse"] - 1]
             approvals, reused = source.get("approvals") or [], True
         raw = merged.get("arguments_raw")
@@ -222,8 +228,10 @@ def test_every_proposal_is_well_formed(suite: Suite) -> None:
         assert (p.arguments is None) != (p.raw is None), p.where
         assert p.arguments is None or isinstance(p.arguments, dict), p.where
         for a in p.approvals:
+            assert set(a) <= {"approver", "tamper", "decision"}, p.where
             assert a["approver"] in suite.approvers or a.get("tamper") == "unregistered", p.where
             assert a.get("tamper", "none") in TAMPER_CODES, p.where
+            assert a.get("decision", "approved") in ("approved", "rejected"), p.where
         assert set(p.expect) <= EXPECT_KEYS, p.where
         assert p.expect["gate"] in GATES, p.where
         for key in EXPECT_KEYS - {"taxonomy", "gate"}:
@@ -290,6 +298,8 @@ def test_arguments_pass_the_schema_exactly_when_a_later_gate_decides(
         gate = p.expect["gate"]
         if gate not in AFTER_SCHEMA and gate != "schema":
             continue
+        if "secret_in_arguments" in p.expect.get("codes", []):
+            continue  # refused before the schema gate looks, whatever it would say
         contract = _contract(p, pack)
         assert contract is not None, p.where
         valid = contract.validator.reference.is_valid(_arguments(p))
@@ -397,10 +407,35 @@ def _looks_secret(text: str) -> bool:
     return any(_entropy(run) >= 4.0 for run in BASE62_RUN.findall(text))
 
 
-def _url_fields(schema: dict[str, Any], args: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    for name, sub in schema.get("properties", {}).items():
-        if name in args and isinstance(sub, dict) and sub.get("format") == "uri":
-            yield name, args[name]
+def _urls(value: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """(path, url) for every string argument that is a URL as a whole (prose is not)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _urls(v, f"{path}/{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _urls(v, f"{path}/{i}" if path else str(i))
+    elif isinstance(value, str) and URL.fullmatch(value):
+        yield path, value
+
+
+def _within(host: str, domains: list[str]) -> bool:
+    return any(host == d or host.endswith("." + d) for d in domains)
+
+
+def _egress_allowed(url: str, egress_policy: str, egress: dict[str, Any]) -> bool:
+    """Only https to a named host of the allowed (or, for private tools, internal) domains."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.scheme != "https" or "@" in parts.netloc or not re.fullmatch(r"[a-z0-9.-]+", host):
+        return False
+    if re.fullmatch(r"[0-9.]+", host):
+        return False
+    if egress_policy == "allowlisted_domains":
+        return _within(host, egress["allowed_domains"])
+    if egress_policy == "private_network_only":
+        return _within(host, egress["internal_domains"])
+    return False
 
 
 def _only(codes: list[tuple[str, str | None]], where: str) -> tuple[set[str], set[str]]:
@@ -463,10 +498,9 @@ def _model(p: Proposal, contract: Contract, args: dict[str, Any], suite: Suite) 
         failures.append(("class_not_allowed", None))
     if CLEARANCE.index(who["clearance"]) < CLEARANCE.index(raw["security"]["data_classification"]):
         failures.append(("clearance_insufficient", None))
-    hosts = set(policy["egress"]["allowed_domains"])
-    for name, url in _url_fields(contract.input_schema, args):
-        if urlsplit(url).hostname not in hosts:
-            failures.append(("egress_denied", name))
+    for where, url in _urls(args):
+        if not _egress_allowed(url, raw["security"]["egress_policy"], policy["egress"]):
+            failures.append(("egress_denied", where))
     if failures:
         codes, fields = _only(failures, p.where)
         return Outcome("POLICY_VIOLATION", "policy", codes, fields)
@@ -488,8 +522,10 @@ def _model(p: Proposal, contract: Contract, args: dict[str, Any], suite: Suite) 
                 failures.append((TAMPER_CODES[tamper], None))
             elif cls not in suite.approvers[a["approver"]]:
                 failures.append(("approver_not_allowed", None))
-            elif a["approver"] == who["user_id"]:
+            elif a["approver"] in (who["user_id"], who["agent_id"]):
                 failures.append(("self_approval", None))
+            elif a.get("decision", "approved") == "rejected":
+                failures.append(("approval_rejected", None))
         if failures:
             codes, _ = _only(failures, p.where)
             return Outcome("CONFIRMATION_MISSING", "confirmation", codes)
@@ -508,7 +544,8 @@ def _observe(p: Proposal, pack: ContractSet, suite: Suite) -> Outcome:
     resolved = resolve_tool(proposal, pack)
     if isinstance(resolved, Rejection):
         return Outcome.of(resolved)
-    refused = check_arguments(proposal.arguments, resolved)
+    # Credentials are refused before the schema gate, which would quote them back.
+    refused = check_secrets(proposal, Policy()) or check_arguments(proposal.arguments, resolved)
     if refused is not None:
         return Outcome.of(refused)
     return _model(p, resolved, proposal.arguments, suite)

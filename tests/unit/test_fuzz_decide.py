@@ -40,7 +40,7 @@ from tests.strategies import (
     corpus,
     envelope,
 )
-from tests.unit.helpers import CONTRACTS_DIR, existing_references
+from tests.unit.helpers import CONTRACTS_DIR, references_in_record
 
 CONTRACTS: ContractSet = load_contracts(CONTRACTS_DIR)
 LIMITS = Limits()
@@ -54,18 +54,7 @@ DECIDE_OUTCOMES = [o for o in Outcome if o is not Outcome.IGNORED]
 def _references(value: bytes | None) -> RefAnswers:
     """Reference data in which the ids a record names exist, in states its tool allows,
     so a valid call passes the semantic gates and the fuzzers reach the ones after."""
-    try:
-        env = orjson.loads(value or b"")
-    except orjson.JSONDecodeError:
-        return {}
-    if not isinstance(env, dict):
-        return {}
-    if "arguments" not in env and isinstance(env.get("arguments_raw"), str):
-        try:
-            env = {**env, "arguments": orjson.loads(env["arguments_raw"])}
-        except orjson.JSONDecodeError:
-            return {}
-    return existing_references(env, CONTRACTS)
+    return references_in_record(value, CONTRACTS)
 
 
 NOW_MS = 1_700_000_000_000
@@ -178,7 +167,9 @@ def check(src: SourceRecord, case: Case | None = None) -> Decision:
         assert len(obs) < KAFKA_MESSAGE_MAX - 1_000, f"observation of {len(obs)} bytes"
         back = OBS.decode(obs)
         assert back["proposal_id"] == p.proposal_id
-        assert back["decision"] == {Outcome.PARKED: "PENDING_APPROVAL"}.get(d.outcome, d.outcome.value)
+        assert back["decision"] == {Outcome.PARKED: "PENDING_APPROVAL"}.get(
+            d.outcome, d.outcome.value
+        )
         assert back["status"]["taxonomy_class"] == d.taxonomy.value
         assert back["next_action"].strip()
         meta = back["execution_metadata"]

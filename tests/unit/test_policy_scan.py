@@ -1,0 +1,646 @@
+"""The policy gate's detectors: secrets in arguments, URLs in arguments, egress by policy.
+
+Test secrets are assembled from pieces so that this file holds nothing a secret
+scanner would mistake for a live credential; every value is an obvious fake.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import string
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from processor.gates.policy_scan import SecretFinding, egress_violation, find_secrets, find_urls
+
+# -- fixtures: fake secrets, one per known format --------------------------------------------------
+
+FAKE: dict[str, str] = {
+    "aws_access_key_id": "AKIA" + "IOSFODNN7" + "EXAMPLE",
+    "aws_session_key_id": "ASIA" + "Z" * 16,
+    "github_token": "ghp_" + "Fake0" * 7 + "X",
+    "github_pat": "github_" + "pat_" + "11FAKE0000" + "_" + "fake" * 14,
+    "gitlab_token": "glpat-" + "FakeFake" + "1234" + "5678" + "90ab",
+    "slack_token": "xox" + "b-" + "1234567890-" + "0987654321-" + "FakeFakeFake",
+    "stripe_secret_key": "sk_" + "live_" + "FAKE" * 6,
+    "stripe_test_key": "sk_" + "test_" + "fake" * 6,
+    "stripe_restricted_key": "rk_" + "live_" + "Fake" * 6,
+    "google_api_key": "AIza" + "Fake0" * 7,
+    "openai_api_key": "sk-" + "proj-" + "Fake1" * 8,
+    "anthropic_api_key": "sk-" + "ant-" + "api03-" + "Fake1" * 8,
+    "jwt": "eyJ" + "hbGciOiJIUzI1NiJ9" + "." + "eyJ" + "zdWIiOiJmYWtlIn0" + "." + "ZmFrZXNpZw",
+    "private_key": "-----BEGIN " + "RSA PRIVATE KEY-----\nMIIEfake\n-----END RSA PRIVATE KEY-----",
+    "openssh_key": "-----BEGIN " + "OPENSSH PRIVATE KEY-----",
+    "bearer_token": "Authorization: Bearer " + "fake" + "1234" * 5,
+    "basic_auth": "Basic " + base64.b64encode(b"alice:" + b"wonderland").decode(),
+    "url_credentials": "postgres://app:" + "n0t-real" + "@db.internal:5432/orders",
+    "connection_string": "Server=db;Database=orders;User Id=app;Password=" + "Tr0ub4dor" + ";",
+    "password_assignment": "login failed for user=bob pwd=" + "hunter22" + " at 10:02",
+    "credential_assignment": "curl -H 'x' https://api.example.com?api_key=" + "fake" + "12345678",
+}
+EXPECTED_KIND = {
+    "aws_session_key_id": "aws_access_key_id",
+    "github_pat": "github_token",
+    "stripe_test_key": "stripe_secret_key",
+    "stripe_restricted_key": "stripe_secret_key",
+    "openssh_key": "private_key",
+    "connection_string": "password_assignment",
+}
+
+
+def kinds(value: Any) -> list[str]:
+    return [f.kind for f in find_secrets(value)]
+
+
+def assert_never_echoed(found: list[SecretFinding], secret: str) -> None:
+    """Neither a path nor a kind may carry the secret, nor any 12 characters of it."""
+    for f in found:
+        for i in range(max(1, len(secret) - 11)):
+            piece = secret[i : i + 12]
+            assert piece not in f.path, (f, piece)
+            assert piece not in f.kind, (f, piece)
+
+
+# -- known formats ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FAKE))
+def test_each_known_format_is_found_in_a_value(name: str) -> None:
+    kind = EXPECTED_KIND.get(name, name)
+    assert find_secrets({"note": FAKE[name]}) == [SecretFinding("note", kind, False)]
+
+
+@pytest.mark.parametrize("name", sorted(FAKE))
+def test_each_known_format_is_found_inside_prose(name: str) -> None:
+    text = f"Hi, here is what you asked for: {FAKE[name]} (please keep it safe)"
+    assert EXPECTED_KIND.get(name, name) in kinds({"body": text})
+
+
+def test_a_root_string_has_the_empty_path() -> None:
+    assert find_secrets(FAKE["aws_access_key_id"]) == [
+        SecretFinding("", "aws_access_key_id", False)
+    ]
+
+
+def test_token_formats_need_a_boundary_and_their_full_length() -> None:
+    assert kinds({"v": "AKIA" + "Z" * 15}) == []
+    assert kinds({"v": "XAKIA" + "Z" * 16}) == []
+    assert kinds({"v": "ghp_" + "a" * 35}) == []
+    assert kinds({"v": "sk-" + "short1"}) == []
+
+
+def test_stripe_publishable_keys_are_not_secrets() -> None:
+    assert kinds({"v": "pk_" + "live_" + "51H7dKzLmN0pQrStUvWxYz2AbCdEf"}) == []
+    assert kinds({"v": "pk_" + "test_" + "51H7dKzLmN0pQrStUvWxYz2AbCdEf"}) == []
+
+
+def test_basic_needs_base64_of_user_colon_password() -> None:
+    assert kinds({"v": "Basic understanding of the product is enough"}) == []
+    assert kinds({"v": "Basic " + base64.b64encode(b"no colon here").decode()}) == []
+
+
+def test_placeholders_are_not_secrets() -> None:
+    for value in (
+        "password=${DB_PASSWORD}",
+        "password=****",
+        "PASSWORD = <redacted>",
+        "postgres://app:${DB_PASSWORD}@db:5432/orders",
+        "https://user:****@host.example.com/",
+    ):
+        assert kinds({"v": value}) == [], value
+
+
+def test_password_after_a_colon_needs_a_digit() -> None:
+    assert kinds({"v": "Password: reset it from the account page"}) == []
+    assert kinds({"v": "Password: Summer2024!"}) == ["password_assignment"]
+    assert kinds({"v": '{"db_password": "s3cretvalue"}'}) == ["password_assignment"]
+
+
+def test_several_formats_in_one_string_are_each_reported_once() -> None:
+    text = f"{FAKE['aws_access_key_id']} {FAKE['aws_access_key_id']} {FAKE['github_token']}"
+    assert sorted(kinds({"v": text})) == ["aws_access_key_id", "github_token"]
+
+
+# -- credential-named keys -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["password", "Password", "passwd", "secret", "client_secret", "Client-Secret", "api_key",
+     "apiKey", "API-KEY", "x-api-key", "access_token", "refreshToken", "private_key",
+     "authorization", "db_password", "AWS_SECRET_ACCESS_KEY"],
+)  # fmt: skip
+def test_a_credential_named_key_makes_its_string_a_finding(key: str) -> None:
+    assert find_secrets({"auth": {key: "hunter2"}}) == [
+        SecretFinding(f"auth/{key}", "credential_field", False)
+    ]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"password": ""},
+        {"password": "****"},
+        {"password": "<redacted>"},
+        {"password": 1234},
+        {"password": None},
+        {"password_hint": "the name of your first pet"},
+        {"secret_question": "first school"},
+        {"token_count": "1200"},
+        {"next_page_token": "page-2"},
+        {"pwd": "/home/deploy"},
+    ],
+)
+def test_keys_that_do_not_name_a_credential_or_values_without_one(arguments: Any) -> None:
+    assert find_secrets(arguments) == []
+
+
+def test_a_known_format_under_a_credential_key_keeps_its_precise_kind() -> None:
+    assert kinds({"Authorization": FAKE["bearer_token"].split(": ", 1)[1]}) == ["bearer_token"]
+
+
+# -- walking: nesting, lists, keys, paths ----------------------------------------------------------
+
+
+def test_nested_values_and_lists_are_found_with_their_paths() -> None:
+    arguments = {
+        "order_id": "WO-12345-A",
+        "metadata": {"notes": f"token {FAKE['github_token']}", "tags": ["a", "b"]},
+        "headers": [FAKE["bearer_token"], "Accept: application/json"],
+        "items": [{"sku": "RED-SHIRT", "extra": [{"deep": FAKE["aws_access_key_id"]}]}],
+    }
+    assert sorted(find_secrets(arguments), key=lambda f: f.path) == [
+        SecretFinding("headers/0", "bearer_token", False),
+        SecretFinding("items/0/extra/0/deep", "aws_access_key_id", False),
+        SecretFinding("metadata/notes", "github_token", False),
+    ]
+
+
+def test_a_secret_object_key_is_found_and_truncated_in_the_path() -> None:
+    secret = FAKE["github_token"]
+    found = find_secrets({"metadata": {secret: "x"}})
+    assert found == [SecretFinding("metadata/ghp_…", "github_token", True)]
+
+
+def test_paths_under_a_secret_key_use_the_truncated_key() -> None:
+    secret = FAKE["stripe_secret_key"]
+    found = find_secrets({secret: {"db": FAKE["url_credentials"]}})
+    assert sorted(found, key=lambda f: f.in_key) == [
+        SecretFinding("sk_l…/db", "url_credentials", False),
+        SecretFinding("sk_l…", "stripe_secret_key", True),
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(FAKE))
+def test_no_secret_is_ever_echoed_in_a_path_or_a_kind(name: str) -> None:
+    secret = FAKE[name]
+    found = find_secrets({"metadata": {secret: "x", "inner": {secret: {"k": secret}}}, secret: 1})
+    assert found
+    assert any(f.in_key for f in found)
+    assert_never_echoed(found, secret)
+    assert_never_echoed(found, secret.lower())
+
+
+def test_limit_stops_the_walk() -> None:
+    arguments = {f"k{i}": FAKE["aws_access_key_id"] for i in range(50)}
+    assert len(find_secrets(arguments)) == 8
+    assert len(find_secrets(arguments, limit=3)) == 3
+    assert find_secrets(arguments, limit=0) == []
+
+
+def test_very_deep_nesting_does_not_recurse() -> None:
+    deep: Any = FAKE["aws_access_key_id"]
+    for i in range(50_000):
+        deep = [deep] if i % 2 else {"k": deep}
+    found = find_secrets(deep)
+    assert [f.kind for f in found] == ["aws_access_key_id"]
+    assert found[0].path.count("/") == 49_999
+    assert find_urls(deep) == []
+
+
+def test_non_json_leaves_and_keys_are_tolerated() -> None:
+    value = {1: FAKE["aws_access_key_id"], "t": (FAKE["jwt"],), "o": object(), "b": b"x"}
+    assert sorted(kinds(value)) == ["aws_access_key_id", "jwt"]
+
+
+# -- no false positives on ordinary values ---------------------------------------------------------
+
+BENIGN = [
+    # English
+    "Customer asked to cancel before shipping",
+    "The package arrived damaged; the customer wants a replacement, not a refund.",
+    "Please reset your password using the link we sent; it expires in 24 hours.",
+    "Your password: must be at least 12 characters and include a number.",
+    "The bearer of this voucher may return the item within 30 days.",
+    "Basic understanding of German is required for this role.",
+    "Rotate the api_key before the audit on 2024-12-01, then update the runbook.",
+    "Meeting notes: discussed Q3 roadmap, token budget and key risks for 2025.",
+    "Hi team, order WO-12345-A shipped on 2024-11-22 via UPS 1Z999AA10123456784.",
+    # German
+    "Sehr geehrte Damen und Herren, die Lieferung zu ORD-12345 ist beschädigt angekommen.",
+    "Bitte setzen Sie Ihr Passwort zurück: der Link ist 24 Stunden gültig.",
+    "Rindfleischetikettierungsüberwachungsaufgabenübertragungsgesetz wurde 2013 aufgehoben.",
+    "Die Kundenzufriedenheitsumfrage2024 ergab 87 Prozent Zustimmung.",
+    # Japanese
+    "ご注文番号WO-12345-Aの商品が破損して届きました。交換をお願いします。",
+    "パスワードを再設定するには、メールのリンクをクリックしてください。",
+    "2024年11月22日に発送しました。追跡番号は1Z999AA10123456784です。",
+    # Spanish, French
+    "Hola, el pedido INV-2024-000123 llegó incompleto; falta una pieza.",
+    "Por favor, cambie su contraseña cada 90 días según la política de seguridad.",
+    "La reunión se movió al jueves 28 de noviembre a las 10:30 en la sala B.",
+    "Merci de confirmer la livraison avant vendredi, référence CUS-004211.",
+    # ids
+    "WO-12345-A", "ORD-12345", "cust_9921_beta", "INV-2024-000123", "CUS-004211",
+    "PM-7Q2K9X4M1A", "TCK-0042117", "USR-00418822", "acc_0012345678", "INV-20261104217",
+    "ORD-2024-11-000123-REFUND-PARTIAL-2", "SKU-RED-SHIRT-XL-2024-SPRING",
+    # IBANs, tracking numbers, phone numbers, amounts
+    "DE89370400440532013000", "GB29NWBK60161331926819", "FR1420041010050500013M02606",
+    "1Z999AA10123456784", "9400111899223856925520", "+49 30 1234567", "EUR 1.234,56",
+    # dates and times
+    "2024-11-22", "2024-11-22T10:00:00Z", "2024-11-22T10:00:00.123456+01:00",
+    "22.11.2024", "November 22, 2024", "20241122T100000Z", "2024-W47",
+    # hex digests and ids
+    "da39a3ee5e6b4b0d3255bfef95601890afd80709",
+    "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+    "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+    "E3B0C44298FC1C149AFBF4C8996FB92427AE41E4649B934CA495991B7852B855",
+    "d41d8cd98f00b204e9800998ecf8427e",
+    "0x742d35Cc6634C0532925a3b844Bc454e4438f44e",
+    # UUIDs
+    "4b9f0d1e-5c1a-4d0e-9a51-0b5e6f3c2d10",
+    "4B9F0D1E-5C1A-4D0E-9A51-0B5E6F3C2D10",
+    "4b9f0d1e5c1a4d0e9a510b5e6f3c2d10",
+    "{4b9f0d1e-5c1a-4d0e-9a51-0b5e6f3c2d10}",
+    "urn:uuid:4b9f0d1e-5c1a-4d0e-9a51-0b5e6f3c2d10",
+    # e-mail, URLs without credentials, file paths
+    "jane.doe+billing@example.org",
+    "https://help.example.com/returns",
+    "https://help.example.com/returns?lang=de&ref=email_campaign_2024#section-3",
+    "https://drive.example.com/file/d/1AbCdEfGhIjKlMnOpQrStUvWxYz012345/view",
+    "http://localhost:8080/api/v2/customers/CUS004211/orders",
+    "/var/log/nginx/access.log.2024-11-22.gz",
+    "/home/deploy/releases/20241122100000/current",
+    "C:\\Users\\jane\\Documents\\Q3_report_final_v2.xlsx",
+    "src/components/CustomerSatisfactionSurvey2024.tsx",
+    "app/controllers/api/v2/OrdersController",
+    "s3://acme-invoices-eu-west-1/2024/11/INV-2024-000123.pdf",
+    # long identifiers
+    "customer_satisfaction_survey_2024",
+    "getCustomerSatisfactionSurveyResults2024",
+    "IBANValidationServiceImplV2",
+    "ProjectAlphaQ3Roadmap2024Draft",
+    "XMLHttpRequestEventTarget",
+    "quarterly_revenue_report_q3_2024_final",
+    "shipment_tracking_number_1Z999AA10123456784",
+    "SELECT_customer_id_FROM_orders_2024",
+    "v2_3_14_release_candidate_build_20241122",
+    "user_id_7f3a2b_session_42_retry_3",
+    "AbstractSingletonProxyFactoryBean",
+    "HTMLParagraphElementPrototype2",
+    "ip-10-0-12-34.eu-west-1.compute.internal",
+    "arn:aws:iam::123456789012:role/ServiceRole",
+    "projects/my-project-123/locations/us-central1/functions/handler",
+    "order_payment", "replacement_item", "customer_request",
+]  # fmt: skip
+
+
+def test_the_benign_corpus_is_large_and_varied() -> None:
+    assert len(BENIGN) >= 60
+    assert len(set(BENIGN)) == len(BENIGN)
+
+
+@pytest.mark.parametrize("text", BENIGN)
+def test_no_false_positive_on_ordinary_values(text: str) -> None:
+    assert find_secrets({"value": text}) == []
+    assert find_secrets({text: "x"}) == []
+    assert find_secrets([text, {"nested": [text]}]) == []
+
+
+def test_no_false_positive_on_the_whole_corpus_as_one_text() -> None:
+    assert find_secrets({"body": "\n".join(BENIGN)}) == []
+
+
+# -- entropy ---------------------------------------------------------------------------------------
+
+BASE62 = string.ascii_letters + string.digits
+BASE64URL = BASE62 + "-_"
+
+
+def test_random_tokens_of_24_characters_or_more_are_flagged() -> None:
+    """At least 99% of 4,000 seeded random base62/base64url tokens of 24 to 64 characters."""
+    rng = random.Random(20241122)
+    tokens = [
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(24, 64)))
+        for alphabet in (BASE62, BASE64URL)
+        for _ in range(2_000)
+    ]
+    flagged = sum(1 for t in tokens if kinds({"v": t}) == ["high_entropy"])
+    assert flagged / len(tokens) >= 0.99, flagged
+
+
+def test_random_tokens_are_flagged_in_prose_in_quotes_and_after_a_colon() -> None:
+    token = "q7Rz2LmX9vKd4TfW8nBc3HpY"
+    for text in (
+        f"use {token} to log in",
+        f'{{"value": "{token}"}}',
+        f"key:{token}",
+        f"[{token}]",
+        f"the token is {token}.",
+    ):
+        assert kinds({"v": text}) == ["high_entropy"], text
+
+
+def test_tokens_glued_into_hosts_addresses_and_urls_are_not_judged() -> None:
+    token = "q7Rz2LmX9vKd4TfW8nBc3HpY"
+    for text in (f"{token}@example.com", f"files.example.com/{token}", f"https://x.io/{token}"):
+        assert kinds({"v": text}) == [], text
+
+
+def test_base64_of_ordinary_data_is_flagged() -> None:
+    """Documented behaviour: an opaque base64 blob cannot be told from a key."""
+    assert kinds({"v": base64.b64encode(b"the quick brown fox").decode()}) == ["high_entropy"]
+
+
+# -- hypothesis: never raise -----------------------------------------------------------------------
+
+FRAGMENTS = (
+    "password=", "Password: ", "Bearer ", "Basic ", "://", "@", "-----BEGIN ", "eyJ", "AKIA",
+    "ghp_", "sk-", "sk-ant-", "api_key=", "javascript:", "data:,", "www.", "http://", "https://",
+    "\t", "\u0130", "0x", "[::1]", "xn--", "\u3002",
+)  # fmt: skip
+texts = st.text(max_size=60) | st.builds(
+    lambda a, b, c: a + b + c, st.text(max_size=20), st.sampled_from(FRAGMENTS), st.text()
+)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | texts,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(json_values, st.integers(0, 10))
+def test_the_detectors_never_raise_on_any_json_value(value: Any, limit: int) -> None:
+    found = find_secrets(value, limit=limit)
+    assert len(found) <= limit
+    assert all(isinstance(f, SecretFinding) for f in found)
+    for path, url in find_urls(value):
+        assert isinstance(path, str)
+        for policy in ("allowlisted_domains", "private_network_only", "unrestricted_with_approval"):
+            reason = egress_violation(url, policy, ("example.com",), ("corp.internal",))
+            assert reason is None or isinstance(reason, str)
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts)
+def test_egress_never_raises_on_any_text(url: str) -> None:
+    for policy in ("allowlisted_domains", "private_network_only", "unrestricted_with_approval"):
+        reason = egress_violation(url, policy, ("example.com", "bücher.de"), ("corp.internal",))
+        assert reason is None or isinstance(reason, str)
+
+
+# -- URLs ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "url"),
+    [
+        ("https://help.example.com/returns", "https://help.example.com/returns"),
+        ("  https://x.io/a?b=c \n", "https://x.io/a?b=c"),
+        ("HTTP://X.IO", "HTTP://X.IO"),
+        ("ftp://files.example.com/a", "ftp://files.example.com/a"),
+        ("s3://bucket/key", "s3://bucket/key"),
+        ("www.example.com/path", "www.example.com/path"),
+        ("javascript:alert(1)", "javascript:alert(1)"),
+        ("JavaScript:alert('a b')", "JavaScript:alert('a b')"),
+        ("java\tscript:alert(1)", "java\tscript:alert(1)"),
+        ("data:text/html;base64,PHNjcmlwdD4=", "data:text/html;base64,PHNjcmlwdD4="),
+        ("file:///etc/passwd", "file:///etc/passwd"),
+        ("gopher://evil.example:70/_x", "gopher://evil.example:70/_x"),
+    ],
+)
+def test_a_string_that_is_a_url_is_returned(text: str, url: str) -> None:
+    assert find_urls({"u": text}) == [("u", url)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "see https://help.example.com/returns for details",
+        "https://help.example.com/returns is down",
+        "JavaScript: The Good Parts",
+        "Data: see attached",
+        "file: report.pdf",
+        "mailto:jane@example.com",
+        "10:30",
+        "example.com",
+        "a.b",
+        "",
+    ],
+)
+def test_prose_and_non_urls_are_not_returned(text: str) -> None:
+    assert find_urls({"u": text}) == []
+
+
+def test_control_characters_around_a_url_do_not_hide_it() -> None:
+    """Browsers strip them; the URL comes back with them, for egress to refuse."""
+    found = find_urls({"u": "\x01javascript:alert(1)", "v": "\u200bhttps://x.io"})
+    assert sorted(found) == [("u", "\x01javascript:alert(1)"), ("v", "\u200bhttps://x.io")]
+    for _, url in found:
+        assert egress_violation(url, "unrestricted_with_approval", (), ()) is not None
+
+
+def test_urls_are_found_in_nested_values_with_their_paths() -> None:
+    value = {
+        "a": [{"u": "https://x.io"}, "plain", "www.y.io"],
+        "n": 5,
+        "b": {"c": {"d": "javascript:void(0)"}},
+        FAKE["github_token"]: "https://z.io",
+    }
+    assert sorted(find_urls(value)) == [
+        ("a/0/u", "https://x.io"),
+        ("a/2", "www.y.io"),
+        ("b/c/d", "javascript:void(0)"),
+        ("ghp_…", "https://z.io"),
+    ]
+    assert find_urls("https://x.io") == [("", "https://x.io")]
+
+
+# -- egress ----------------------------------------------------------------------------------------
+
+ALLOWED = ("example.com", "localhost", "internal", "127.0.0.1")
+INTERNAL = ("example.com", "corp.internal", "localhost", "internal")
+POLICIES = ("allowlisted_domains", "private_network_only", "unrestricted_with_approval")
+
+ALWAYS_REFUSED = [
+    # schemes other than http(s)
+    "ftp://example.com/a", "file:///etc/passwd", "javascript:alert(1)", "data:,hi",
+    "gopher://example.com:70/", "ws://example.com/socket",
+    # userinfo
+    "https://good.example.com@evil.io/", "https://u:p@example.com/", "https://u@example.com/",
+    "https://example.com%40evil.io@evil.io",
+    # IP literals in any spelling
+    "https://127.0.0.1/", "https://2130706433/", "https://0x7f.1/", "https://0177.0.0.1/",
+    "https://0x7f000001/", "https://127.1/", "https://[::1]/", "https://[::ffff:127.0.0.1]/",
+    "https://169.254.169.254/latest/meta-data/", "https://10.0.0.5:8443/",
+    # localhost and metadata hosts
+    "https://localhost/", "https://localhost:8080/x", "https://api.localhost/",
+    "https://metadata.google.internal/computeMetadata/v1/", "https://metadata/",
+    # characters outside [a-z0-9.-], look-alikes
+    "https://exa_mple.com/", "https://ex%61mple.com/", "https://exa mple.com/",
+    "https://\uff45\uff58\uff41\uff4d\uff50\uff4c\uff45.com/", "https://example\u3002com/", "https://exa\u200bmple.com/",
+    # backslashes and control characters
+    "https://example.com\\@evil.io/", "https:\\\\example.com", "https://example.com/a\\b",
+    "https://exa\tmple.com/", "https://example.com/\x00", "https://example.com/\u202etxt",
+    "https://example.com\n.evil.io/",
+    # unparseable
+    "https://", "https:///example.com", "https:/example.com", "https:example.com",
+    "https://example.com:99999/", "https://example.com:abc/", "https://.example.com",
+    "https://example..com", "//example.com/x", "www.example.com", "example.com", "", "   ",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("url", ALWAYS_REFUSED)
+def test_always_refused_whatever_the_policy(url: str, policy: str) -> None:
+    reason = egress_violation(url, policy, ALLOWED, INTERNAL)
+    assert reason is not None
+    assert isinstance(reason, str)
+    assert 0 < len(reason) < 200
+
+
+def test_plain_http_is_refused_except_on_the_private_network() -> None:
+    url = "http://orders.corp.internal/x"
+    assert egress_violation(url, "private_network_only", (), INTERNAL) is None
+    assert egress_violation(url, "allowlisted_domains", ("corp.internal",), ()) is not None
+    assert egress_violation("http://example.org/", "unrestricted_with_approval", (), ()) is not None
+
+
+def test_policy_none_refuses_every_url() -> None:
+    assert egress_violation("https://example.com/", "none", ("example.com",), INTERNAL) is not None
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    assert egress_violation("https://example.com/", "anything", ("example.com",), ()) is not None
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed"),
+    [
+        ("https://example.com", True),
+        ("https://example.com/path?q=1#f", True),
+        ("https://api.example.com/v1", True),
+        ("https://a.b.example.com:8443/", True),
+        ("HTTPS://EXAMPLE.COM./", True),
+        ("https://evil-example.com/", False),
+        ("https://notexample.com/", False),
+        ("https://example.com.evil.io/", False),
+        ("https://example.co/", False),
+        ("https://com/", False),
+        ("https://ex\u0430mple.com/", False),
+        ("https://xn--exmple-4nf.com/", False),
+    ],
+)
+def test_allowlisted_domains_match_on_a_label_boundary(url: str, allowed: bool) -> None:
+    reason = egress_violation(url, "allowlisted_domains", ("example.com",), ())
+    assert (reason is None) is allowed, reason
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_idn_look_alike_is_refused_under_every_policy(policy: str) -> None:
+    url = "https://ex\u0430mple.com/login"
+    reason = egress_violation(url, policy, ("example.com",), ("example.com",))
+    assert reason is not None
+    assert "look-alike" in reason
+
+
+def test_a_whole_script_look_alike_is_compared_as_punycode() -> None:
+    url = "https://\u0435\u0445\u0430\u0440\u0455.com/"
+    reason = egress_violation(url, "allowlisted_domains", ("expss.com",), ())
+    assert reason is not None
+    assert "xn--" in reason
+
+
+def test_a_genuine_idn_domain_matches_in_either_spelling() -> None:
+    for allowed in (("bücher.de",), ("xn--bcher-kva.de",)):
+        for url in ("https://bücher.de/", "https://shop.xn--bcher-kva.de/", "https://BÜCHER.de"):
+            assert egress_violation(url, "allowlisted_domains", allowed, ()) is None, url
+
+
+def test_allowlist_entries_are_normalised_and_empty_ones_match_nothing() -> None:
+    policy = "allowlisted_domains"
+    assert egress_violation("https://a.example.com/", policy, ("*.Example.COM.",), ()) is None
+    assert egress_violation("https://example.com/", policy, ("", " ", "."), ()) is not None
+    assert egress_violation("https://example.com/", policy, (), ()) is not None
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed"),
+    [
+        ("https://orders.corp.internal/v1", True),
+        ("http://corp.internal:8080/", True),
+        ("https://corp.internal.evil.io/", False),
+        ("https://evilcorp.internal/", False),
+        ("https://example.org/", False),
+    ],
+)
+def test_private_network_only_stays_within_the_internal_domains(url: str, allowed: bool) -> None:
+    reason = egress_violation(url, "private_network_only", (), ("corp.internal",))
+    assert (reason is None) is allowed, reason
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed"),
+    [
+        ("https://status.carrier.example/", False),
+        ("https://status.carrier-example.io/track?id=1", True),
+        ("https://xn--bcher-kva.de/", True),
+        ("https://bücher.de/", True),
+        ("https://\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444/", True),
+        ("https://ex\u0430mple.com/", False),
+        ("http://example.org/", False),
+        ("https://orders.corp.internal/", False),
+        ("https://intranet/", False),
+        ("https://printer.local/", False),
+        ("https://router.home.arpa/", False),
+    ],
+)
+def test_unrestricted_with_approval_allows_public_https_hosts_only(url: str, allowed: bool) -> None:
+    reason = egress_violation(url, "unrestricted_with_approval", (), ("corp.internal",))
+    assert (reason is None) is allowed, reason
+
+
+def test_odd_argument_types_are_refused_not_raised() -> None:
+    """Callers are typed, but a list for a tuple or a missing value must not raise."""
+    as_list: Any = ["example.com"]
+    nothing: Any = None
+    junk: Any = (None, 3)
+    policy = "allowlisted_domains"
+    assert egress_violation("https://a.example.com/", policy, as_list, as_list) is None
+    assert egress_violation(nothing, policy, ("example.com",), ()) is not None
+    assert egress_violation("https://example.com/", nothing, ("example.com",), ()) is not None
+    assert egress_violation("https://example.com/", policy, junk, ()) is not None
+
+
+def test_the_most_basic_problem_is_named_first() -> None:
+    """Fixing the reason given must be worth a retry: not "use https" for a metadata host."""
+    policy = "allowlisted_domains"
+    assert "IP address" in str(egress_violation("http://169.254.169.254/", policy, (), ()))
+    assert "localhost" in str(egress_violation("http://localhost/", policy, ("localhost",), ()))
+    assert "allowed domain" in str(
+        egress_violation("http://evil.io/", policy, ("example.com",), ())
+    )
+    assert "https" in str(egress_violation("http://example.com/", policy, ("example.com",), ()))
+
+
+def test_reasons_never_echo_credentials() -> None:
+    url = "https://admin:" + "n0t-real-pw" + "@example.com/"
+    for policy in POLICIES:
+        reason = egress_violation(url, policy, ("example.com",), ())
+        assert reason is not None
+        assert "n0t-real-pw" not in reason
