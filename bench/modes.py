@@ -6,7 +6,11 @@ from the first batch to the last commit, and the process's peak RSS.
 
 * ``passthrough`` — the processor's own transactional loop with no gates:
   each input value is copied to the observations topic. The pipe's limit.
-* ``toolsentry`` — the processor as shipped.
+* ``foundation`` — the processor with the foundation's gates only: parse,
+  tool resolution, schema, route. The same loop and the same gate code; the
+  gates on identity, meaning, policy and approval are left out.
+* ``toolsentry`` — the processor as shipped: every gate, tokens verified,
+  reference data read from Redis, calls that need approval parked.
 * ``naive`` — the obvious implementation: one record at a time, validate
   with python-jsonschema, encode, produce, commit a transaction per record.
 """
@@ -23,11 +27,15 @@ import orjson
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from jsonschema import Draft202012Validator
 
-from processor.app import Processor, consumer_config, producer_config
+from processor.app import Processor, _source, consumer_config, producer_config
 from processor.codec.avro import codec
 from processor.config import Settings
-from processor.contracts.registry import load_contracts
-from processor.model import Decision
+from processor.contracts.registry import ContractSet, load_contracts
+from processor.gates.parse import DeadLetter, Limits, parse_proposal
+from processor.gates.resolve import resolve_tool
+from processor.gates.schema import check_arguments
+from processor.model import Decision, Gate, Outcome, Rejection, SourceRecord
+from processor.pipeline import _route
 
 
 def peak_rss_mb() -> float:
@@ -59,6 +67,47 @@ class Timed(Processor):
         while self.records_committed < self.count:
             time.sleep(0.01)
         self.stop()
+
+
+def foundation_decide(src: SourceRecord, contracts: ContractSet, limits: Limits) -> Decision:
+    """Parse, resolve, schema, route: the decision before this processor had the gates on
+    identity, meaning, policy and approval (built from the same gate functions)."""
+    started = time.perf_counter()
+    now_ms = int(time.time() * 1000)
+    parsed = parse_proposal(src, limits)
+    if isinstance(parsed, DeadLetter):
+        d = Decision(src, Outcome.DEAD_LETTER, Gate.PARSE, None, dlq_reason=parsed.reason)
+    else:
+        p, rejection, warnings = parsed
+        resolved = rejection or resolve_tool(p, contracts)
+        if isinstance(resolved, Rejection):
+            d = Decision(src, Outcome.REJECTED, resolved.gate, p, rejection=resolved)
+        else:
+            refusal = check_arguments(p.arguments, resolved)
+            if refusal is not None:
+                d = Decision(src, Outcome.REJECTED, Gate.SCHEMA, p, rejection=refusal)
+            else:
+                d = Decision(
+                    src,
+                    Outcome.ROUTED,
+                    Gate.ROUTE,
+                    p,
+                    contract_name=resolved.name,
+                    contract_version=resolved.version,
+                    side_effect_class=resolved.side_effect_class,
+                    call=_route(p, resolved, now_ms),
+                    warnings=warnings,
+                )
+        d.decided_at_ms = now_ms
+    d.latency_ms = (time.perf_counter() - started) * 1000
+    return d
+
+
+class Foundation(Timed):
+    def decide_batch(self, records: list[Message]) -> list[Decision]:
+        if self.first is None:
+            self.first = time.perf_counter()
+        return [foundation_decide(_source(m), self.contracts, self.limits) for m in records]
 
 
 class Passthrough(Timed):
@@ -196,7 +245,7 @@ def main() -> None:
     if mode == "naive":
         result = run_naive(settings, count)
     else:
-        cls = Passthrough if mode == "passthrough" else Timed
+        cls = {"passthrough": Passthrough, "foundation": Foundation, "toolsentry": Timed}[mode]
         result = run_loop(cls(settings, count))
     print(orjson.dumps({"mode": mode, **result}).decode(), flush=True)
 

@@ -3,10 +3,12 @@
     .venv/bin/python -m bench.run            # starts a private stack on free ports
     .venv/bin/python -m bench.run --bootstrap 127.0.0.1:9092   # use a running broker
 
-(a) passthrough, (b) toolsentry and (c) the naive processor each consume the
-same pre-produced proposals from their own topics, in their own process;
-(d) times the decision core in this process; the latency run offers a fixed
-rate to a running processor and measures proposal -> observation.
+(a) passthrough, (b) the foundation gates (parse, resolve, schema, route),
+(e) every gate as shipped (identity, references in Redis, rules, policy,
+confirmation) and (c) the naive processor each consume the same
+pre-produced proposals from their own topics, in their own process; (d)
+times the decision core in this process; the latency run offers a fixed
+rate to a running processor as shipped and measures proposal -> observation.
 Machines here are noisy: read the ratios, which compare runs made minutes
 apart on the same machine, rather than the absolute numbers.
 """
@@ -21,20 +23,33 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
+import redis
+from prometheus_client import CollectorRegistry
 
+from bench.modes import foundation_decide
+from processor.approvals import load_approvers
 from processor.client import ToolsentryClient
-from processor.config import Settings, Topics
+from processor.config import IdentitySettings, Settings, Topics
 from processor.contracts.registry import load_contracts
 from processor.gates.parse import Limits
+from processor.gates.semantic import RefEntry
+from processor.identity import TokenIssuer, Verifier
 from processor.kafka.topics import ensure_topics
-from processor.model import SourceRecord
+from processor.keys import init_keys
+from processor.metrics import Metrics
+from processor.model import Outcome, SourceRecord
 from processor.pipeline import Gates, decide
+from processor.policy import load_policy
+from processor.reference_data import publish_references, wait_until_loaded
+from processor.state.references import ReferenceLoader
 
 ROOT = Path(__file__).resolve().parents[1]
+MODES = ("passthrough", "foundation", "toolsentry")
 
 
 VALID_SHARE = 0.84
@@ -42,8 +57,13 @@ VALID_SHARE = 0.84
 work (99.6% after): the corpus is the harder of the two."""
 
 
-def corpus(n: int, seed: int = 7) -> list[tuple[bytes, bytes]]:
-    """Proposals as agents send them: 84% valid, the rest the usual mistakes."""
+AGENTS = 16
+"""Principals (one token each) the corpus's runs are spread over."""
+
+
+def corpus(n: int, seed: int = 7, tokens: list[str] | None = None) -> list[tuple[bytes, bytes]]:
+    """Proposals as agents send them: 84% valid, the rest the usual mistakes. Each run's
+    agent signs with its own token (``tokens``, one per agent)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -78,8 +98,37 @@ def corpus(n: int, seed: int = 7) -> list[tuple[bytes, bytes]]:
             "arguments": args,
             "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         }
+        if tokens:
+            env["principal_token"] = tokens[(i % 512) % len(tokens)]
         out.append((run_id.encode(), orjson.dumps(env)))
     return out
+
+
+def order_references(n: int) -> list[tuple[str, dict[str, Any] | None]]:
+    """The orders the corpus names, as a system of record publishes them."""
+    return [
+        (f"acme/order/WO-{i:05d}-A", {"state": "processing", "owner": f"CUS-{i:06d}"})
+        for i in range(min(n, 100_000))
+    ]
+
+
+def with_identity(settings: Settings, directory: Path) -> tuple[Settings, list[str]]:
+    """Settings that verify tokens and know approvers, and one token per agent."""
+    bundle = init_keys(directory)
+    issuer = TokenIssuer.from_jwk_file(bundle.issuer)
+    scopes = ["orders:read", "orders:write", "kb:read"]
+    tokens = [
+        issuer.mint("acme", f"u-{a}", f"agent-{a}", scopes, "confidential", ttl_s=6 * 3600)
+        for a in range(AGENTS)
+    ]
+    updated = settings.model_copy(
+        update={
+            "identity": IdentitySettings(jwks_file=bundle.jwks),
+            "approvers_file": bundle.approvers,
+            "policy_file": ROOT / "policy" / "policy.yaml",
+        }
+    )
+    return updated, tokens
 
 
 def isolated(settings: Settings, name: str) -> Settings:
@@ -89,10 +138,25 @@ def isolated(settings: Settings, name: str) -> Settings:
             "group_id": f"g-{name}",
             "instance_id": name,
             "metrics_port": 0,
+            "redis_namespace": name,
+            "reference_group_id": f"g-{name}-reference",
         }
     )
     ensure_topics(s)
     return s
+
+
+def load_references(settings: Settings, n: int) -> None:
+    """Publish the corpus's orders and run a loader until Redis holds them all."""
+    publish_references(settings, order_references(n))
+    loader = ReferenceLoader(
+        settings, redis.Redis.from_url(settings.redis_url), Metrics(CollectorRegistry())
+    )
+    loader.start()
+    try:
+        wait_until_loaded(settings, timeout=300)
+    finally:
+        loader.stop()
 
 
 def preload(settings: Settings, records: list[tuple[bytes, bytes]]) -> None:
@@ -111,6 +175,8 @@ def child_env(settings: Settings) -> dict[str, str]:
 
 def throughput(settings: Settings, mode: str, records: list[tuple[bytes, bytes]]) -> dict[str, Any]:
     s = isolated(settings, f"bench-{mode}-{int(time.time())}")
+    if mode == "toolsentry":
+        load_references(s, len(records))
     preload(s, records)
     out = subprocess.run(
         [sys.executable, "-m", "bench.modes", mode, str(len(records))],
@@ -126,13 +192,17 @@ def throughput(settings: Settings, mode: str, records: list[tuple[bytes, bytes]]
     return result
 
 
-def latency(settings: Settings, rate: int, seconds: float, warmup: float = 3.0) -> dict[str, Any]:
+def latency(
+    settings: Settings, tokens: list[str], rate: int, seconds: float, warmup: float = 3.0
+) -> dict[str, Any]:
     """Offer ``rate`` proposals/s; sample proposal -> observation after ``warmup`` s.
 
     The first seconds of a fresh processor register partitions with the
     transaction coordinator and fill caches; the target is the steady state.
     """
     s = isolated(settings, f"bench-latency-{int(time.time())}")
+    total = int(rate * (seconds + warmup))
+    load_references(s, total)
     log_path = Path(tempfile.mkdtemp(prefix="bench-")) / "processor.log"
     log = log_path.open("wb")
     proc = subprocess.Popen(
@@ -150,9 +220,8 @@ def latency(settings: Settings, rate: int, seconds: float, warmup: float = 3.0) 
             time.sleep(0.1)
         client = ToolsentryClient(s, "acme")
         sent: dict[str, float] = {}
-        total = int(rate * (seconds + warmup))
         skip = int(rate * warmup)
-        records = corpus(total, seed=11)
+        records = corpus(total, seed=11, tokens=tokens)
         start = time.monotonic()
         for n, (key, value) in enumerate(records):
             pid = f"p-{n}"
@@ -182,8 +251,19 @@ def latency(settings: Settings, rate: int, seconds: float, warmup: float = 3.0) 
         proc.wait(30)
 
 
-def decision_core(n: int = 20_000, repeats: int = 5) -> dict[str, float]:
+def decision_core(n: int = 20_000, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Both decision cores on one valid cancel_order: the foundation's gates, and every
+    gate with a verified (cached) token and its order in the reference answers."""
     contracts = load_contracts(ROOT / "contracts")
+    keys = Path(tempfile.mkdtemp(prefix="bench-core-"))
+    with_keys, tokens = with_identity(Settings(), keys)
+    gates = Gates(
+        contracts,
+        Limits(),
+        Verifier.from_settings(with_keys.identity),
+        load_policy(with_keys.policy_file),
+        load_approvers(with_keys.approvers_file),
+    )
     env = {
         "proposal_id": "p-1",
         "created_at": "2026-11-22T02:08:49.000Z",
@@ -194,18 +274,31 @@ def decision_core(n: int = 20_000, repeats: int = 5) -> dict[str, float]:
         "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     }
     record = SourceRecord("tool.proposals", 0, 0, b"run-1", orjson.dumps(env), 0)
-    gates = Gates.development(contracts, Limits())
-    medians, p99s = [], []
-    for _ in range(repeats):
-        timings = []
-        for _ in range(n):
-            t = time.perf_counter()
-            decide(record, gates, 1)
-            timings.append(time.perf_counter() - t)
-        timings.sort()
-        medians.append(timings[n // 2] * 1e6)
-        p99s.append(timings[int(n * 0.99)] * 1e6)
-    return {"median_us": statistics.median(medians), "p99_us": statistics.median(p99s)}
+    signed = SourceRecord(
+        "tool.proposals", 0, 0, b"run-1", orjson.dumps({**env, "principal_token": tokens[0]}), 0
+    )
+    answers = {("acme", "order", "WO-12345-A"): RefEntry("acme", "processing", "CUS-1", {})}
+    now_ms = int(time.time() * 1000)
+    assert foundation_decide(record, contracts, Limits()).outcome is Outcome.ROUTED
+    assert decide(signed, gates, now_ms, answers).outcome is Outcome.PARKED
+    cores: dict[str, Callable[[], object]] = {
+        "foundation": lambda: foundation_decide(record, contracts, Limits()),
+        "all gates": lambda: decide(signed, gates, now_ms, answers),
+    }
+    out: dict[str, dict[str, float]] = {}
+    for name, call in cores.items():
+        medians, p99s = [], []
+        for _ in range(repeats):
+            timings = []
+            for _ in range(n):
+                t = time.perf_counter()
+                call()
+                timings.append(time.perf_counter() - t)
+            timings.sort()
+            medians.append(timings[n // 2] * 1e6)
+            p99s.append(timings[int(n * 0.99)] * 1e6)
+        out[name] = {"median_us": statistics.median(medians), "p99_us": statistics.median(p99s)}
+    return out
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -239,11 +332,12 @@ def main() -> None:
         stack = LocalStack(settings)
         stack.up()
     settings = settings.model_copy(update={"contracts_dir": ROOT / "contracts"})
+    settings, tokens = with_identity(settings, Path(tempfile.mkdtemp(prefix="bench-keys-")))
     try:
-        records = corpus(args.count)
-        runs: dict[str, list[dict[str, Any]]] = {"passthrough": [], "toolsentry": []}
+        records = corpus(args.count, tokens=tokens)
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
         for n in range(args.rounds):
-            for mode in ("passthrough", "toolsentry"):  # interleaved: drift hits both alike
+            for mode in MODES:  # interleaved: drift hits them all alike
                 print(
                     f"round {n + 1}/{args.rounds}: {mode}, {args.count} proposals ...", flush=True
                 )
@@ -251,16 +345,21 @@ def main() -> None:
         print(f"(c) naive, {args.naive_count} proposals ...", flush=True)
         c = throughput(settings, "naive", records[: args.naive_count])
         print(f"latency at {args.rate}/s for {args.seconds:.0f}s ...", flush=True)
-        lat = latency(settings, args.rate, args.seconds)
+        lat = latency(settings, tokens, args.rate, args.seconds)
     finally:
         if stack is not None:
             stack.down()
 
     a = _median_run(runs["passthrough"])
-    b = _median_run(runs["toolsentry"])
+    b = _median_run(runs["foundation"])
+    e = _median_run(runs["toolsentry"])
     pair_ratios = sorted(
         tb["per_second"] / ta["per_second"]
-        for ta, tb in zip(runs["passthrough"], runs["toolsentry"], strict=True)
+        for ta, tb in zip(runs["passthrough"], runs["foundation"], strict=True)
+    )
+    gate_ratios = sorted(
+        te["per_second"] / tb["per_second"]
+        for tb, te in zip(runs["foundation"], runs["toolsentry"], strict=True)
     )
 
     def row(name: str, r: dict[str, Any]) -> str:
@@ -270,7 +369,8 @@ def main() -> None:
 
     print(f"\nthroughput (same input: {VALID_SHARE:.0%} valid proposals; own topics and process)")
     print(row("(a) passthrough", a))
-    print(row("(b) toolsentry", b))
+    print(row("(b) foundation", b))
+    print(row("(e) all gates", e))
     print(row("(c) naive", c))
     ratio_ab = statistics.median(pair_ratios)
     ratio_bc = b["per_second"] / c["per_second"]
@@ -282,21 +382,33 @@ def main() -> None:
         f"  (b)/(a) = {ratio_ab:6.2f}   target >= 0.50   {'met' if ratio_ab >= 0.5 else 'NOT met'}"
     )
     print(f"  (b)/(c) = {ratio_bc:6.1f}x  target >= 5x     {'met' if ratio_bc >= 5 else 'NOT met'}")
+    ratio_eb = statistics.median(gate_ratios)
     print(
-        f"\n(d) decision core, cancel_order: median {core['median_us']:.1f} us, "
-        f"p99 {core['p99_us']:.1f} us   target median <= 20 us   "
-        f"{'met' if core['median_us'] <= 20 else 'NOT met'}"
+        f"  (e)/(b) = {ratio_eb:6.2f}   target >= 0.70 (the gates on identity, meaning, policy "
+        f"and approval cost <= 30%)   {'met' if ratio_eb >= 0.7 else 'NOT met'}"
+        f"   rounds: {', '.join(f'{r:.2f}' for r in gate_ratios)}"
     )
+    for name, figures in core.items():
+        target = (
+            f"   target median <= 20 us   {'met' if figures['median_us'] <= 20 else 'NOT met'}"
+            if name == "foundation"
+            else ""
+        )
+        print(
+            f"\n(d) decision core, cancel_order, {name}: median {figures['median_us']:.1f} us, "
+            f"p99 {figures['p99_us']:.1f} us{target}"
+        )
     print(
         f"\nlatency proposal -> observation at {lat['offered_per_second']:,.0f}/s offered, "
         f"{lat['samples']} samples: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms, "
         f"max {lat['max_ms']:.1f} ms   target p99 <= 50 ms   "
         f"{'met' if lat['p99_ms'] <= 50 else 'NOT met'}"
     )
-    print(
-        f"\nprocessor peak RSS (b): {b['rss_mb']:.1f} MB   target <= 150 MB   "
-        f"{'met' if b['rss_mb'] <= 150 else 'NOT met'}"
-    )
+    for name, r in (("(b)", b), ("(e)", e)):
+        print(
+            f"\nprocessor peak RSS {name}: {r['rss_mb']:.1f} MB   target <= 150 MB   "
+            f"{'met' if r['rss_mb'] <= 150 else 'NOT met'}"
+        )
 
 
 if __name__ == "__main__":
