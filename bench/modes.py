@@ -236,6 +236,7 @@ def _naive_observation(env: dict[str, Any], errors: list[str]) -> dict[str, Any]
         "next_action": "",
         "allowed_tools": [],
         "contract_set": None,
+        "approval_request_id": None,
     }
 
 

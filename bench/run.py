@@ -185,8 +185,9 @@ def throughput(settings: Settings, mode: str, records: list[tuple[bytes, bytes]]
         capture_output=True,
         text=True,
         timeout=900,
-        check=True,
     )
+    if out.returncode != 0:
+        raise RuntimeError(f"bench.modes {mode} failed:\n{out.stderr[-3000:]}")
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1]
     result: dict[str, Any] = orjson.loads(line)
     return result
