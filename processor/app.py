@@ -213,6 +213,8 @@ class Processor:
         self.loader = ReferenceLoader(settings, self.redis, self.metrics)
         self.sweeper = ExpirySweeper(settings, self.approval_store, self.metrics, self._stop)
         self._redis_backoff = 0.0
+        self._deferred: list[tuple[str, dict[str, Any]]] = []
+        """Parks of the batch in hand, written while its outputs are produced."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -311,9 +313,17 @@ class Processor:
                 _next_offsets(records), consumer.consumer_group_metadata(), 30
             )
             self.produce_batch(producer, records, decisions)
+            self._park_deferred()
             self._commit(producer)
         except KafkaException as exc:
             self._abort_and_rewind(consumer, producer, records, exc)
+            return
+        except redis.RedisError as exc:
+            # Parking failed after the outputs were produced: none of them may commit.
+            with contextlib.suppress(KafkaException):
+                producer.abort_transaction(30)
+            self.metrics.transactions.labels("aborted").inc()
+            self._wait_for_redis(consumer, records, DependencyDown(f"redis: {exc}"))
             return
         self.batches_committed += 1
         self.records_committed += len(records)
@@ -324,6 +334,7 @@ class Processor:
         """Decide every record of a batch: proposals through the gates, approval
         decisions against their parked calls; Redis state settled in one round trip."""
         now_ms = int(time.time() * 1000)
+        self._deferred = []
         srcs = [_source(m) for m in records]
         approvals_topic = self.settings.topics.approvals
         proposals = [s for s in srcs if s.topic != approvals_topic]
@@ -339,6 +350,17 @@ class Processor:
             return self._settle(slots, now_ms)
         except redis.RedisError as exc:
             raise DependencyDown(f"redis: {exc}") from exc
+
+    def _park_deferred(self) -> None:
+        """Park the batch's calls while its outputs are on their way to the broker.
+
+        A park never changes what the batch outputs (a call already parked by an
+        earlier copy of the same proposal is answered the same way), so a batch whose
+        only Redis effects are parks writes them here, overlapping the produce, and
+        before the commit: if Redis fails, the transaction is aborted."""
+        ops, self._deferred = self._deferred, []
+        if ops:
+            self.approval_store.apply(ops)
 
     def _settle(self, slots: list[Decision | ApprovalInput], now_ms: int) -> list[Decision]:
         """Spend approvals, park calls and apply approval decisions, replay-safely."""
@@ -359,6 +381,10 @@ class Processor:
             if op is not None:
                 ops.append(op)
                 owners.append(i)
+        if all(op["op"] == "park" for _, op in ops):
+            self._deferred = ops
+            self.metrics.approvals.labels("requested").inc(len(ops))
+            return [d for d in out if d is not None]
         for i, result in zip(owners, self.approval_store.apply(ops), strict=True):
             x = slots[i]
             if isinstance(x, ApprovalInput):
@@ -368,7 +394,6 @@ class Processor:
                 out[i] = _reused(x, result.detail)
                 self.metrics.approvals.labels("reused").inc()
             elif x.outcome is Outcome.PARKED:
-                x.extra["publish_request"] = result.status == "parked"
                 self.metrics.approvals.labels("requested").inc()
         return [d for d in out if d is not None]
 
@@ -461,7 +486,7 @@ class Processor:
             call = request = None
             if d.outcome is Outcome.ROUTED and d.side_effect_class is not None:
                 call = encode_approved_call(d, fp)
-            if d.outcome is Outcome.PARKED and d.extra.get("publish_request", True):
+            if d.outcome is Outcome.PARKED:
                 request = encode_approval_request(d, fp)
             observation = encode_observation(d, fp)
         except Exception as exc:
@@ -507,6 +532,7 @@ class Processor:
         self, consumer: Consumer, producer: Producer, records: list[Message], exc: KafkaException
     ) -> None:
         err: KafkaError = exc.args[0]
+        self._deferred = []
         self.metrics.transactions.labels("aborted").inc()
         self.metrics.dependency_errors.labels("kafka").inc()
         if err.fatal() or err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED):
@@ -586,6 +612,8 @@ def _proposal_op(d: Decision, now_ms: int) -> tuple[str, dict[str, Any]] | None:
             "rid": entry["request_id"],
             "entry": entry,
             "pos": pos,
+            "expires_at": entry["expires_at"],
+            "needed": entry["needed"],
             "ttl": retain_ms(entry["expires_at"], now_ms),
         }
         return tenant, op

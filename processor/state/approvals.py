@@ -10,7 +10,8 @@ release be re-emitted by the retried transaction, exactly once in the output.
 Keys share the ``{tenant}`` hash tag and one script runs per tenant per
 batch, so the whole thing works on Redis Cluster:
 
-- ``<ns>:{T}:park:<request_id>``: the parked call and its approval state (JSON);
+- ``<ns>:{T}:park:<request_id>``: a hash, the parked call's payload (JSON the
+  script stores but never parses) beside its approval state;
 - ``<ns>:{T}:parkexp``: parked requests by expiry time, for the expiry sweeper;
 - ``<ns>:{T}:apr:<approval_id>``: which input record spent that approval;
 - ``<ns>:park:tenants``: tenants that have parked calls (the sweeper's index).
@@ -29,26 +30,37 @@ import redis
 logger = logging.getLogger(__name__)
 
 
+_FIELDS = ("entry", "state", "approvers", "rejected_by", "reason")
+
+
 def tenants_key(ns: str) -> str:
     return f"{ns}:park:tenants"
 
 
 _RETAIN_MS = 24 * 3600 * 1000
-"""How long an ended request stays readable (``approvals show``) after its expiry."""
+"""How long a spent approval id is remembered after the approval's own expiry."""
 
 _SCRIPT = r"""
 local base = KEYS[1]
 local ops = cjson.decode(ARGV[1])
 local out = {}
 
-local function load(rid)
-  local raw = redis.call('GET', base .. ':park:' .. rid)
-  if raw then return cjson.decode(raw) end
-  return nil
+-- A parked call is a hash: the immutable payload ('entry', JSON written by the
+-- processor and never parsed here) beside the small mutable approval state.
+local function park_key(rid) return base .. ':park:' .. rid end
+
+local function state(rid)
+  local v = redis.call('HMGET', park_key(rid), 'state', 'parked_by', 'ended_by', 'expires_at',
+                       'needed', 'approvers')
+  if not v[1] then return nil end
+  return {state = v[1], parked_by = v[2], ended_by = v[3], expires_at = tonumber(v[4]),
+          needed = tonumber(v[5]), approvers = cjson.decode(v[6])}
 end
 
-local function save(rid, e)
-  redis.call('SET', base .. ':park:' .. rid, cjson.encode(e), 'KEEPTTL')
+local function answer(status, rid)
+  local v = redis.call('HMGET', park_key(rid), 'entry', 'state', 'approvers', 'rejected_by',
+                       'reason')
+  return {status, v[1], v[2], v[3], v[4] or '', v[5] or ''}
 end
 
 local function spent_by_other(ids, pos)
@@ -65,10 +77,11 @@ local function spend(ids, pos, ttl)
   end
 end
 
-local function finish(rid, e, state, pos)
-  e.state = state
-  e.ended_by = pos
-  save(rid, e)
+-- A parked call lives until it ends (the expiry sweeper ends the forgotten ones);
+-- an ended one stays readable for a day, for audit and `approvals show`.
+local function finish(rid, final, pos)
+  redis.call('HSET', park_key(rid), 'state', final, 'ended_by', pos)
+  redis.call('PEXPIRE', park_key(rid), 86400000)
   redis.call('ZREM', base .. ':parkexp', rid)
 end
 
@@ -83,40 +96,37 @@ for i, op in ipairs(ops) do
       out[i] = {'ok'}
     end
   elseif kind == 'park' then
-    local e = load(op.rid)
-    if e == nil then
-      local entry = op.entry
-      entry.state = 'parked'
-      entry.parked_by = op.pos
-      entry.approvers = {}
-      redis.call('SET', base .. ':park:' .. op.rid, cjson.encode(entry), 'PX', op.ttl)
-      redis.call('ZADD', base .. ':parkexp', entry.expires_at, op.rid)
+    local key = park_key(op.rid)
+    if redis.call('HSETNX', key, 'parked_by', op.pos) == 1 then
+      redis.call('HSET', key, 'entry', ARGV[op.arg], 'state', 'parked',
+                 'expires_at', op.expires_at, 'needed', op.needed, 'approvers', '[]')
+      redis.call('ZADD', base .. ':parkexp', op.expires_at, op.rid)
       out[i] = {'parked'}
-    elseif e.parked_by == op.pos then
+    elseif redis.call('HGET', key, 'parked_by') == op.pos then
       out[i] = {'parked'}
     else
-      out[i] = {'exists', e.state}
+      out[i] = {'exists'}
     end
   elseif kind == 'decide' or kind == 'expire' then
-    local e = load(op.rid)
+    local e = state(op.rid)
     if e == nil then
       out[i] = {'unknown'}
     elseif e.state ~= 'parked' then
       if e.ended_by == op.pos then
-        out[i] = {e.state, cjson.encode(e)}
+        out[i] = answer(e.state, op.rid)
       else
-        out[i] = {'ended', cjson.encode(e)}
+        out[i] = answer('ended', op.rid)
       end
     elseif kind == 'expire' then
       if op.now >= e.expires_at then
-        finish(op.rid, e, 'expired', op.pos)
-        out[i] = {'expired', cjson.encode(e)}
+        finish(op.rid, 'expired', op.pos)
+        out[i] = answer('expired', op.rid)
       else
-        out[i] = {'pending', cjson.encode(e)}
+        out[i] = answer('pending', op.rid)
       end
     elseif op.now > e.expires_at then
-      finish(op.rid, e, 'expired', op.pos)
-      out[i] = {'expired', cjson.encode(e)}
+      finish(op.rid, 'expired', op.pos)
+      out[i] = answer('expired', op.rid)
     else
       local seen, other = false, false
       for _, a in ipairs(e.approvers) do
@@ -127,27 +137,26 @@ for i, op in ipairs(ops) do
       end
       local bad = spent_by_other({op.approval_id}, op.pos)
       if bad then
-        out[i] = {'reused', cjson.encode(e)}
+        out[i] = answer('reused', op.rid)
       elseif other and op.decision ~= 'rejected' then
-        out[i] = {'duplicate_approver', cjson.encode(e)}
+        out[i] = answer('duplicate_approver', op.rid)
       else
         spend({op.approval_id}, op.pos, op.ttl)
         if op.decision == 'rejected' then
-          e.rejected_by = op.approver
-          e.reason = op.reason
-          finish(op.rid, e, 'rejected', op.pos)
-          out[i] = {'rejected', cjson.encode(e)}
+          redis.call('HSET', park_key(op.rid), 'rejected_by', op.approver, 'reason', op.reason)
+          finish(op.rid, 'rejected', op.pos)
+          out[i] = answer('rejected', op.rid)
         else
           if not seen then
-            local a = {id = op.approver, pos = op.pos, approval_id = op.approval_id}
-            table.insert(e.approvers, a)
+            table.insert(e.approvers, {id = op.approver, pos = op.pos,
+                                       approval_id = op.approval_id})
+            redis.call('HSET', park_key(op.rid), 'approvers', cjson.encode(e.approvers))
           end
           if #e.approvers >= e.needed then
-            finish(op.rid, e, 'released', op.pos)
-            out[i] = {'released', cjson.encode(e)}
+            finish(op.rid, 'released', op.pos)
+            out[i] = answer('released', op.rid)
           else
-            save(op.rid, e)
-            out[i] = {'pending', cjson.encode(e)}
+            out[i] = answer('pending', op.rid)
           end
         end
       end
@@ -171,19 +180,34 @@ class OpResult:
     entry: dict[str, Any] | None = None
 
 
+def _approvers(raw: Any) -> list[dict[str, Any]]:
+    value = orjson.loads(raw) if raw else []
+    return value if isinstance(value, list) else []  # cjson writes an empty list as {}
+
+
+def _merge(
+    entry_json: Any, state: Any, approvers: Any, rejected_by: Any, reason: Any
+) -> dict[str, Any]:
+    """The parked call as one dict: its payload plus where its approval stands."""
+    entry: dict[str, Any] = orjson.loads(entry_json)
+    entry["state"] = _text(state)
+    entry["approvers"] = _approvers(approvers)
+    if rejected_by:
+        entry["rejected_by"] = _text(rejected_by)
+    if reason:
+        entry["reason"] = _text(reason)
+    return entry
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _result(raw: list[Any]) -> OpResult:
     status = str(raw[0])
-    detail: str | None = None
-    entry: dict[str, Any] | None = None
-    if len(raw) > 1:
-        text = str(raw[1])
-        if text.startswith("{"):
-            entry = orjson.loads(text)
-            if isinstance(entry.get("approvers"), dict):  # cjson writes an empty list as {}
-                entry["approvers"] = []
-        else:
-            detail = text
-    return OpResult(status, detail, entry)
+    if len(raw) >= 6 and raw[1]:
+        return OpResult(status, None, _merge(*raw[1:6]))
+    return OpResult(status, str(raw[1]) if len(raw) > 1 else None, None)
 
 
 class ApprovalStore:
@@ -204,8 +228,19 @@ class ApprovalStore:
         pipe = self.client.pipeline(transaction=False)
         tenants = list(by_tenant)
         for tenant in tenants:
-            body = orjson.dumps([ops[i][1] for i in by_tenant[tenant]])
-            self._script(keys=[base_key(self.ns, tenant)], args=[body], client=pipe)
+            # A park op's payload travels as its own argument, as bytes the script stores
+            # without parsing; the op itself only says which argument it is.
+            args: list[bytes] = [b""]
+            body = []
+            for i in by_tenant[tenant]:
+                op = ops[i][1]
+                if op["op"] == "park":
+                    args.append(orjson.dumps(op["entry"]))
+                    op = {k: v for k, v in op.items() if k != "entry"}
+                    op["arg"] = len(args)
+                body.append(op)
+            args[0] = orjson.dumps(body)
+            self._script(keys=[base_key(self.ns, tenant)], args=args, client=pipe)
         parks = [t for t, op in ops if op["op"] == "park"]
         if parks:
             pipe.sadd(tenants_key(self.ns), *set(parks))
@@ -225,13 +260,10 @@ class ApprovalStore:
             return {}
         pipe = self.client.pipeline(transaction=False)
         for tenant, rid in keys:
-            pipe.get(f"{base_key(self.ns, tenant)}:park:{rid}")
+            pipe.hmget(f"{base_key(self.ns, tenant)}:park:{rid}", *_FIELDS)
         out: dict[tuple[str, str], dict[str, Any] | None] = {}
         for key, raw in zip(keys, pipe.execute(), strict=True):
-            entry = orjson.loads(raw) if raw is not None else None
-            if entry is not None and isinstance(entry.get("approvers"), dict):
-                entry["approvers"] = []
-            out[key] = entry
+            out[key] = _merge(*raw) if raw[0] is not None else None
         return out
 
     def due(self, now_ms: int, limit: int = 200) -> list[tuple[str, str]]:
@@ -266,12 +298,10 @@ class ApprovalStore:
 
     def find(self, request_id: str) -> dict[str, Any] | None:
         for raw in self.client.smembers(tenants_key(self.ns)):
-            value = self.client.get(f"{base_key(self.ns, raw.decode())}:park:{request_id}")
-            if value is not None:
-                entry: dict[str, Any] = orjson.loads(value)
-                if isinstance(entry.get("approvers"), dict):
-                    entry["approvers"] = []
-                return entry
+            key = f"{base_key(self.ns, raw.decode())}:park:{request_id}"
+            fields = self.client.hmget(key, *_FIELDS)
+            if fields[0] is not None:
+                return _merge(*fields)
         return None
 
 

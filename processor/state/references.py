@@ -57,20 +57,30 @@ class ReferenceStore:
         self.ns = ns
 
     def lookup(self, keys: Iterable[RefKey]) -> dict[RefKey, RefEntry | None]:
-        ordered = list(keys)
-        if not ordered:
+        """One MGET per tenant (a tenant's keys share a slot), all in one pipeline; ids
+        found nowhere in their tenant are then checked against the index, in a second
+        round trip that only batches naming unknown ids need."""
+        by_tenant: dict[str, list[RefKey]] = {}
+        for key in keys:
+            by_tenant.setdefault(key[0], []).append(key)
+        if not by_tenant:
             return {}
         pipe = self.client.pipeline(transaction=False)
-        for tenant, entity, entity_id in ordered:
-            pipe.get(entity_key(self.ns, tenant, entity, entity_id))
-            pipe.exists(index_key(self.ns, entity, entity_id))
-        replies = pipe.execute()
+        for tenant, wanted in by_tenant.items():
+            pipe.mget([entity_key(self.ns, tenant, e, i) for _, e, i in wanted])
         out: dict[RefKey, RefEntry | None] = {}
-        for i, key in enumerate(ordered):
-            raw, elsewhere = replies[2 * i], replies[2 * i + 1]
-            if raw is not None:
-                out[key] = _entry(key[0], raw)
-            else:
+        missing: list[RefKey] = []
+        for wanted, values in zip(by_tenant.values(), pipe.execute(), strict=True):
+            for key, raw in zip(wanted, values, strict=True):
+                if raw is None:
+                    missing.append(key)
+                else:
+                    out[key] = _entry(key[0], raw)
+        if missing:
+            pipe = self.client.pipeline(transaction=False)
+            for _, entity, entity_id in missing:
+                pipe.exists(index_key(self.ns, entity, entity_id))
+            for key, elsewhere in zip(missing, pipe.execute(), strict=True):
                 out[key] = FOREIGN if elsewhere else None
         return out
 
