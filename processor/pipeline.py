@@ -45,6 +45,7 @@ from processor.gates.semantic import (
     check_semantics,
     check_state,
     reference_keys,
+    resolve_references,
 )
 from processor.identity import DEVELOPMENT_WARNING, Verifier
 from processor.model import (
@@ -248,10 +249,11 @@ def _prepare(src: SourceRecord, gates: Gates, now_ms: int, started: float) -> De
 def _finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) -> Decision:
     src, p, contract, principal = pending.src, pending.proposal, pending.contract, pending.principal
     warnings = pending.warnings
+    resolved = resolve_references(p, contract, principal.tenant_id, answers)
     refusal = (
-        check_semantics(p, contract, principal, answers)
+        check_semantics(p, contract, principal, resolved)
         or check_policy(p, contract, principal, gates.policy)
-        or check_state(p, contract, principal, answers)
+        or check_state(contract, resolved)
     )
     if refusal is not None:
         return _rejected(src, p, refusal, warnings, now_ms, contract, principal)
@@ -264,7 +266,7 @@ def _finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) ->
         gates.policy,
         gates.approvers,
         call,
-        before_state(p, contract, principal.tenant_id, answers),
+        before_state(resolved),
         now_ms,
     )
     if isinstance(confirmation, Rejection):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from processor.approvals import APPROVED, Approver, Binding, verify_approval
@@ -56,14 +57,22 @@ def _first_sentence(text: str) -> str:
 
 
 def _consequence(contract: Contract) -> str:
-    semantics = contract.raw["transactional"]["semantics"]
+    return _consequence_of(
+        contract.description,
+        contract.raw["transactional"]["semantics"],
+        contract.compensation_tool,
+    )
+
+
+@lru_cache(maxsize=1024)
+def _consequence_of(description: str, semantics: str, compensation_tool: str | None) -> str:
     if semantics == "irreversible_pivot":
         tail = "It cannot be undone once it runs."
-    elif contract.compensation_tool:
-        tail = f"It can be reversed afterwards with {contract.compensation_tool}."
+    elif compensation_tool:
+        tail = f"It can be reversed afterwards with {compensation_tool}."
     else:
         tail = "Reversing it needs manual work."
-    return f"{_first_sentence(contract.description)} {tail}"
+    return f"{_first_sentence(description)} {tail}"
 
 
 def check_confirmation(
@@ -79,15 +88,15 @@ def check_confirmation(
     needed = policy.approvals_needed(contract.side_effect_class, contract.confirmation_required)
     if needed == 0:
         return None
-    binding = Binding(
-        principal.tenant_id,
-        p.trace_id,
-        contract.name,
-        contract.version,
-        call.payload_hash,
-        contract.side_effect_class,
-    )
     if p.approvals:
+        binding = Binding(
+            principal.tenant_id,
+            p.trace_id,
+            contract.name,
+            contract.version,
+            call.payload_hash,
+            contract.side_effect_class,
+        )
         errors: list[FieldError] = []
         good: dict[str, str] = {}
         for i, approval in enumerate(p.approvals):

@@ -60,10 +60,14 @@ def reference_keys(p: Proposal, contract: Contract, tenant_id: str) -> list[RefK
     return out
 
 
-def _resolved(
+Resolved = list[tuple[Reference, str, RefEntry | None]]
+"""Each reference the call makes: the contract's declaration, the id, the entity found."""
+
+
+def resolve_references(
     p: Proposal, contract: Contract, tenant_id: str, answers: RefAnswers
-) -> list[tuple[Reference, str, RefEntry | None]]:
-    out = []
+) -> Resolved:
+    out: Resolved = []
     args = p.arguments
     for ref in contract.references:
         value = args.get(ref.argument) if isinstance(args, dict) else None
@@ -77,9 +81,8 @@ def _article(word: str) -> str:
 
 
 def check_semantics(
-    p: Proposal, contract: Contract, principal: Principal, answers: RefAnswers
+    p: Proposal, contract: Contract, principal: Principal, resolved: Resolved
 ) -> Rejection | None:
-    resolved = _resolved(p, contract, principal.tenant_id, answers)
     unknown = [
         FieldError(
             ref.argument,
@@ -147,12 +150,10 @@ def check_semantics(
     return None
 
 
-def check_state(
-    p: Proposal, contract: Contract, principal: Principal, answers: RefAnswers
-) -> Rejection | None:
+def check_state(contract: Contract, resolved: Resolved) -> Rejection | None:
     stale = [
         (ref, value, entry)
-        for ref, value, entry in _resolved(p, contract, principal.tenant_id, answers)
+        for ref, value, entry in resolved
         if entry is not None and entry.state not in ref.allowed_states
     ]
     if not stale:
@@ -180,11 +181,11 @@ def check_state(
     )
 
 
-def before_state(p: Proposal, contract: Contract, tenant_id: str, answers: RefAnswers) -> str:
+def before_state(resolved: Resolved) -> str:
     """The referenced entities' current states, for a confirmation packet."""
     parts = [
         f"{ref.entity} {value} is {entry.state}"
-        for ref, value, entry in _resolved(p, contract, tenant_id, answers)
+        for ref, value, entry in resolved
         if entry is not None and entry is not FOREIGN
     ]
     return "; ".join(parts)
