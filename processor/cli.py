@@ -108,13 +108,35 @@ def demo(
     config: ConfigOpt = None,
     tenant: Annotated[str, typer.Option(help="Tenant the demo agent acts for.")] = "acme",
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each observation.")] = 60.0,
+    keys: Annotated[
+        Path, typer.Option(help="Development keys (issuer, approvers); created if missing.")
+    ] = Path(".stack/keys"),
 ) -> None:
     """Play a scripted support agent against the running stack and show each decision."""
     from processor.demo import play
 
     s = _settings(config)
-    ok = play(s, tenant, timeout, console)
+    ok = play(s, tenant, timeout, console, keys)
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command("taxonomy")
+def taxonomy(
+    readme: Annotated[
+        Path | None, typer.Option(help="Rewrite the table between the markers in this file.")
+    ] = None,
+) -> None:
+    """The error taxonomy: each class's response vector, who raises it, the next action."""
+    from processor.taxonomy import BEGIN, END, table_markdown
+
+    table = table_markdown()
+    if readme is None:
+        typer.echo(table, nl=False)
+        return
+    text = readme.read_text()
+    head, _, rest = text.partition(BEGIN + "\n")
+    _, _, tail = rest.partition(END)
+    readme.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
 
 
 @app.command("config")

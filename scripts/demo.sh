@@ -8,6 +8,11 @@ cd "$(dirname "$0")/.."
 ts=.venv/bin/toolsentry
 $ts stack up
 mkdir -p .stack/logs
+# Identity verification stays on: a development issuer signs the demo agent's token,
+# and two operators' keys approve what needs approval.
+$ts keys init .stack/keys
+export TOOLSENTRY_IDENTITY__JWKS_FILE=.stack/keys/jwks.json
+export TOOLSENTRY_APPROVERS_FILE=.stack/keys/approvers.yaml
 $ts run --instance-id demo > .stack/logs/processor.log 2>&1 &
 processor=$!
 trap 'kill -TERM $processor 2>/dev/null; wait $processor 2>/dev/null || true' EXIT
