@@ -356,8 +356,9 @@ class Processor:
 
         A park never changes what the batch outputs (a call already parked by an
         earlier copy of the same proposal is answered the same way), so a batch whose
-        only Redis effects are parks writes them here, overlapping the produce, and
-        before the commit: if Redis fails, the transaction is aborted."""
+        only Redis effects are parks writes them here, after producing (librdkafka
+        ships the records meanwhile) and before the commit: if Redis fails, the
+        transaction is aborted and nothing of the batch is visible."""
         ops, self._deferred = self._deferred, []
         if ops:
             self.approval_store.apply(ops)
@@ -680,7 +681,8 @@ class ExpirySweeper(threading.Thread):
                 for tenant, rid in due:
                     self.store.postpone(tenant, rid, retry_at)
             except (redis.RedisError, KafkaException, BufferError) as exc:
-                self.metrics.dependency_errors.labels("redis").inc()
+                which = "redis" if isinstance(exc, redis.RedisError) else "kafka"
+                self.metrics.dependency_errors.labels(which).inc()
                 logger.warning("expiry sweep failed: %s", exc)
         if producer is not None:
             producer.flush(5)

@@ -11,7 +11,7 @@ Keys share the ``{tenant}`` hash tag and one script runs per tenant per
 batch, so the whole thing works on Redis Cluster:
 
 - ``<ns>:{T}:park:<request_id>``: a hash, the parked call's payload (JSON the
-  script stores but never parses) beside its approval state;
+  script never parses) beside its approval state;
 - ``<ns>:{T}:parkexp``: parked requests by expiry time, for the expiry sweeper;
 - ``<ns>:{T}:apr:<approval_id>``: which input record spent that approval;
 - ``<ns>:park:tenants``: tenants that have parked calls (the sweeper's index).
@@ -49,18 +49,20 @@ local out = {}
 -- processor and never parsed here) beside the small mutable approval state.
 local function park_key(rid) return base .. ':park:' .. rid end
 
+-- A call is parked by one HSET of entry, expires_at and needed (no script); the
+-- fields state, ended_by, approvers, rejected_by and reason appear as it moves on.
 local function state(rid)
-  local v = redis.call('HMGET', park_key(rid), 'state', 'parked_by', 'ended_by', 'expires_at',
-                       'needed', 'approvers')
+  local v = redis.call('HMGET', park_key(rid), 'expires_at', 'state', 'ended_by', 'needed',
+                       'approvers')
   if not v[1] then return nil end
-  return {state = v[1], parked_by = v[2], ended_by = v[3], expires_at = tonumber(v[4]),
-          needed = tonumber(v[5]), approvers = cjson.decode(v[6])}
+  return {expires_at = tonumber(v[1]), state = v[2] or 'parked', ended_by = v[3],
+          needed = tonumber(v[4]), approvers = cjson.decode(v[5] or '[]')}
 end
 
 local function answer(status, rid)
   local v = redis.call('HMGET', park_key(rid), 'entry', 'state', 'approvers', 'rejected_by',
                        'reason')
-  return {status, v[1], v[2], v[3], v[4] or '', v[5] or ''}
+  return {status, v[1], v[2] or 'parked', v[3] or '[]', v[4] or '', v[5] or ''}
 end
 
 local function spent_by_other(ids, pos)
@@ -95,23 +97,14 @@ for i, op in ipairs(ops) do
       spend(op.ids, op.pos, op.ttl)
       out[i] = {'ok'}
     end
-  elseif kind == 'park' then
-    local key = park_key(op.rid)
-    if redis.call('HSETNX', key, 'parked_by', op.pos) == 1 then
-      redis.call('HSET', key, 'entry', ARGV[op.arg], 'state', 'parked',
-                 'expires_at', op.expires_at, 'needed', op.needed, 'approvers', '[]')
-      redis.call('ZADD', base .. ':parkexp', op.expires_at, op.rid)
-      out[i] = {'parked'}
-    elseif redis.call('HGET', key, 'parked_by') == op.pos then
-      out[i] = {'parked'}
-    else
-      out[i] = {'exists'}
-    end
   elseif kind == 'decide' or kind == 'expire' then
     local e = state(op.rid)
     if e == nil then
       out[i] = {'unknown'}
     elseif e.state ~= 'parked' then
+      if kind == 'expire' then
+        redis.call('ZREM', base .. ':parkexp', op.rid)  -- re-added by a replayed park
+      end
       if e.ended_by == op.pos then
         out[i] = answer(e.state, op.rid)
       else
@@ -190,7 +183,7 @@ def _merge(
 ) -> dict[str, Any]:
     """The parked call as one dict: its payload plus where its approval stands."""
     entry: dict[str, Any] = orjson.loads(entry_json)
-    entry["state"] = _text(state)
+    entry["state"] = _text(state) if state else "parked"
     entry["approvers"] = _approvers(approvers)
     if rejected_by:
         entry["rejected_by"] = _text(rejected_by)
@@ -226,31 +219,44 @@ class ApprovalStore:
         for i, (tenant, _) in enumerate(ops):
             by_tenant[tenant].append(i)
         pipe = self.client.pipeline(transaction=False)
-        tenants = list(by_tenant)
-        for tenant in tenants:
-            # A park op's payload travels as its own argument, as bytes the script stores
-            # without parsing; the op itself only says which argument it is.
-            args: list[bytes] = [b""]
-            body = []
-            for i in by_tenant[tenant]:
+        # Parking is two plain commands, no script: one HSET of the call's payload (written
+        # again, unchanged in meaning, when a batch is replayed) and one ZADD per tenant
+        # for the expiry sweeper. Every later change goes through the script.
+        expiring: dict[str, dict[str | bytes, int]] = defaultdict(dict)
+        scripted: dict[str, list[int]] = defaultdict(list)
+        for tenant, idxs in by_tenant.items():
+            for i in idxs:
                 op = ops[i][1]
-                if op["op"] == "park":
-                    args.append(orjson.dumps(op["entry"]))
-                    op = {k: v for k, v in op.items() if k != "entry"}
-                    op["arg"] = len(args)
-                body.append(op)
-            args[0] = orjson.dumps(body)
-            self._script(keys=[base_key(self.ns, tenant)], args=args, client=pipe)
-        parks = [t for t, op in ops if op["op"] == "park"]
-        if parks:
-            pipe.sadd(tenants_key(self.ns), *set(parks))
+                if op["op"] != "park":
+                    scripted[tenant].append(i)
+                    continue
+                pipe.hset(
+                    f"{base_key(self.ns, tenant)}:park:{op['rid']}",
+                    mapping={
+                        "entry": orjson.dumps(op["entry"]),
+                        "expires_at": op["expires_at"],
+                        "needed": op["needed"],
+                    },
+                )
+                expiring[tenant][op["rid"]] = op["expires_at"]
+        for tenant, members in expiring.items():
+            pipe.zadd(f"{base_key(self.ns, tenant)}:parkexp", members, nx=True)
+        if expiring:
+            pipe.sadd(tenants_key(self.ns), *expiring)
+        plain = len(pipe)
+        tenants = list(scripted)
+        for tenant in tenants:
+            body = orjson.dumps([ops[i][1] for i in scripted[tenant]])
+            self._script(keys=[base_key(self.ns, tenant)], args=[body], client=pipe)
         replies = pipe.execute()
-        results: list[OpResult | None] = [None] * len(ops)
-        for tenant, reply in zip(tenants, replies, strict=False):
+        results: list[OpResult | None] = [
+            OpResult("parked") if op["op"] == "park" else None for _, op in ops
+        ]
+        for tenant, reply in zip(tenants, replies[plain:], strict=True):
             decoded = orjson.loads(reply)
             if isinstance(decoded, dict):  # cjson: an empty list
                 decoded = []
-            for i, raw in zip(by_tenant[tenant], decoded, strict=True):
+            for i, raw in zip(scripted[tenant], decoded, strict=True):
                 results[i] = _result(raw)
         return [r if r is not None else OpResult("missing") for r in results]
 

@@ -221,6 +221,8 @@ class ReferenceLoader:
                     "enable.auto.offset.store": False,
                     "auto.offset.reset": "earliest",
                     "isolation.level": "read_committed",
+                    # A loader batch is at most 1,000 records: keep the prefetch small.
+                    "queued.max.messages.kbytes": 4096,
                     **s.consumer,
                 }
             )

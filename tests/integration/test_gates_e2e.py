@@ -716,12 +716,23 @@ def test_policy_secrets_egress_and_clearance(world: World) -> None:
 
 def test_a_credential_in_an_argument_key_or_bad_value_is_never_echoed(world: World) -> None:
     secret = "sk_live_" + "Zx9" * 8
+    github = "ghp_" + "Q7x" * 12
+    address = {"line1": "1 Main St", "city": "Springfield", "postal_code": "12345",
+               "country_code": "US"}  # fmt: skip
     as_key = world.propose("agent", "search_kb", {"query": "return policy", secret: "x"})
     as_id = world.propose("agent", "lookup_order", {"order_id": secret})
-    for pid in (as_key, as_id):
+    nested_key = world.propose(
+        "agent", "validate_address", {"address": {**address, github: "see the vault"}}
+    )
+    for pid in (as_key, as_id, nested_key):
         obs = world.wait(pid)
-        assert obs["decision"] == "REJECTED"
-        assert secret not in orjson.dumps(obs).decode(), obs["result_payload"]["errors"]
+        # Refused as a credential, before the schema gate could quote the key or value.
+        [err, *_] = refused(obs, "POLICY_VIOLATION", "policy", ["secret_in_arguments"])
+        for leaked in (secret, github):
+            assert leaked not in orjson.dumps(obs).decode(), obs["result_payload"]["errors"]
+    fields = {e["field"] for e in world.wait(nested_key)["result_payload"]["errors"]}
+    assert fields == {"address/ghp_…"}, fields
+    world.none_ran([as_key, as_id, nested_key], "READ_ONLY")
 
 
 # -- 5. approvals ----------------------------------------------------------------------------
