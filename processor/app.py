@@ -666,7 +666,9 @@ class ExpirySweeper(threading.Thread):
         producer: Producer | None = None
         while not self._halt.wait(self.every_s):
             try:
-                due = self.store.due(int(time.time() * 1000))
+                now_ms = int(time.time() * 1000)
+                self.store.forget_ended(now_ms)
+                due = self.store.due(now_ms)
                 if not due:
                     continue
                 if producer is None:

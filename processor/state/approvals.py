@@ -10,9 +10,13 @@ release be re-emitted by the retried transaction, exactly once in the output.
 Keys share the ``{tenant}`` hash tag and one script runs per tenant per
 batch, so the whole thing works on Redis Cluster:
 
-- ``<ns>:{T}:park:<request_id>``: a hash, the parked call's payload (JSON the
-  script never parses) beside its approval state;
+- ``<ns>:{T}:parked``: one hash per tenant, request id -> the parked call's
+  payload (JSON). A batch parks all its calls with one HSET per tenant;
+- ``<ns>:{T}:park:<request_id>``: the call's approval state, created by the
+  first decision about it (no key: still parked);
 - ``<ns>:{T}:parkexp``: parked requests by expiry time, for the expiry sweeper;
+- ``<ns>:{T}:ended``: ended requests by the time their payload may go, for the
+  sweeper's clean-up (an ended request stays readable for a day);
 - ``<ns>:{T}:apr:<approval_id>``: which input record spent that approval;
 - ``<ns>:park:tenants``: tenants that have parked calls (the sweeper's index).
 """
@@ -30,7 +34,7 @@ import redis
 logger = logging.getLogger(__name__)
 
 
-_FIELDS = ("entry", "state", "approvers", "rejected_by", "reason")
+_FIELDS = ("state", "approvers", "rejected_by", "reason")
 
 
 def tenants_key(ns: str) -> str:
@@ -45,24 +49,24 @@ local base = KEYS[1]
 local ops = cjson.decode(ARGV[1])
 local out = {}
 
--- A parked call is a hash: the immutable payload ('entry', JSON written by the
--- processor and never parsed here) beside the small mutable approval state.
+-- A parked call: its payload in the tenant's 'parked' hash (written by a plain HSET
+-- when the call is parked), its approval state in its own hash from the first
+-- decision on (state, ended_by, approvers, rejected_by, reason).
 local function park_key(rid) return base .. ':park:' .. rid end
 
--- A call is parked by one HSET of entry, expires_at and needed (no script); the
--- fields state, ended_by, approvers, rejected_by and reason appear as it moves on.
 local function state(rid)
-  local v = redis.call('HMGET', park_key(rid), 'expires_at', 'state', 'ended_by', 'needed',
-                       'approvers')
-  if not v[1] then return nil end
-  return {expires_at = tonumber(v[1]), state = v[2] or 'parked', ended_by = v[3],
-          needed = tonumber(v[4]), approvers = cjson.decode(v[5] or '[]')}
+  local raw = redis.call('HGET', base .. ':parked', rid)
+  if not raw then return nil end
+  local entry = cjson.decode(raw)
+  local v = redis.call('HMGET', park_key(rid), 'state', 'ended_by', 'approvers')
+  return {expires_at = tonumber(entry.expires_at), needed = tonumber(entry.needed),
+          state = v[1] or 'parked', ended_by = v[2], approvers = cjson.decode(v[3] or '[]')}
 end
 
 local function answer(status, rid)
-  local v = redis.call('HMGET', park_key(rid), 'entry', 'state', 'approvers', 'rejected_by',
-                       'reason')
-  return {status, v[1], v[2] or 'parked', v[3] or '[]', v[4] or '', v[5] or ''}
+  local raw = redis.call('HGET', base .. ':parked', rid)
+  local v = redis.call('HMGET', park_key(rid), 'state', 'approvers', 'rejected_by', 'reason')
+  return {status, raw, v[1] or 'parked', v[2] or '[]', v[3] or '', v[4] or ''}
 end
 
 local function spent_by_other(ids, pos)
@@ -81,10 +85,11 @@ end
 
 -- A parked call lives until it ends (the expiry sweeper ends the forgotten ones);
 -- an ended one stays readable for a day, for audit and `approvals show`.
-local function finish(rid, final, pos)
+local function finish(rid, final, pos, now)
   redis.call('HSET', park_key(rid), 'state', final, 'ended_by', pos)
   redis.call('PEXPIRE', park_key(rid), 86400000)
   redis.call('ZREM', base .. ':parkexp', rid)
+  redis.call('ZADD', base .. ':ended', now + 86400000, rid)
 end
 
 for i, op in ipairs(ops) do
@@ -112,13 +117,13 @@ for i, op in ipairs(ops) do
       end
     elseif kind == 'expire' then
       if op.now >= e.expires_at then
-        finish(op.rid, 'expired', op.pos)
+        finish(op.rid, 'expired', op.pos, op.now)
         out[i] = answer('expired', op.rid)
       else
         out[i] = answer('pending', op.rid)
       end
     elseif op.now > e.expires_at then
-      finish(op.rid, 'expired', op.pos)
+      finish(op.rid, 'expired', op.pos, op.now)
       out[i] = answer('expired', op.rid)
     else
       local seen, other = false, false
@@ -137,7 +142,7 @@ for i, op in ipairs(ops) do
         spend({op.approval_id}, op.pos, op.ttl)
         if op.decision == 'rejected' then
           redis.call('HSET', park_key(op.rid), 'rejected_by', op.approver, 'reason', op.reason)
-          finish(op.rid, 'rejected', op.pos)
+          finish(op.rid, 'rejected', op.pos, op.now)
           out[i] = answer('rejected', op.rid)
         else
           if not seen then
@@ -146,7 +151,7 @@ for i, op in ipairs(ops) do
             redis.call('HSET', park_key(op.rid), 'approvers', cjson.encode(e.approvers))
           end
           if #e.approvers >= e.needed then
-            finish(op.rid, 'released', op.pos)
+            finish(op.rid, 'released', op.pos, op.now)
             out[i] = answer('released', op.rid)
           else
             out[i] = answer('pending', op.rid)
@@ -219,9 +224,10 @@ class ApprovalStore:
         for i, (tenant, _) in enumerate(ops):
             by_tenant[tenant].append(i)
         pipe = self.client.pipeline(transaction=False)
-        # Parking is two plain commands, no script: one HSET of the call's payload (written
-        # again, unchanged in meaning, when a batch is replayed) and one ZADD per tenant
-        # for the expiry sweeper. Every later change goes through the script.
+        # Parking is plain commands, no script: per tenant, one HSET of every parked
+        # call's payload (written again, the same in meaning, when a batch is replayed)
+        # and one ZADD for the expiry sweeper. Every later change goes through the script.
+        payloads: dict[str, dict[str | bytes, bytes]] = defaultdict(dict)
         expiring: dict[str, dict[str | bytes, int]] = defaultdict(dict)
         scripted: dict[str, list[int]] = defaultdict(list)
         for tenant, idxs in by_tenant.items():
@@ -230,17 +236,12 @@ class ApprovalStore:
                 if op["op"] != "park":
                     scripted[tenant].append(i)
                     continue
-                pipe.hset(
-                    f"{base_key(self.ns, tenant)}:park:{op['rid']}",
-                    mapping={
-                        "entry": orjson.dumps(op["entry"]),
-                        "expires_at": op["expires_at"],
-                        "needed": op["needed"],
-                    },
-                )
+                payloads[tenant][op["rid"]] = orjson.dumps(op["entry"])
                 expiring[tenant][op["rid"]] = op["expires_at"]
         for tenant, members in expiring.items():
-            pipe.zadd(f"{base_key(self.ns, tenant)}:parkexp", members, nx=True)
+            base = base_key(self.ns, tenant)
+            pipe.hset(f"{base}:parked", mapping=payloads[tenant])
+            pipe.zadd(f"{base}:parkexp", members, nx=True)
         if expiring:
             pipe.sadd(tenants_key(self.ns), *expiring)
         plain = len(pipe)
@@ -266,10 +267,14 @@ class ApprovalStore:
             return {}
         pipe = self.client.pipeline(transaction=False)
         for tenant, rid in keys:
-            pipe.hmget(f"{base_key(self.ns, tenant)}:park:{rid}", *_FIELDS)
+            base = base_key(self.ns, tenant)
+            pipe.hget(f"{base}:parked", rid)
+            pipe.hmget(f"{base}:park:{rid}", *_FIELDS)
+        replies = pipe.execute()
         out: dict[tuple[str, str], dict[str, Any] | None] = {}
-        for key, raw in zip(keys, pipe.execute(), strict=True):
-            out[key] = _merge(*raw) if raw[0] is not None else None
+        for n, key in enumerate(keys):
+            payload, fields = replies[2 * n], replies[2 * n + 1]
+            out[key] = _merge(payload, *fields) if payload is not None else None
         return out
 
     def due(self, now_ms: int, limit: int = 200) -> list[tuple[str, str]]:
@@ -286,28 +291,37 @@ class ApprovalStore:
     def postpone(self, tenant: str, rid: str, until_ms: int) -> None:
         self.client.zadd(f"{base_key(self.ns, tenant)}:parkexp", {rid: until_ms}, xx=True)
 
+    def forget_ended(self, now_ms: int, limit: int = 1000) -> int:
+        """Drop the payloads of requests that ended more than a day ago."""
+        dropped = 0
+        for raw in self.client.smembers(tenants_key(self.ns)):
+            base = base_key(self.ns, raw.decode())
+            rids = self.client.zrangebyscore(f"{base}:ended", "-inf", now_ms, start=0, num=limit)
+            if rids:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.hdel(f"{base}:parked", *rids)
+                pipe.zrem(f"{base}:ended", *rids)
+                pipe.execute()
+                dropped += len(rids)
+        return dropped
+
     def list_parked(self, include_ended: bool = False) -> list[dict[str, Any]]:
         """Every parked request (for ``toolsentry approvals list``)."""
         out: list[dict[str, Any]] = []
         for raw in sorted(self.client.smembers(tenants_key(self.ns))):
             tenant = raw.decode()
-            for key in self.client.scan_iter(
-                match=f"{base_key(self.ns, tenant)}:park:*", count=500
-            ):
-                value = self.client.get(key)
-                if value is None:
-                    continue
-                entry = orjson.loads(value)
-                if include_ended or entry.get("state") == "parked":
+            rids = [r.decode() for r in self.client.hkeys(f"{base_key(self.ns, tenant)}:parked")]
+            for entry in self.entries([(tenant, rid) for rid in rids]).values():
+                if entry is not None and (include_ended or entry["state"] == "parked"):
                     out.append(entry)
         return sorted(out, key=lambda e: e.get("created_at", 0))
 
     def find(self, request_id: str) -> dict[str, Any] | None:
         for raw in self.client.smembers(tenants_key(self.ns)):
-            key = f"{base_key(self.ns, raw.decode())}:park:{request_id}"
-            fields = self.client.hmget(key, *_FIELDS)
-            if fields[0] is not None:
-                return _merge(*fields)
+            found = self.entries([(raw.decode(), request_id)])
+            entry = next(iter(found.values()))
+            if entry is not None:
+                return entry
         return None
 
 
