@@ -338,7 +338,9 @@ def main() -> None:
         records = corpus(args.count, tokens=tokens)
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
         for n in range(args.rounds):
-            for mode in MODES:  # interleaved: drift hits them all alike
+            # Interleaved, and every other round in reverse, so that drift and the
+            # broker's growing logs hit every mode alike.
+            for mode in MODES if n % 2 == 0 else MODES[::-1]:
                 print(
                     f"round {n + 1}/{args.rounds}: {mode}, {args.count} proposals ...", flush=True
                 )
