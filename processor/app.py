@@ -229,7 +229,7 @@ class Processor:
         # allocates many short-lived objects and almost no cycles (refcounting frees them).
         gc.collect()
         gc.freeze()
-        gc.set_threshold(50_000, 20, 20)
+        gc.set_threshold(10_000, 20, 20)
         self.watcher.start()
         self.loader.start()
         self.sweeper.start()

@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 import pytest
+import redis
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -41,6 +42,7 @@ from processor.config import Settings
 from processor.identity import TokenIssuer
 from processor.pipeline import canonical_json
 from processor.reference_data import publish_references, wait_until_loaded
+from processor.state.approvals import ApprovalStore
 from tests.integration.harness import ROOT, ProcessorProcess, isolated, issuer, settings_env, token
 
 pytestmark = pytest.mark.integration
@@ -727,7 +729,7 @@ def test_a_credential_in_an_argument_key_or_bad_value_is_never_echoed(world: Wor
     for pid in (as_key, as_id, nested_key):
         obs = world.wait(pid)
         # Refused as a credential, before the schema gate could quote the key or value.
-        [err, *_] = refused(obs, "POLICY_VIOLATION", "policy", ["secret_in_arguments"])
+        refused(obs, "POLICY_VIOLATION", "policy", ["secret_in_arguments"])
         for leaked in (secret, github):
             assert leaked not in orjson.dumps(obs).decode(), obs["result_payload"]["errors"]
     fields = {e["field"] for e in world.wait(nested_key)["result_payload"]["errors"]}
@@ -952,6 +954,16 @@ def test_a_rejection_ends_the_parked_call(world: World) -> None:
     }
     assert len(world.history(parked.proposal_id)) == 2
     world.none_ran([parked.proposal_id], "HIGH_RISK_EXTERNAL")
+
+    # An ended request stays readable for a day (approvals show), then its payload goes.
+    store = ApprovalStore(redis.Redis.from_url(world.settings.redis_url),
+                          world.settings.redis_namespace)  # fmt: skip
+    ended = store.find(parked.request_id)
+    assert ended is not None and ended["state"] == "rejected"
+    assert ended["rejected_by"] == "ops-2" and ended["reason"] == "customer changed their mind"
+    assert store.forget_ended(int(time.time() * 1000)) == 0
+    assert store.forget_ended(int(time.time() * 1000) + 86_400_000 + 60_000) >= 1
+    assert store.find(parked.request_id) is None
 
 
 def test_a_forged_expiry_check_cannot_end_a_parked_call_early(world: World) -> None:
