@@ -462,6 +462,26 @@ def test_seed_story_from_invented_id_to_approved_cancellation(world: World) -> N
     assert lifetime.total_seconds() == pytest.approx(600, abs=1)
     assert world.calls_for([pid], "HIGH_RISK_EXTERNAL") == {pid: []}
 
+    # The operator finds it in the queue and reads the packet with the CLI, as documented.
+    def cli_run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "processor", "approvals", *args],
+            cwd=ROOT,
+            env={**settings_env(world.settings, "gates-cli"), "COLUMNS": "250"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    listed = cli_run("list")
+    assert listed.returncode == 0 and request_id in listed.stdout, listed.stdout + listed.stderr
+    shown = cli_run("show", request_id)
+    assert shown.returncode == 0, shown.stderr
+    for text in ("cancel_order@1.0.0", "order WO-12345-A is processing", "HIGH_RISK_EXTERNAL",
+                 "cannot be undone", "0 of 1"):  # fmt: skip
+        assert text in shown.stdout, shown.stdout
+    assert cli_run("show", "req_nothing").returncode == 1
+
     # The operator approves with the CLI, exactly as documented.
     assert world.settings.approvers_file is not None
     key = Path(world.settings.approvers_file).parent / "approver-ops-1.jwk"
