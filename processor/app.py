@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any, cast
 
@@ -197,15 +198,10 @@ class Processor:
             settings.contracts_dir, self.contracts, self.metrics, settings.contracts_poll_s,
             reload_requested,
         )  # fmt: skip
-        verifier = Verifier.from_settings(settings.identity)
-        self.metrics.identity_development.set(1 if verifier.development else 0)
-        self.gates = Gates(
-            self.contracts,
-            self.limits,
-            verifier,
-            load_policy(settings.policy_file),
-            load_approvers(settings.approvers_file),
-        )
+        self._trust_files = _trust_files(settings)
+        self._trust_seen = _mtimes(self._trust_files)
+        self._trust_checked = time.monotonic()
+        self.gates = self._load_trust(self.contracts)
         self.redis: redis.Redis[bytes] = redis.Redis.from_url(
             settings.redis_url, socket_timeout=5, socket_connect_timeout=2
         )
@@ -245,8 +241,45 @@ class Processor:
             self.loader.stop()
             self.sweeper.join()
 
+    def _load_trust(self, contracts: ContractSet) -> Gates:
+        """Keys, policy and approvers, read from their files (raises if one is unusable)."""
+        verifier = Verifier.from_settings(self.settings.identity)
+        self.metrics.identity_development.set(1 if verifier.development else 0)
+        return Gates(
+            contracts,
+            self.limits,
+            verifier,
+            load_policy(self.settings.policy_file),
+            load_approvers(self.settings.approvers_file),
+        )
+
+    def reload_trust(self, force: bool = False) -> bool:
+        """Re-read the identity keys, the policy and the approvers when one of their files
+        changed (rotated keys, a new approver, a tighter policy), as contracts are: only
+        between batches, all or nothing, the old ones kept if the new ones are unusable.
+        Checked every ``contracts_poll_s``. True when a new set was taken."""
+        now = time.monotonic()
+        if not force and now - self._trust_checked < self.settings.contracts_poll_s:
+            return False
+        self._trust_checked = now
+        seen = _mtimes(self._trust_files)
+        if not force and seen == self._trust_seen:
+            return False
+        self._trust_seen = seen
+        try:
+            gates = self._load_trust(self.contracts)
+        except Exception as exc:
+            self.metrics.trust_reloads.labels("refused").inc()
+            logger.error("keys/policy/approvers reload refused, keeping the old ones: %s", exc)
+            return False
+        self.gates = gates
+        self.metrics.trust_reloads.labels("loaded").inc()
+        logger.info("keys, policy and approvers reloaded (%d keys)", len(gates.verifier.keys))
+        return True
+
     def _swap_contracts(self) -> None:
         """Take a newly loaded contract set; only ever between batches."""
+        self.reload_trust()
         loaded = self.watcher.take()
         if loaded is None:
             return
@@ -599,6 +632,22 @@ class Processor:
                     self.metrics.consumer_lag.labels(pid).set(lag)
         except Exception:
             logger.debug("unreadable librdkafka stats", exc_info=True)
+
+
+def _trust_files(settings: Settings) -> list[Path]:
+    files = [settings.identity.jwks_file, *settings.identity.key_files]
+    files += [settings.policy_file, settings.approvers_file]
+    return [Path(f) for f in files if f is not None]
+
+
+def _mtimes(files: list[Path]) -> list[int]:
+    out = []
+    for f in files:
+        try:
+            out.append(f.stat().st_mtime_ns)
+        except OSError:
+            out.append(-1)
+    return out
 
 
 def _proposal_op(d: Decision, now_ms: int) -> tuple[str, dict[str, Any]] | None:

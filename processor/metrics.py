@@ -97,6 +97,12 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        self.trust_reloads = PCounter(
+            "toolsentry_trust_reloads_total",
+            "Reloads of identity keys, policy and approvers by result (loaded, refused).",
+            ["result"],
+            registry=registry,
+        )
         self.identity_development = Gauge(
             "toolsentry_identity_development_mode",
             "1 when this instance does NOT verify principal tokens (development mode).",
