@@ -463,7 +463,6 @@ class Processor:
             self.metrics.approvals.labels("refused").inc()
             logger.warning("approval for %s refused: %s", item.request_id, verified.message)
             return None
-        expires = parse_iso_ms(str(item.approval["expires_at"])) if item.approval else 0
         op = {
             "op": "decide",
             "rid": item.request_id,
@@ -473,7 +472,7 @@ class Processor:
             "reason": verified.reason or "",
             "pos": pos,
             "now": now_ms,
-            "ttl": retain_ms(expires, now_ms),
+            "ttl": retain_ms(verified.expires_ms, now_ms),
         }
         return item.tenant_id, op
 
@@ -735,9 +734,7 @@ class ExpirySweeper(threading.Thread):
                         self.settings.topics.approvals, orjson.dumps(body), rid.encode()
                     )
                 producer.flush(10)
-                retry_at = int(time.time() * 1000) + 30_000
-                for tenant, rid in due:
-                    self.store.postpone(tenant, rid, retry_at)
+                self.store.postpone(due, int(time.time() * 1000) + 30_000)
             except (redis.RedisError, KafkaException, BufferError) as exc:
                 which = "redis" if isinstance(exc, redis.RedisError) else "kafka"
                 self.metrics.dependency_errors.labels(which).inc()

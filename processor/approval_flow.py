@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from confluent_kafka import Producer
 
 from processor.approvals import Approver, Binding, VerifiedApproval, verify_approval
+from processor.config import Settings
 from processor.model import (
     ApprovedCall,
     Decision,
@@ -64,6 +66,15 @@ def parse_approval_record(src: SourceRecord) -> ApprovalInput | str:
     if doc.get("type") == EXPIRY_CHECK:
         return ApprovalInput(src, EXPIRY_CHECK, tenant, rid, None)
     return ApprovalInput(src, "decision", tenant, rid, doc)
+
+
+def publish_approvals(settings: Settings, run_id: str, approvals: list[dict[str, Any]]) -> None:
+    """Put approval decisions on ``tool.approvals`` (keyed by run), as an operator does."""
+    producer = Producer(settings.client_config(**{"enable.idempotence": True}))
+    for approval in approvals:
+        producer.produce(settings.topics.approvals, orjson.dumps(approval), run_id.encode())
+    if producer.flush(15):
+        raise TimeoutError("the approval decisions were not delivered")
 
 
 def position(src: SourceRecord) -> str:

@@ -16,7 +16,6 @@ resubmitted proposal.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import hashlib
 import uuid
@@ -31,6 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from processor import b64url
 from processor.model import FieldError, Principal, SideEffectClass
 
 APPROVED, REJECTED = "approved", "rejected"
@@ -66,14 +66,6 @@ class Approver:
         return cls in self.classes and ("*" in self.tenants or tenant_id in self.tenants)
 
 
-def _b64d(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def b64e(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
-
 def load_approvers(path: Path | None) -> dict[str, Approver]:
     if path is None:
         return {}
@@ -91,7 +83,7 @@ def load_approvers(path: Path | None) -> dict[str, Approver]:
         if not isinstance(e, dict) or not isinstance(e.get("id"), str):
             raise ApproverError(f"{where}: needs an id")
         try:
-            raw = _b64d(str(e["public_key"]))
+            raw = b64url.decode(str(e["public_key"]))
             key = ed25519.Ed25519PublicKey.from_public_bytes(raw)
             classes = frozenset(SideEffectClass(c) for c in e.get("classes", []))
         except (KeyError, ValueError, binascii.Error) as exc:
@@ -156,8 +148,38 @@ def sign_approval(
         "approval_scope": "single_execution",
         "reason": reason,
     }
-    approval["signature"] = b64e(private_key.sign(signing_bytes(approval)))
+    approval["signature"] = b64url.encode(private_key.sign(signing_bytes(approval)))
     return approval
+
+
+def sign_for_request(
+    private_key: ed25519.Ed25519PrivateKey,
+    approver_id: str,
+    request: dict[str, Any],
+    now_ms: int,
+    decision: str = APPROVED,
+    reason: str | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """An approver's signed answer to a confirmation packet (or a parked call's entry):
+    bound to exactly the call the packet describes, unless ``overrides`` say otherwise."""
+    fields: dict[str, Any] = {
+        "tenant_id": request["tenant_id"],
+        "trace_id": request["trace_id"],
+        "tool_name": request["tool_name"],
+        "tool_version": request["tool_version"],
+        "payload_hash": request["payload_hash"],
+        "request_id": request["request_id"],
+        **overrides,
+    }
+    return sign_approval(
+        private_key,
+        approver_id=approver_id,
+        now_ms=now_ms,
+        decision=decision,
+        reason=reason,
+        **fields,
+    )
 
 
 def load_private_key(path: Path) -> ed25519.Ed25519PrivateKey:
@@ -165,7 +187,7 @@ def load_private_key(path: Path) -> ed25519.Ed25519PrivateKey:
     raw = Path(path).read_bytes()
     if raw.lstrip().startswith(b"{"):
         jwk = orjson.loads(raw)
-        return ed25519.Ed25519PrivateKey.from_private_bytes(_b64d(jwk["d"]))
+        return ed25519.Ed25519PrivateKey.from_private_bytes(b64url.decode(jwk["d"]))
     key = serialization.load_pem_private_key(raw, password=None)
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise ApproverError(f"{path}: not an Ed25519 private key")
@@ -191,6 +213,7 @@ class VerifiedApproval:
     decision: str
     reason: str | None
     request_id: str | None
+    expires_ms: int
 
 
 def _no(code: str, message: str, index: int | None) -> FieldError:
@@ -218,7 +241,7 @@ def verify_approval(
             "approver_unknown", f"{approval['approver_id']!r} is not a registered approver", index
         )
     try:
-        approver.public_key.verify(_b64d(approval["signature"]), signing_bytes(approval))
+        approver.public_key.verify(b64url.decode(approval["signature"]), signing_bytes(approval))
     except (InvalidSignature, ValueError, binascii.Error):
         return _no("approval_signature_invalid", "the approval's signature does not verify", index)
     if approval["decision"] not in (APPROVED, REJECTED):
@@ -255,4 +278,5 @@ def verify_approval(
         approval["decision"],
         reason if isinstance(reason, str) else None,
         approval.get("request_id") if isinstance(approval.get("request_id"), str) else None,
+        expires,
     )

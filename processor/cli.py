@@ -495,9 +495,8 @@ def _decide(
 ) -> None:
     import time
 
-    from confluent_kafka import Producer
-
-    from processor.approvals import load_private_key, sign_approval
+    from processor.approval_flow import publish_approvals
+    from processor.approvals import load_private_key, sign_for_request
 
     e = _approval_store(s).find(request_id)
     if e is None:
@@ -506,24 +505,13 @@ def _decide(
     if e["state"] != "parked":
         typer.echo(f"request {request_id} is already {e['state']}", err=True)
         raise typer.Exit(1)
-    approval = sign_approval(
-        load_private_key(key),
-        approver_id=approver_id,
-        tenant_id=e["tenant_id"],
-        trace_id=e["trace_id"],
-        tool_name=e["tool_name"],
-        tool_version=e["tool_version"],
-        payload_hash=e["payload_hash"],
-        decision=decision,
-        request_id=request_id,
-        now_ms=int(time.time() * 1000),
-        reason=reason,
-    )
-    producer = Producer(s.client_config(**{"enable.idempotence": True}))
-    producer.produce(s.topics.approvals, json.dumps(approval).encode(), e["run_id"].encode())
-    if producer.flush(15):
+    now_ms = int(time.time() * 1000)
+    approval = sign_for_request(load_private_key(key), approver_id, e, now_ms, decision, reason)
+    try:
+        publish_approvals(s, e["run_id"], [approval])
+    except TimeoutError as exc:
         typer.echo("the decision was not delivered", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from exc
     console.print(f"{decision} {request_id} as {approver_id} ({approval['approval_id']})")
 
 

@@ -25,15 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import jwt
-import orjson
 import redis
-from confluent_kafka import Producer
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from processor.approvals import load_private_key, sign_approval
+from processor.approval_flow import publish_approvals
+from processor.approvals import load_private_key, sign_for_request
 from processor.client import ObservationTimeout, ToolsentryClient
 from processor.config import Settings
 from processor.identity import TokenIssuer, generate_ed25519_jwk
@@ -235,23 +234,12 @@ def _approve(
     store = ApprovalStore(redis.Redis.from_url(settings.redis_url), settings.redis_namespace)
     entry = store.find(observation["approval_request_id"])
     assert entry is not None, "the parked call is not in Redis"
-    producer = Producer(settings.client_config(**{"enable.idempotence": True}))
-    for approver in approvers:
-        approval = sign_approval(
-            load_private_key(keys.approver_key(approver)),
-            approver_id=approver,
-            tenant_id=entry["tenant_id"],
-            trace_id=entry["trace_id"],
-            tool_name=entry["tool_name"],
-            tool_version=entry["tool_version"],
-            payload_hash=entry["payload_hash"],
-            request_id=entry["request_id"],
-            now_ms=int(time.time() * 1000),
-        )
-        producer.produce(
-            settings.topics.approvals, orjson.dumps(approval), entry["run_id"].encode()
-        )
-    producer.flush(15)
+    now_ms = int(time.time() * 1000)
+    approvals = [
+        sign_for_request(load_private_key(keys.approver_key(a)), a, entry, now_ms)
+        for a in approvers
+    ]
+    publish_approvals(settings, entry["run_id"], approvals)
 
 
 def play(settings: Settings, tenant: str, timeout: float, console: Console, keys_dir: Path) -> bool:

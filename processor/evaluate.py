@@ -17,7 +17,6 @@ The answer is per-category accuracy; the suite passes only at 100%.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import time
@@ -33,13 +32,16 @@ import yaml_rs
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from processor import b64url
 from processor.approvals import load_private_key, sign_approval
 from processor.client import ToolsentryClient
 from processor.config import Settings
 from processor.contracts.registry import ContractSet, load_contracts
+from processor.gates.resolve import resolve_tool
 from processor.identity import TokenIssuer, generate_ed25519_jwk
 from processor.keys import init_keys
-from processor.model import SideEffectClass
+from processor.model import Proposal, Rejection, SideEffectClass
+from processor.pipeline import canonical_json
 from processor.reference_data import publish_references, wait_until_loaded
 
 CATEGORIES = (
@@ -53,10 +55,6 @@ CATEGORIES = (
     "multilingual",
     "adversarial",
 )
-
-
-def _b64(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
 @dataclass
@@ -119,12 +117,15 @@ def prepare_keys(suite: Suite, directory: Path) -> SuiteKeys:
         "crv": "P-256",
         "kid": "suite-es256",
         "alg": "ES256",
-        "x": _b64(numbers.x.to_bytes(32, "big")),
-        "y": _b64(numbers.y.to_bytes(32, "big")),
+        "x": b64url.encode(numbers.x.to_bytes(32, "big")),
+        "y": b64url.encode(numbers.y.to_bytes(32, "big")),
     }
-    es_private = {**es_public, "d": _b64(p256.private_numbers().private_value.to_bytes(32, "big"))}
+    es_private = {
+        **es_public,
+        "d": b64url.encode(p256.private_numbers().private_value.to_bytes(32, "big")),
+    }
     secret = uuid.uuid4().bytes + uuid.uuid4().bytes
-    oct_key = {"kty": "oct", "kid": "suite-hs256", "alg": "HS256", "k": _b64(secret)}
+    oct_key = {"kty": "oct", "kid": "suite-hs256", "alg": "HS256", "k": b64url.encode(secret)}
     jwks["keys"] = [k for k in jwks["keys"] if k["kid"] == "suite-eddsa"] + [es_public, oct_key]
     bundle.jwks.write_text(json.dumps(jwks, indent=2) + "\n")
     (directory / "es256.jwk").write_text(json.dumps(es_private))
@@ -178,7 +179,7 @@ class Tokens:
                 *args
             )
         if kind == "alg_none":
-            header = _b64(b'{"alg":"none","typ":"JWT","kid":"suite-eddsa"}')
+            header = b64url.encode(b'{"alg":"none","typ":"JWT","kid":"suite-eddsa"}')
             claims = {
                 "sub": args[1],
                 "tenant_id": args[0],
@@ -189,12 +190,12 @@ class Tokens:
                 "iat": int(now),
                 "exp": int(now + 600),
             }
-            return f"{header}.{_b64(orjson.dumps(claims))}."
+            return f"{header}.{b64url.encode(orjson.dumps(claims))}."
         if kind == "tampered":
             head, body, sig = self.eddsa.mint(*args).split(".")
-            claims = orjson.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+            claims = orjson.loads(b64url.decode(body))
             claims["scope"] = claims["scope"] + " users:admin payments:transfer"
-            return f"{head}.{_b64(orjson.dumps(claims))}.{sig}"
+            return f"{head}.{b64url.encode(orjson.dumps(claims))}.{sig}"
         if kind == "hs256_confusion":
             public = self.eddsa.private_key.public_key().public_bytes(
                 serialization.Encoding.Raw, serialization.PublicFormat.Raw
@@ -222,18 +223,12 @@ class Outcome:
     problems: list[str] = field(default_factory=list)
 
 
-def _canonical(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-
-
 def _version(contracts: ContractSet, step: dict[str, Any]) -> str:
-    if step.get("version"):
-        return str(step["version"])
-    versions = contracts.versions(step["tool"])
-    for c in versions:
-        if c.lifecycle.status == "active":
-            return c.version
-    return versions[0].version if versions else "0.0.0"
+    """The version the processor will resolve the step's tool to (what approvals bind)."""
+    asked = str(step["version"]) if step.get("version") else None
+    wanted = Proposal("", "", None, None, step["tool"], asked, None)
+    resolved = resolve_tool(wanted, contracts)
+    return (asked or "0.0.0") if isinstance(resolved, Rejection) else resolved.version
 
 
 class Runner:
@@ -274,7 +269,7 @@ class Runner:
         out: list[dict[str, Any]] = []
         now_ms = int(time.time() * 1000)
         args = envelope.get("arguments")
-        payload_hash = "sha256:" + hashlib.sha256(_canonical(args)).hexdigest()
+        payload_hash = "sha256:" + hashlib.sha256(canonical_json(args)).hexdigest()
         for spec in step.get("approvals", []):
             if "reuse" in spec:
                 out.extend(earlier[int(spec["reuse"]) - 1])

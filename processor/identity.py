@@ -16,7 +16,6 @@ cached by their exact bytes; the time claims are checked again on every use.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import json
 import logging
@@ -31,6 +30,7 @@ import orjson
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
+from processor import b64url
 from processor.config import IdentitySettings
 from processor.model import CLEARANCE_LEVELS, FieldError, Principal
 
@@ -117,10 +117,6 @@ def load_keys(settings: IdentitySettings) -> dict[str, VerificationKey]:
     return by_kid
 
 
-def _b64(segment: str) -> bytes:
-    return base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
-
-
 def _refuse(code: str, message: str) -> FieldError:
     return FieldError("principal_token", message, code)
 
@@ -188,7 +184,7 @@ class Verifier:
         if len(parts) != 3:
             return _refuse("token_malformed", "the principal token is not a compact JWS")
         try:
-            header = json.loads(_b64(parts[0]))
+            header = json.loads(b64url.decode(parts[0]))
         except (ValueError, binascii.Error):
             return _refuse("token_malformed", "the principal token's header is not JSON")
         if not isinstance(header, dict):
@@ -309,9 +305,11 @@ def generate_ed25519_jwk(kid: str) -> tuple[dict[str, str], dict[str, str]]:
     raw_public = private.public_key().public_bytes(
         serialization.Encoding.Raw, serialization.PublicFormat.Raw
     )
-    public = {"kty": "OKP", "crv": "Ed25519", "kid": kid, "alg": "EdDSA", "x": _b64e(raw_public)}
-    return {**public, "d": _b64e(raw_private)}, public
-
-
-def _b64e(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+    public = {
+        "kty": "OKP",
+        "crv": "Ed25519",
+        "kid": kid,
+        "alg": "EdDSA",
+        "x": b64url.encode(raw_public),
+    }
+    return {**public, "d": b64url.encode(raw_private)}, public

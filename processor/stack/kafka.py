@@ -7,7 +7,6 @@ KRaft storage once, the ``java`` command line, and the broker's readiness probe.
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import logging
 import os
@@ -19,6 +18,7 @@ from pathlib import Path
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
+from processor import b64url
 from processor.config import StackSettings
 from processor.stack.process import Service, StackError, run_checked
 
@@ -74,7 +74,7 @@ def server_properties(stack: StackSettings, log_dir: Path) -> str:
 def random_cluster_id() -> str:
     """A Kafka ``Uuid`` string, as ``kafka-storage.sh random-uuid`` prints, without a JVM."""
     while True:
-        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        text = b64url.encode(uuid.uuid4().bytes)
         if not text.startswith("-"):  # Kafka refuses ids that look like a CLI flag
             return text
 

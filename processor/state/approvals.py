@@ -277,33 +277,39 @@ class ApprovalStore:
             out[key] = _merge(payload, *fields) if payload is not None else None
         return out
 
+    def _until(self, index: str, now_ms: int, limit: int) -> list[tuple[str, list[bytes]]]:
+        """Per tenant, the members of its ``index`` sorted set scored up to ``now_ms``:
+        every tenant in one round trip, however many there are."""
+        tenants = [raw.decode() for raw in self.client.smembers(tenants_key(self.ns))]
+        pipe = self.client.pipeline(transaction=False)
+        for tenant in tenants:
+            key = f"{base_key(self.ns, tenant)}:{index}"
+            pipe.zrangebyscore(key, "-inf", now_ms, start=0, num=limit)
+        return [(t, rids) for t, rids in zip(tenants, pipe.execute(), strict=True) if rids]
+
     def due(self, now_ms: int, limit: int = 200) -> list[tuple[str, str]]:
         """(tenant, request_id) of parked calls past their expiry."""
-        out: list[tuple[str, str]] = []
-        for raw in self.client.smembers(tenants_key(self.ns)):
-            tenant = raw.decode()
-            rids = self.client.zrangebyscore(
-                f"{base_key(self.ns, tenant)}:parkexp", "-inf", now_ms, start=0, num=limit
-            )
-            out.extend((tenant, r.decode()) for r in rids)
-        return out
+        return [(t, r.decode()) for t, rids in self._until("parkexp", now_ms, limit) for r in rids]
 
-    def postpone(self, tenant: str, rid: str, until_ms: int) -> None:
-        self.client.zadd(f"{base_key(self.ns, tenant)}:parkexp", {rid: until_ms}, xx=True)
+    def postpone(self, due: list[tuple[str, str]], until_ms: int) -> None:
+        """Check these again at ``until_ms`` (if still parked), in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for tenant, rid in due:
+            pipe.zadd(f"{base_key(self.ns, tenant)}:parkexp", {rid: until_ms}, xx=True)
+        pipe.execute()
 
     def forget_ended(self, now_ms: int, limit: int = 1000) -> int:
         """Drop the payloads of requests that ended more than a day ago."""
-        dropped = 0
-        for raw in self.client.smembers(tenants_key(self.ns)):
-            base = base_key(self.ns, raw.decode())
-            rids = self.client.zrangebyscore(f"{base}:ended", "-inf", now_ms, start=0, num=limit)
-            if rids:
-                pipe = self.client.pipeline(transaction=False)
-                pipe.hdel(f"{base}:parked", *rids)
-                pipe.zrem(f"{base}:ended", *rids)
-                pipe.execute()
-                dropped += len(rids)
-        return dropped
+        ended = self._until("ended", now_ms, limit)
+        if not ended:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for tenant, rids in ended:
+            base = base_key(self.ns, tenant)
+            pipe.hdel(f"{base}:parked", *rids)
+            pipe.zrem(f"{base}:ended", *rids)
+        pipe.execute()
+        return sum(len(rids) for _, rids in ended)
 
     def list_parked(self, include_ended: bool = False) -> list[dict[str, Any]]:
         """Every parked request (for ``toolsentry approvals list``)."""
@@ -317,12 +323,10 @@ class ApprovalStore:
         return sorted(out, key=lambda e: e.get("created_at", 0))
 
     def find(self, request_id: str) -> dict[str, Any] | None:
-        for raw in self.client.smembers(tenants_key(self.ns)):
-            found = self.entries([(raw.decode(), request_id)])
-            entry = next(iter(found.values()))
-            if entry is not None:
-                return entry
-        return None
+        """A request by its id alone, whichever tenant it belongs to."""
+        tenants = [raw.decode() for raw in self.client.smembers(tenants_key(self.ns))]
+        found = self.entries([(t, request_id) for t in tenants])
+        return next((e for e in found.values() if e is not None), None)
 
 
 def retain_ms(expires_at: int, now_ms: int) -> int:

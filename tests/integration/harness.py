@@ -13,12 +13,14 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from processor.approvals import load_private_key, sign_approval
+from processor.approvals import load_private_key, sign_for_request
+from processor.client import ToolsentryClient
 from processor.codec.avro import codec
 from processor.config import Settings, Topics
 from processor.contracts.registry import load_contracts
 from processor.identity import TokenIssuer
 from processor.kafka.topics import ensure_topics
+from tests.unit.helpers import existing_references
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL_SCOPES = sorted(
@@ -28,20 +30,29 @@ ALL_SCOPES = sorted(
 
 
 def existing(
-    tenant: str, tool: str, arguments: dict[str, Any], version: str | None = None
+    tenant: str, tool: str, arguments: dict[str, Any]
 ) -> list[tuple[str, dict[str, Any] | None]]:
     """tool.reference records under which every id ``arguments`` names exists for ``tenant``,
     in the first state the contract allows: publish them and the call passes the reference
     checks."""
-    out: list[tuple[str, dict[str, Any] | None]] = []
-    for c in load_contracts(ROOT / "contracts").versions(tool):
-        if version is not None and c.version != version:
-            continue
-        for ref in c.references:
-            value = arguments.get(ref.argument)
-            if isinstance(value, str):
-                out.append((f"{tenant}/{ref.entity}/{value}", {"state": ref.allowed_states[0]}))
-    return out
+    env = {"tenant_id": tenant, "tool": {"name": tool}, "arguments": arguments}
+    answers = existing_references(env, load_contracts(ROOT / "contracts"))
+    return [("/".join(key), {"state": e.state}) for key, e in answers.items() if e is not None]
+
+
+def produce_at_rate(
+    settings: Settings, tenant: str, records: list[tuple[bytes, bytes]], rate: float
+) -> None:
+    """Send (key, value) records at a steady ``rate`` per second, then wait for every ack."""
+    client = ToolsentryClient(settings, tenant, watch=False)
+    started = time.monotonic()
+    for n, (key, value) in enumerate(records):
+        client.send_raw(value, key)
+        ahead = n / rate - (time.monotonic() - started)
+        if ahead > 0:
+            time.sleep(ahead)
+    client.flush(60)
+    client.close()
 
 
 def approval(
@@ -51,16 +62,7 @@ def approval(
     built from its confirmation packet on the approval requests topic."""
     packet = approval_request(settings, observation["approval_request_id"])
     key = load_private_key(Path(str(settings.approvers_file)).parent / f"approver-{approver}.jwk")
-    fields = {
-        "tenant_id": packet["tenant_id"],
-        "trace_id": packet["trace_id"],
-        "tool_name": packet["tool_name"],
-        "tool_version": packet["tool_version"],
-        "payload_hash": packet["payload_hash"],
-        "request_id": packet["request_id"],
-        **overrides,
-    }
-    return sign_approval(key, approver_id=approver, now_ms=int(time.time() * 1000), **fields)
+    return sign_for_request(key, approver, packet, int(time.time() * 1000), **overrides)
 
 
 def approval_request(settings: Settings, request_id: str, timeout: float = 30) -> dict[str, Any]:

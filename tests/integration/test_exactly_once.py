@@ -17,10 +17,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from processor.client import ToolsentryClient
 from processor.codec.avro import codec
 from processor.config import SIDE_EFFECT_TOPIC_SUFFIXES, Settings
-from tests.integration.harness import ProcessorProcess, isolated, read_all, token
+from tests.integration.harness import ProcessorProcess, isolated, produce_at_rate, read_all, token
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -72,15 +71,7 @@ def test_exactly_once_under_kills_and_scaling(stack_settings: Settings, tmp_path
     done = threading.Event()
 
     def produce() -> None:
-        client = ToolsentryClient(settings, "acme", watch=False)
-        started = time.monotonic()
-        for n, (_, key, value, _) in enumerate(corpus):
-            client.send_raw(value, key)
-            ahead = n / RATE - (time.monotonic() - started)
-            if ahead > 0:
-                time.sleep(ahead)
-        client.flush(60)
-        client.close()
+        produce_at_rate(settings, "acme", [(key, value) for _, key, value, _ in corpus], RATE)
         done.set()
 
     producer = threading.Thread(target=produce, daemon=True)

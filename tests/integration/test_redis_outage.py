@@ -22,13 +22,12 @@ import orjson
 import pytest
 import redis
 
-from processor.client import ToolsentryClient
 from processor.codec.avro import codec
 from processor.config import Settings
 from processor.reference_data import publish_references, wait_until_loaded
 from processor.stack.local import free_ports
 from processor.stack.redis import ensure_redis_server
-from tests.integration.harness import ProcessorProcess, isolated, read_all, token
+from tests.integration.harness import ProcessorProcess, isolated, produce_at_rate, read_all, token
 
 pytestmark = pytest.mark.integration
 
@@ -99,16 +98,8 @@ def test_a_frozen_redis_delays_decisions_and_lets_nothing_through(
             frozen.append(time.time())
 
         chaos = threading.Thread(target=freeze)
-        producer = ToolsentryClient(settings, "acme-outage", watch=False)
         chaos.start()
-        started = time.monotonic()
-        for n, (_, key, value, _) in enumerate(corpus):
-            producer.send_raw(value, key)
-            ahead = n / RATE - (time.monotonic() - started)
-            if ahead > 0:
-                time.sleep(ahead)
-        producer.flush(60)
-        producer.close()
+        produce_at_rate(settings, "acme-outage", [(k, v) for _, k, v, _ in corpus], RATE)
         chaos.join()
 
         records = read_all(

@@ -1,0 +1,14 @@
+"""Unpadded base64url (RFC 4648 §5), as JOSE and the approval signatures use it."""
+
+from __future__ import annotations
+
+import base64
+
+
+def encode(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def decode(text: str) -> bytes:
+    """Padding is optional; a malformed string raises ``binascii.Error`` or ``ValueError``."""
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
