@@ -14,10 +14,9 @@ import tempfile
 import time
 import uuid
 
-import redis
-
 from processor.stack.local import free_ports
 from processor.stack.redis import ensure_redis_server
+from processor.state.connection import connect
 from processor.state.limits import Check, LimitStore, rate_of
 
 
@@ -71,7 +70,7 @@ def main() -> None:
         url = f"redis://127.0.0.1:{port}/0"
         time.sleep(0.5)
     try:
-        client: redis.Redis[bytes] = redis.Redis.from_url(url)
+        client = connect(url)
         ratios, fast, slow = [], [], []
         for _ in range(args.rounds):
             ns = f"bench-{uuid.uuid4().hex[:8]}"

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import redis
 from prometheus_client import CollectorRegistry
 
 from bench.modes import foundation_decide
@@ -46,6 +45,7 @@ from processor.model import Outcome, SourceRecord
 from processor.pipeline import Gates, decide
 from processor.policy import load_policy
 from processor.reference_data import publish_references, wait_until_loaded
+from processor.state.connection import connect
 from processor.state.references import ReferenceLoader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,9 +149,7 @@ def isolated(settings: Settings, name: str) -> Settings:
 def load_references(settings: Settings, n: int) -> None:
     """Publish the corpus's orders and run a loader until Redis holds them all."""
     publish_references(settings, order_references(n))
-    loader = ReferenceLoader(
-        settings, redis.Redis.from_url(settings.redis_url), Metrics(CollectorRegistry())
-    )
+    loader = ReferenceLoader(settings, connect(settings.redis_url), Metrics(CollectorRegistry()))
     loader.start()
     try:
         wait_until_loaded(settings, timeout=300)

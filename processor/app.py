@@ -37,6 +37,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from processor import faults
 from processor.approval_flow import (
     EXPIRY_CHECK,
     ApprovalInput,
@@ -59,6 +60,7 @@ from processor.codec.records import (
 from processor.config import Settings
 from processor.contracts.registry import ContractSet, load_contracts
 from processor.contracts.watch import ContractWatcher
+from processor.gates.budget import admission_item, apply_verdict, release_item
 from processor.gates.parse import Limits
 from processor.identity import Verifier
 from processor.metrics import Metrics
@@ -73,7 +75,18 @@ from processor.model import (
 )
 from processor.pipeline import Gates, decide_batch
 from processor.policy import load_policy
+from processor.results import (
+    ResultInput,
+    compensation_key,
+    compensation_proposal,
+    parse_result,
+    result_dead_letter,
+    settle_item,
+    wants_compensation,
+)
+from processor.state.admission import AdmissionStore, Item
 from processor.state.approvals import ApprovalStore, retain_ms
+from processor.state.connection import connect
 from processor.state.references import ReferenceLoader, ReferenceStore
 
 logger = logging.getLogger(__name__)
@@ -202,9 +215,7 @@ class Processor:
         self._trust_seen = _mtimes(self._trust_files)
         self._trust_checked = time.monotonic()
         self.gates = self._load_trust(self.contracts)
-        self.redis: redis.Redis[bytes] = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=5, socket_connect_timeout=2
-        )
+        self.redis = connect(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.references = ReferenceStore(self.redis, settings.redis_namespace)
         self.approval_store = ApprovalStore(self.redis, settings.redis_namespace)
         self.loader = ReferenceLoader(settings, self.redis, self.metrics)
@@ -212,6 +223,11 @@ class Processor:
         self._redis_backoff = 0.0
         self._deferred: list[tuple[str, dict[str, Any]]] = []
         """Parks of the batch in hand, written while its outputs are produced."""
+        self.admission = AdmissionStore(self.redis, settings.redis_namespace)
+        self._admitted: list[tuple[str, Item]] = []
+        """Admission items of the batch in hand; their replay markers go once it commits."""
+        self._to_forget: list[tuple[str, Item]] = []
+        """Items of committed batches whose markers the next admission call drops."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -300,7 +316,7 @@ class Processor:
             consumer = Consumer({**consumer_config(s), "stats_cb": self._on_stats})
             stack.callback(consumer.close)
             consumer.subscribe(
-                [s.topics.proposals, s.topics.approvals],
+                [s.topics.proposals, s.topics.approvals, s.topics.results],
                 on_assign=self._on_assign,
                 on_revoke=self._on_revoke,
                 on_lost=self._on_revoke,
@@ -354,6 +370,7 @@ class Processor:
             )
             self.produce_batch(producer, records, decisions)
             self._park_deferred()
+            faults.point("before_commit")
             self._commit(producer)
         except KafkaException as exc:
             self._abort_and_rewind(consumer, producer, records, exc)
@@ -365,31 +382,109 @@ class Processor:
             self.metrics.transactions.labels("aborted").inc()
             self._wait_for_redis(consumer, records, DependencyDown(f"redis: {exc}"))
             return
+        self._to_forget += self._admitted
+        self._admitted = []
         self.batches_committed += 1
         self.records_committed += len(records)
         self.metrics.transactions.labels("committed").inc()
         self.metrics.record_batch(decisions, time.perf_counter() - started)
 
     def decide_batch(self, records: list[Message]) -> list[Decision]:
-        """Decide every record of a batch: proposals through the gates, approval
-        decisions against their parked calls; Redis state settled in one round trip."""
+        """Decide every record of a batch: proposals through the gates, executors' results
+        against their calls, approval decisions against their parked calls. Redis is asked
+        once for reference data, once for admission (idempotency, limits, budgets) and
+        once for approvals, each a single round trip for the whole batch."""
         now_ms = int(time.time() * 1000)
         self._deferred = []
+        self._admitted = []
         srcs = [_source(m) for m in records]
-        approvals_topic = self.settings.topics.approvals
-        proposals = [s for s in srcs if s.topic != approvals_topic]
+        topics = self.settings.topics
+        proposals = [s for s in srcs if s.topic not in (topics.approvals, topics.results)]
         try:
             decided = iter(decide_batch(proposals, self.gates, now_ms, self.references.lookup))
-            slots: list[Decision | ApprovalInput] = []
+            slots: list[Decision | ApprovalInput | ResultInput] = []
             for src in srcs:
-                if src.topic != approvals_topic:
+                if src.topic == topics.approvals:
+                    item = parse_approval_record(src)
+                    slots.append(dead_letter(src, item) if isinstance(item, str) else item)
+                elif src.topic == topics.results:
+                    res = parse_result(src, self.contracts)
+                    slots.append(result_dead_letter(src, res) if isinstance(res, str) else res)
+                else:
                     slots.append(next(decided))
-                    continue
-                item = parse_approval_record(src)
-                slots.append(dead_letter(src, item) if isinstance(item, str) else item)
-            return self._settle(slots, now_ms)
+            decisions = self._settle(self._admit(slots, now_ms), now_ms)
+            self._admit_releases(decisions, now_ms)
+            faults.point("after_redis")
+            return decisions
         except redis.RedisError as exc:
             raise DependencyDown(f"redis: {exc}") from exc
+
+    def _admit(
+        self, slots: list[Decision | ApprovalInput | ResultInput], now_ms: int
+    ) -> list[Decision | ApprovalInput]:
+        """Idempotency, rate limits, budgets and guards for the batch's proposals, and the
+        settling of its results: one script call per tenant, one round trip."""
+        items: list[tuple[str, Item]] = []
+        owners: list[tuple[int, Any, Any]] = []
+        policy = self.gates.policy
+        for i, x in enumerate(slots):
+            if isinstance(x, Decision):
+                contract = (
+                    self.contracts.get(x.contract_name, x.contract_version)
+                    if x.contract_name and x.contract_version
+                    else None
+                )
+                budgets = policy.budgets_for(x.principal.tenant_id) if x.principal else None
+                item = admission_item(x, contract, budgets, now_ms) if budgets else None
+                extra: Any = (contract, budgets)
+            elif isinstance(x, ResultInput):
+                tool = wants_compensation(x, self.contracts)
+                comp = compensation_key(x.result["idempotency_key"]) if tool else None
+                item = settle_item(x, position(x.src), comp)
+                extra = tool
+            else:
+                continue
+            if item is not None:
+                items.append(item)
+                owners.append((i, x, extra))
+        verdicts = self.admission.apply(items, forget=self._to_forget)
+        self._to_forget = []
+        self._admitted = items
+        out: list[Decision | ApprovalInput | ResultInput] = list(slots)
+        for (i, x, extra), v in zip(owners, verdicts, strict=True):
+            if isinstance(x, Decision):
+                contract, budgets = extra
+                out[i] = apply_verdict(x, v, budgets, contract)
+                continue
+            status = str(v.get("status"))
+            self.metrics.results.labels(x.state, status).inc()
+            if status == "duplicate":
+                out[i] = ignored(x.src, "result_duplicate")
+                continue
+            if extra and status == "settled":
+                x.decision.extra["compensation"] = compensation_proposal(x, extra, v.get("tok"))
+            out[i] = x.decision
+        for i, x in enumerate(out):
+            if isinstance(x, ResultInput):  # a result nobody asked about: still answered
+                out[i] = x.decision
+        return cast("list[Decision | ApprovalInput]", out)
+
+    def _admit_releases(self, decisions: list[Decision], now_ms: int) -> None:
+        """A parked call released by its approvers takes over its idempotency record,
+        unless a resubmission carrying approvals already did (then it is not routed
+        twice). Only batches with releases pay this round trip."""
+        released = [
+            d for d in decisions
+            if d.outcome is Outcome.ROUTED and d.gate is Gate.APPROVAL and d.call is not None
+        ]  # fmt: skip
+        if not released:
+            return
+        items = [release_item(d) for d in released]
+        for d, v in zip(released, self.admission.apply(items), strict=True):
+            if not v.get("ok", True):
+                apply_verdict(d, {"ok": False, "why": "in_flight", "retry_after_ms": 0},
+                              self.gates.policy.budgets, None)  # fmt: skip
+        self._admitted += items
 
     def _park_deferred(self) -> None:
         """Park the batch's calls while its outputs are on their way to the broker.
@@ -540,6 +635,10 @@ class Processor:
             self._send(producer, topics.execution(d.side_effect_class.value), key, call)
         if request is not None:
             self._send(producer, topics.approval_requests, key, request)
+        compensation = d.extra.get("compensation")
+        if compensation is not None:
+            self._send(producer, topics.proposals, key, compensation)
+            self.metrics.compensations.inc()
         self._send(producer, topics.observations, key, observation)
 
     @staticmethod

@@ -425,11 +425,10 @@ def reference_put(
 
 
 def _approval_store(s: Settings) -> Any:
-    import redis
-
     from processor.state.approvals import ApprovalStore
+    from processor.state.connection import connect
 
-    return ApprovalStore(redis.Redis.from_url(s.redis_url, socket_timeout=5), s.redis_namespace)
+    return ApprovalStore(connect(s.redis_url, socket_timeout=5), s.redis_namespace)
 
 
 @approvals_app.command("list")
@@ -543,6 +542,78 @@ def approvals_reject(
 ) -> None:
     """Sign and publish a rejection: the parked call ends without running."""
     _decide(request_id, "rejected", key, approver_id, reason, _settings(config))
+
+
+# -- executors ---------------------------------------------------------------------------------
+
+executor_app = typer.Typer(
+    help="Executors: run approved calls and publish their results to tool.results.",
+    no_args_is_help=True,
+)
+app.add_typer(executor_app, name="executor")
+
+
+@executor_app.command("run")
+def executor_run(
+    db: Annotated[Path, typer.Option(help="The support store's SQLite file (created if missing).")],
+    classes: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--classes", help="Side-effect classes to consume (repeat, or comma-separate); all six."
+        ),
+    ] = None,
+    fail_after_commit: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--fail-after-commit",
+            help="A mutating tool that commits its step, then reports a failure needing "
+            "compensation (repeatable; for tests and demos).",
+        ),
+    ] = None,
+    seed_demo: Annotated[
+        str | None,
+        typer.Option(help="Add the orders `toolsentry demo` publishes for this tenant."),
+    ] = None,
+    executor_id: Annotated[
+        str | None, typer.Option(help="Stable id of this executor (default: the instance id).")
+    ] = None,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus port; 0 disables.")] = 0,
+    config: ConfigOpt = None,
+) -> None:
+    """Run the reference support executor until SIGTERM/SIGINT (the batch in hand is
+    finished and committed first)."""
+    import signal
+
+    from prometheus_client import REGISTRY
+
+    from processor.executor import Executor
+    from processor.metrics import serve
+    from processor.support_executor import SupportStore, demo_orders
+
+    s = _settings(config)
+    _logging(s.log_level)
+    wanted = [c.strip() for arg in classes or () for c in arg.split(",") if c.strip()]
+    try:
+        store = SupportStore(db, fail_after_commit or ())
+        executor = Executor(
+            s,
+            store.handlers(),
+            classes=wanted or None,
+            executor_id=executor_id,
+            metrics_registry=REGISTRY if metrics_port else None,
+        )
+    except ValueError as exc:
+        console.print(f"[red]cannot start[/red]: {exc}")
+        raise typer.Exit(2) from exc
+    signal.signal(signal.SIGTERM, lambda *_: executor.stop())
+    signal.signal(signal.SIGINT, lambda *_: executor.stop())
+    if seed_demo:
+        console.print(f"seeded {store.seed(demo_orders(seed_demo))} order(s) into {db}")
+    serve(metrics_port)
+    try:
+        executor.run()
+    finally:
+        store.close()
 
 
 def main() -> None:

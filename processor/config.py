@@ -176,6 +176,10 @@ class Settings(BaseSettings):
     metrics_port: int = 9464
     """Prometheus /metrics port; 0 disables the endpoint."""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    """One server: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or
+    ``unix://``. A Redis Cluster: ``redis+cluster://[user:password@]host:port[,host:port...]``
+    (``rediss+cluster://`` for TLS), any reachable nodes to discover it from; no db, the
+    query options apply to every node. See ``processor.state.connection``."""
     redis_namespace: str = "ts"
     """Prefix of every Redis key, so deployments (or test runs) can share one Redis."""
     identity: IdentitySettings = IdentitySettings()

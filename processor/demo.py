@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import jwt
-import redis
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -39,6 +38,7 @@ from processor.identity import TokenIssuer, generate_ed25519_jwk
 from processor.keys import KeyBundle, init_keys
 from processor.reference_data import publish_references, wait_until_loaded
 from processor.state.approvals import ApprovalStore
+from processor.state.connection import connect
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def _approve(
     settings: Settings, keys: KeyBundle, observation: dict[str, Any], approvers: tuple[str, ...]
 ) -> None:
     """What ``toolsentry approvals approve`` does, for each operator in turn."""
-    store = ApprovalStore(redis.Redis.from_url(settings.redis_url), settings.redis_namespace)
+    store = ApprovalStore(connect(settings.redis_url), settings.redis_namespace)
     entry = store.find(observation["approval_request_id"])
     assert entry is not None, "the parked call is not in Redis"
     now_ms = int(time.time() * 1000)

@@ -109,6 +109,19 @@ class Metrics:
             registry=registry,
         )
 
+        self.results = PCounter(
+            "toolsentry_results_total",
+            "Executors' results by the state they settled (COMPLETED, FAILED_RETRYABLE, "
+            "FAILED_FINAL, EXPIRED) and what they settled (settled, duplicate, stale, unknown).",
+            ["state", "status"],
+            registry=registry,
+        )
+        self.compensations = PCounter(
+            "toolsentry_compensations_total",
+            "Compensating calls proposed by the processor.",
+            registry=registry,
+        )
+
     def record_batch(self, decisions: Iterable[Decision], seconds: float) -> None:
         tally: Counter[tuple[str, str, str, str]] = Counter()
         dead: Counter[str] = Counter()

@@ -148,9 +148,14 @@ class Gate(StrEnum):
     POLICY = "policy"
     STATE = "state"
     CONFIRMATION = "confirmation"
+    BUDGET = "budget"
+    """Rate limits, run and day budgets, the loop and repair guards."""
+    IDEMPOTENCY = "idempotency"
     ROUTE = "route"
     APPROVAL = "approval"
     """A decision on ``tool.approvals`` that released, rejected or expired a parked call."""
+    RESULT = "result"
+    """An executor's result for a routed call (``tool.results``)."""
     INTERNAL = "internal"
 
 
@@ -162,6 +167,9 @@ class Outcome(StrEnum):
     DEAD_LETTER = "DEAD_LETTER"
     IGNORED = "IGNORED"
     """An input with nothing to answer (a duplicate approval decision, a spent timer)."""
+    SETTLED = "SETTLED"
+    """A call's final answer: its executor's result, or the cached result of an earlier
+    call with the same idempotency key (``Decision.final``)."""
 
 
 CLEARANCE_LEVELS = ("public", "internal", "confidential", "regulated", "secret")
@@ -258,6 +266,17 @@ class Lifecycle:
     replacement: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class Final:
+    """What a call finally did: the executor's result, or the cached one on a retry."""
+
+    completed: bool
+    data: str | None = None
+    """The result as JSON text."""
+    idempotency_hit: bool = False
+    attempt: int = 1
+
+
 @dataclass(slots=True)
 class ApprovedCall:
     """What an executor receives: everything it needs and nothing secret."""
@@ -300,6 +319,10 @@ class Decision:
     approval_request: Any = None
     """The confirmation packet published for a parked call (``Outcome.PARKED``)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    retry_after_ms: int | None = None
+    """When the same call may be proposed again (RATE_LIMITED, IDEMPOTENCY_CONFLICT)."""
+    final: Final | None = None
+    """A call's final answer (``Outcome.SETTLED``)."""
 
     @property
     def taxonomy(self) -> TaxonomyClass:

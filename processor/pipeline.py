@@ -33,7 +33,7 @@ from processor.approvals import Approver
 from processor.config import IdentitySettings
 from processor.contracts.registry import Contract, ContractSet
 from processor.gates.confirmation import Approved, Park, check_confirmation
-from processor.gates.identity import check_identity
+from processor.gates.identity import check_identity, verified_principal
 from processor.gates.parse import DeadLetter, Limits, parse_proposal
 from processor.gates.policy import check_policy, check_secrets
 from processor.gates.resolve import resolve_tool
@@ -227,17 +227,17 @@ def _prepare(src: SourceRecord, gates: Gates, now_ms: int, started: float) -> De
     if gates.verifier.development:
         warnings = (DEVELOPMENT_WARNING, *warnings)
     if rejection is not None:
-        return _rejected(src, p, rejection, warnings, now_ms)
+        return _early(src, p, rejection, warnings, now_ms, gates)
 
     resolved = resolve_tool(p, gates.contracts)
     if isinstance(resolved, Rejection):
-        return _rejected(src, p, resolved, warnings, now_ms)
+        return _early(src, p, resolved, warnings, now_ms, gates)
     contract = resolved
     warnings += _lifecycle_warnings(contract)
 
     refusal = check_secrets(p, gates.policy) or check_arguments(p.arguments, contract)
     if refusal is not None:
-        return _rejected(src, p, refusal, warnings, now_ms, contract)
+        return _early(src, p, refusal, warnings, now_ms, gates, contract)
 
     principal = check_identity(p, contract, gates.verifier, now_ms / 1000)
     if isinstance(principal, Rejection):
@@ -294,6 +294,22 @@ def _finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) ->
         post_action_verification=contract.post_action_verification_required,
         principal=principal,
     )
+
+
+def _early(
+    src: SourceRecord,
+    p: Proposal,
+    rejection: Rejection,
+    warnings: tuple[str, ...],
+    now_ms: int,
+    gates: Gates,
+    contract: Contract | None = None,
+) -> Decision:
+    """A refusal before the identity gate. The principal is still worked out (it does
+    not change the answer): the refused proposal is a step, and maybe a repair, of a
+    run whose budgets only a verified principal's proposals may spend."""
+    principal = verified_principal(p, gates.verifier, now_ms / 1000)
+    return _rejected(src, p, rejection, warnings, now_ms, contract, principal)
 
 
 def _rejected(

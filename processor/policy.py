@@ -1,4 +1,5 @@
-"""Deployment policy: which classes a tenant may use, what needs approval, egress.
+"""Deployment policy: which classes a tenant may use, what needs approval, egress,
+and the budgets a run and a tenant may spend.
 
 Contracts say what a tool is; policy says what this deployment lets tenants
 do with it. The file is small YAML (``policy/policy.yaml``); without one, the
@@ -29,6 +30,52 @@ class TenantPolicy:
     allowed_domains: tuple[str, ...] = ()
 
 
+BUDGET_GROUPS = ("read", "write", "external", "financial", "critical")
+"""What a run's class budgets count. A tool listed under ``financial_tools`` counts as
+financial whatever its side-effect class; every other tool by its class."""
+
+DEFAULT_GROUP_OF: dict[SideEffectClass, str] = {
+    SideEffectClass.READ_ONLY: "read",
+    SideEffectClass.EPHEMERAL_WRITE: "write",
+    SideEffectClass.LOW_RISK_INTERNAL: "write",
+    SideEffectClass.MEDIUM_RISK_WRITE: "write",
+    SideEffectClass.HIGH_RISK_EXTERNAL: "external",
+    SideEffectClass.CRITICAL_MUTATION: "critical",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    """What one run and one tenant-day may spend (seed 000: twelve steps a run).
+
+    A run's calls are capped per budget group; financial and critical calls get
+    none unless the policy grants them."""
+
+    steps: int = 12
+    """Proposals a run may make, refused ones included."""
+    classes: dict[str, int] = field(
+        default_factory=lambda: {"read": 30, "write": 5, "external": 3, "financial": 0,
+                                 "critical": 0}
+    )  # fmt: skip
+    run_cost: float = 5.0
+    """Cost (the contracts' cost_per_call) a run may spend."""
+    day_cost: float | None = 100.0
+    """Cost a tenant may spend per UTC day (None: no cap)."""
+    repeats: int = 2
+    """Times a run may make the same call (tool and canonical arguments)."""
+    repairs: int = 3
+    """Refused proposals a run may repair before it is stopped and escalated."""
+    financial_tools: frozenset[str] = frozenset()
+    rate_limit_scale: float = 1.0
+    """Multiplies every contract's ``max_requests`` (load tests loosen them, never off)."""
+    in_flight_grace_ms: int = 30_000
+    """How long after its deadline an unanswered call keeps its idempotency key; then
+    the key is retryable (the executor never starts a call past its deadline)."""
+
+    def group(self, tool: str, cls: SideEffectClass) -> str:
+        return "financial" if tool in self.financial_tools else DEFAULT_GROUP_OF[cls]
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     confirmation_classes: frozenset[SideEffectClass] = frozenset(
@@ -43,9 +90,14 @@ class Policy:
     secrets_enabled: bool = True
     tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     default_tenant: TenantPolicy = TenantPolicy(frozenset(ALL_CLASSES))
+    budgets: Budgets = field(default_factory=Budgets)
+    tenant_budgets: dict[str, Budgets] = field(default_factory=dict)
 
     def for_tenant(self, tenant_id: str) -> TenantPolicy:
         return self.tenants.get(tenant_id, self.default_tenant)
+
+    def budgets_for(self, tenant_id: str) -> Budgets:
+        return self.tenant_budgets.get(tenant_id, self.budgets)
 
     def approvals_needed(self, cls: SideEffectClass, contract_flag: bool) -> int:
         """How many distinct approvers a call needs (0: none)."""
@@ -73,7 +125,55 @@ def _domains(value: Any, where: str) -> tuple[str, ...]:
     return tuple(d.lower().strip(".") for d in value)
 
 
-_TOP_KEYS = {"confirmation", "egress", "tenants", "secrets"}
+_TOP_KEYS = {"confirmation", "egress", "tenants", "secrets", "budgets"}
+_BUDGET_KEYS = {"steps", "classes", "run_cost", "day_cost", "repeats", "repairs",
+                "financial_tools", "in_flight_grace_ms", "rate_limit_scale", "tenants"}  # fmt: skip
+
+
+def _count(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise PolicyError(f"{where}: expected a non-negative integer")
+    return value
+
+
+def _cost(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise PolicyError(f"{where}: expected a non-negative number")
+    return float(value)
+
+
+def parse_budgets(doc: Any, where: str, base: Budgets) -> Budgets:
+    """A ``budgets`` mapping over ``base``: keys left out keep base's values."""
+    if not isinstance(doc, dict):
+        raise PolicyError(f"{where}: expected a mapping")
+    unknown = set(doc) - _BUDGET_KEYS
+    if unknown:
+        raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
+    classes = dict(base.classes)
+    for group, n in (doc.get("classes") or {}).items():
+        if group not in BUDGET_GROUPS:
+            raise PolicyError(f"{where}.classes: unknown group {group!r} ({BUDGET_GROUPS})")
+        classes[group] = _count(n, f"{where}.classes.{group}")
+    tools = doc.get("financial_tools", sorted(base.financial_tools))
+    if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+        raise PolicyError(f"{where}.financial_tools: expected a list of tool names")
+    day = doc.get("day_cost", base.day_cost)
+    return Budgets(
+        steps=_count(doc.get("steps", base.steps), f"{where}.steps"),
+        classes=classes,
+        run_cost=_cost(doc.get("run_cost", base.run_cost), f"{where}.run_cost"),
+        day_cost=None if day is None else _cost(day, f"{where}.day_cost"),
+        repeats=_count(doc.get("repeats", base.repeats), f"{where}.repeats"),
+        repairs=_count(doc.get("repairs", base.repairs), f"{where}.repairs"),
+        financial_tools=frozenset(tools),
+        rate_limit_scale=_cost(
+            doc.get("rate_limit_scale", base.rate_limit_scale), f"{where}.rate_limit_scale"
+        )
+        or 1.0,
+        in_flight_grace_ms=_count(
+            doc.get("in_flight_grace_ms", base.in_flight_grace_ms), f"{where}.in_flight_grace_ms"
+        ),
+    )
 
 
 def parse_policy(doc: Any, where: str = "policy") -> Policy:
@@ -102,6 +202,17 @@ def parse_policy(doc: Any, where: str = "policy") -> Policy:
             _domains(t.get("allowed_domains"), f"{where}: tenants.{name}.allowed_domains"),
         )
     default = tenants.pop("*", base.default_tenant)
+    budgets_doc = doc.get("budgets") or {}
+    budgets = parse_budgets(
+        {k: v for k, v in budgets_doc.items() if k != "tenants"}, f"{where}: budgets", Budgets()
+    )
+    per_tenant = budgets_doc.get("tenants") or {}
+    if not isinstance(per_tenant, dict):
+        raise PolicyError(f"{where}: budgets.tenants must be a mapping")
+    tenant_budgets = {
+        str(name): parse_budgets(b, f"{where}: budgets.tenants.{name}", budgets)
+        for name, b in per_tenant.items()
+    }
     return Policy(
         confirmation_classes=_classes(
             conf.get("classes", [c.value for c in base.confirmation_classes]),
@@ -119,6 +230,8 @@ def parse_policy(doc: Any, where: str = "policy") -> Policy:
         secrets_enabled=bool(secrets.get("enabled", True)),
         tenants=tenants,
         default_tenant=default,
+        budgets=budgets,
+        tenant_budgets=tenant_budgets,
     )
 
 

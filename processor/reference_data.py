@@ -6,10 +6,10 @@ import time
 from typing import Any
 
 import orjson
-import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from processor.config import Settings
+from processor.state.connection import connect
 from processor.state.references import positions
 
 
@@ -37,7 +37,7 @@ def wait_until_loaded(settings: Settings, timeout: float = 60.0) -> None:
         }
     finally:
         consumer.close()
-    client: redis.Redis[bytes] = redis.Redis.from_url(settings.redis_url)
+    client = connect(settings.redis_url)
     deadline = time.monotonic() + timeout
     while True:
         done = positions(client, settings.reference_group_id, settings.redis_namespace)

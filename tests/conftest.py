@@ -11,6 +11,10 @@ import pytest
 from processor.config import IdentitySettings, Settings
 from processor.keys import APPROVAL_CLASSES, init_keys
 from processor.stack import LocalStack, private_stack_settings
+from processor.stack.redis_cluster import private_redis_cluster
+
+LOAD_POLICY = Path(__file__).parent / "policies" / "load.yaml"
+"""The shipped policy with loose budgets: the default for tests that are not about budgets."""
 
 TEST_APPROVERS = {"ops-1": APPROVAL_CLASSES, "ops-2": APPROVAL_CLASSES, "viewer": ()}
 """Two approvers for every class that needs one, and one registered but allowed nothing."""
@@ -23,6 +27,7 @@ def _with_identity(settings: Settings, keys_dir: Path) -> Settings:
         update={
             "identity": IdentitySettings(jwks_file=bundle.jwks),
             "approvers_file": bundle.approvers,
+            "policy_file": LOAD_POLICY,
         }
     )
 
@@ -49,3 +54,33 @@ def stack_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setting
         yield _with_identity(settings, keys)
     finally:
         stack.down()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The ``redis_url`` of a Redis Cluster of 3 masters, no replicas.
+
+    Uses the cluster named by TOOLSENTRY_TEST_REDIS_CLUSTER_URL when set (a
+    ``redis+cluster://`` URL); otherwise starts one on free ports in a temp dir for the
+    session and stops it at the end.
+    """
+    url = os.environ.get("TOOLSENTRY_TEST_REDIS_CLUSTER_URL")
+    if url:
+        yield url
+        return
+    cluster = private_redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.up()
+        yield cluster.url
+    finally:
+        cluster.down()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def redis_backend(request: pytest.FixtureRequest, stack_settings: Settings) -> str:
+    """The ``redis_url`` of each kind of Redis the product runs on: the stack's
+    redis-server, then the 3-master cluster (started only when a test asks for it)."""
+    if request.param == "single":
+        return stack_settings.redis_url
+    url: str = request.getfixturevalue("redis_cluster_url")
+    return url

@@ -6,6 +6,7 @@ an observation is built in exactly one place.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 from typing import Any
 
@@ -44,13 +45,18 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
     rejection = d.rejection
     routed = d.outcome is Outcome.ROUTED
     parked = d.outcome is Outcome.PARKED
+    final = d.final
     call = d.call
+    if final is not None:
+        kind = "COMPLETED" if final.completed else "FAILED"
+    else:
+        kind = "ROUTED" if routed else "PENDING_APPROVAL" if parked else "REJECTED"
     return {
         "observation_id": observation_id(d),
         "proposal_id": p.proposal_id,
         "run_id": p.run_id,
         "tenant_id": p.tenant_id,
-        "decision": "ROUTED" if routed else "PENDING_APPROVAL" if parked else "REJECTED",
+        "decision": kind,
         "gate": d.gate.value,
         "tool_identity": {
             "name": p.tool_name or "",
@@ -61,15 +67,15 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
         "execution_metadata": {
             "timestamp": d.decided_at_ms,
             "latency_ms": d.latency_ms,
-            "idempotency_hit": False,
-            "idempotency_key": call.idempotency_key if call else None,
+            "idempotency_hit": bool(final and final.idempotency_hit),
+            "idempotency_key": call.idempotency_key if call else p.idempotency_key,
             "trace_id": p.trace_id,
-            "attempt_number": 1,
+            "attempt_number": final.attempt if final else call.attempt if call else 1,
             "source_partition": d.source.partition,
             "source_offset": d.source.offset,
         },
         "status": {
-            "code": 202 if routed else vector.code,
+            "code": 202 if routed else 200 if final and final.completed else vector.code,
             "is_error": taxonomy is not TaxonomyClass.SUCCESS,
             "taxonomy_class": taxonomy.value,
             "retryable": vector.retryable,
@@ -79,7 +85,7 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
             "escalate": vector.escalate,
         },
         "result_payload": {
-            "data": None,
+            "data": final.data if final else None,
             "errors": [
                 {
                     "field": _clip(e.field),
@@ -99,11 +105,22 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
             "expected_state": None,
             "delay_seconds": 0,
         },
-        "next_action": _clip(rejection.next_action, _ACTION) if rejection else _ROUTED_ACTION,
+        "next_action": _clip(rejection.next_action, _ACTION) if rejection else _success_action(d),
         "allowed_tools": list(rejection.allowed_tools) if rejection else [],
         "contract_set": contract_set,
         "approval_request_id": d.approval_request["request_id"] if parked else None,
+        "retry_after_ms": d.retry_after_ms,
     }
+
+
+def _success_action(d: Decision) -> str:
+    if d.final is None:
+        return _ROUTED_ACTION
+    again = " (an earlier call with this idempotency key)" if d.final.idempotency_hit else ""
+    action = f"The call completed{again}; use its result, and do not repeat it."
+    if d.post_action_verification:
+        action += " Confirm the new state with the lookup tool before telling the user."
+    return action
 
 
 def approved_call_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
@@ -183,3 +200,35 @@ def dlq_headers(d: Decision) -> list[tuple[str, str | bytes | None]]:
         ("toolsentry.source.partition", str(s.partition).encode()),
         ("toolsentry.source.offset", str(s.offset).encode()),
     ]
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MILLISECOND = dt.timedelta(milliseconds=1)
+
+
+def _as_millis(datum: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """fastavro reads timestamp-millis as aware datetimes; the encoders take epoch
+    milliseconds. Converting back (exactly, without float rounding) lets a decoded
+    record be encoded again unchanged and compared with the clock as an int."""
+    for name in fields:
+        value = datum[name]
+        if isinstance(value, dt.datetime):
+            datum[name] = (value - _EPOCH) // _MILLISECOND
+    return datum
+
+
+def decode_approved_call(value: bytes) -> dict[str, Any]:
+    """An approved call as executors read it, ``deadline`` and ``created_at`` in epoch ms.
+    Raises ``ValueError`` for anything that is not a single-object ApprovedCall."""
+    return _as_millis(codec("approved_call").decode(value), ("deadline", "created_at"))
+
+
+def encode_result(datum: dict[str, Any]) -> bytes:
+    """A ``ToolResult`` (``schemas/tool_result.avsc``); timestamps in epoch ms. Checked by
+    fastavro's validating writer: results are built by executor code, not by us."""
+    return codec("tool_result").encode_checked(datum)
+
+
+def decode_result(value: bytes) -> dict[str, Any]:
+    """A ``ToolResult``, ``started_at`` and ``finished_at`` in epoch ms."""
+    return _as_millis(codec("tool_result").decode(value), ("started_at", "finished_at"))

@@ -127,6 +127,10 @@ class ContractSet:
     def versions(self, name: str) -> tuple[Contract, ...]:
         return self.by_name.get(name, ())
 
+    def get(self, name: str, version: str) -> Contract | None:
+        """One exact version, or None."""
+        return next((c for c in self.versions(name) if c.version == version), None)
+
     def __len__(self) -> int:
         return sum(len(v) for v in self.by_name.values())
 

@@ -20,6 +20,19 @@ def _deny(error: FieldError, next_action: str) -> Rejection:
     return Rejection(TaxonomyClass.PERMISSION_DENIED, Gate.IDENTITY, (error,), next_action)
 
 
+def verified_principal(p: Proposal, verifier: Verifier, now_s: float) -> Principal | None:
+    """The proposal's principal when its token verifies for its tenant, else None.
+
+    For proposals refused before the identity gate: their run's budgets count them,
+    but only under a tenant their token proves."""
+    if verifier.development:
+        return verifier.development_principal(p.tenant_id)
+    verified = verifier.verify(p.principal_token, now_s)
+    if isinstance(verified, FieldError) or verified.tenant_id != p.tenant_id:
+        return None
+    return verified
+
+
 def check_identity(
     p: Proposal, contract: Contract, verifier: Verifier, now_s: float
 ) -> Principal | Rejection:

@@ -28,7 +28,9 @@ class LocalStack:
         self.data_dir = settings.stack.data_dir.expanduser().resolve()
         # Redis first: it starts in milliseconds while the broker's jars may still download.
         self._services: dict[str, Service] = {
-            "redis": RedisService(settings.stack, self.data_dir),
+            "redis": RedisService(
+                settings.stack.redis_port, self.data_dir, settings.stack.ready_timeout_s
+            ),
             "kafka": KafkaService(settings.stack, self.data_dir),
         }
 

@@ -10,7 +10,6 @@ import shutil
 import socket
 from pathlib import Path
 
-from processor.config import StackSettings
 from processor.stack.process import Service, StackError, run_checked
 
 
@@ -57,11 +56,15 @@ class RedisService(Service):
 
     name = "redis"
 
-    def __init__(self, stack: StackSettings, data_dir: Path) -> None:
-        super().__init__(data_dir, stack.ready_timeout_s)
-        self.port = stack.redis_port
-        self.work_dir = data_dir / "redis"
+    def __init__(self, port: int, data_dir: Path, ready_timeout_s: float) -> None:
+        super().__init__(data_dir, ready_timeout_s)
+        self.port = port
+        self.work_dir = data_dir / self.name
         self._binary: str | None = None
+
+    def extra_args(self) -> list[str]:
+        """Arguments a variant of the server adds to the command line (cluster mode)."""
+        return []
 
     @property
     def address(self) -> str:
@@ -91,6 +94,7 @@ class RedisService(Service):
             "no",
             "--protected-mode",
             "yes",
+            *self.extra_args(),
         ]
 
     def owns(self, cmd: str) -> bool:

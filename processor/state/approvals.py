@@ -18,7 +18,12 @@ batch, so the whole thing works on Redis Cluster:
 - ``<ns>:{T}:ended``: ended requests by the time their payload may go, for the
   sweeper's clean-up (an ended request stays readable for a day);
 - ``<ns>:{T}:apr:<approval_id>``: which input record spent that approval;
-- ``<ns>:park:tenants``: tenants that have parked calls (the sweeper's index).
+- ``<ns>:park:tenants``: tenants that have parked calls (the sweeper's index). One
+  key, so one slot: the sweeper reads it with one SMEMBERS, then every tenant's keys
+  in one pipeline, which a cluster client splits by node.
+
+The scripts go through ``run_scripts``, which works on a cluster too (redis-py's
+cluster pipeline refuses ``Script`` calls) and reloads a script a node has lost.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import redis
+
+from processor.state.connection import LuaScript, RedisClient, run_scripts
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +50,7 @@ def tenants_key(ns: str) -> str:
 _RETAIN_MS = 24 * 3600 * 1000
 """How long a spent approval id is remembered after the approval's own expiry."""
 
-_SCRIPT = r"""
+_SCRIPT = LuaScript(r"""
 local base = KEYS[1]
 local ops = cjson.decode(ARGV[1])
 local out = {}
@@ -164,7 +170,7 @@ for i, op in ipairs(ops) do
   end
 end
 return cjson.encode(out)
-"""
+""")
 
 
 def base_key(ns: str, tenant: str) -> str:
@@ -209,10 +215,9 @@ def _result(raw: list[Any]) -> OpResult:
 
 
 class ApprovalStore:
-    def __init__(self, client: redis.Redis[bytes], ns: str = "ts") -> None:
+    def __init__(self, client: RedisClient, ns: str = "ts") -> None:
         self.client = client
         self.ns = ns
-        self._script = client.register_script(_SCRIPT)
 
     def apply(self, ops: list[tuple[str, dict[str, Any]]]) -> list[OpResult]:
         """Run (tenant, op) pairs: one script call per tenant, all in one round trip.
@@ -246,10 +251,11 @@ class ApprovalStore:
             pipe.sadd(tenants_key(self.ns), *expiring)
         plain = len(pipe)
         tenants = list(scripted)
-        for tenant in tenants:
-            body = orjson.dumps([ops[i][1] for i in scripted[tenant]])
-            self._script(keys=[base_key(self.ns, tenant)], args=[body], client=pipe)
-        replies = pipe.execute()
+        calls = [
+            ([base_key(self.ns, t)], [orjson.dumps([ops[i][1] for i in scripted[t]])])
+            for t in tenants
+        ]
+        replies = run_scripts(self.client, _SCRIPT, calls, pipe)
         results: list[OpResult | None] = [
             OpResult("parked") if op["op"] == "park" else None for _, op in ops
         ]

@@ -9,7 +9,8 @@ Redis, where all instances read the same answers:
 - ``<ns>:ref:{tenant}:<entity>:<id>``: the entity, as JSON; the ``{tenant}``
   hash tag keeps a tenant's keys in one Redis Cluster slot;
 - ``<ns>:refidx:<entity>:<id>``: the set of tenants that have that id, which is
-  how an id of *another* tenant is told apart from one that exists nowhere.
+  how an id of *another* tenant is told apart from one that exists nowhere. It is
+  one key per id, read with single-key commands, so on a cluster it lives in any slot.
 
 The loader keeps its own position in Redis (``<ns>:refpos:<group>``; ``<ns>`` is the
 configured namespace, ``ts`` by default), written
@@ -27,12 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import redis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from processor.config import Settings
 from processor.gates.semantic import FOREIGN, RefEntry, RefKey
 from processor.metrics import Metrics
+from processor.state.connection import REDIS_ERRORS, RedisClient
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +53,17 @@ def position_key(ns: str, group: str) -> str:
 class ReferenceStore:
     """Batched reads of reference data: one pipeline, one round trip, per batch."""
 
-    def __init__(self, client: redis.Redis[bytes], ns: str = "ts") -> None:
+    def __init__(self, client: RedisClient, ns: str = "ts") -> None:
         self.client = client
         self.ns = ns
 
     def lookup(self, keys: Iterable[RefKey]) -> dict[RefKey, RefEntry | None]:
         """One MGET per tenant (a tenant's keys share a slot), all in one pipeline; ids
         found nowhere in their tenant are then checked against the index, in a second
-        round trip that only batches naming unknown ids need."""
+        round trip that only batches naming unknown ids need.
+
+        MGET goes through ``execute_command``: redis-py's cluster pipeline refuses its
+        ``mget`` method outright, though an MGET of one slot's keys is fine there."""
         by_tenant: dict[str, list[RefKey]] = {}
         for key in keys:
             by_tenant.setdefault(key[0], []).append(key)
@@ -67,7 +71,7 @@ class ReferenceStore:
             return {}
         pipe = self.client.pipeline(transaction=False)
         for tenant, wanted in by_tenant.items():
-            pipe.mget([entity_key(self.ns, tenant, e, i) for _, e, i in wanted])
+            pipe.execute_command("MGET", *[entity_key(self.ns, tenant, e, i) for _, e, i in wanted])
         out: dict[RefKey, RefEntry | None] = {}
         missing: list[RefKey] = []
         for wanted, values in zip(by_tenant.values(), pipe.execute(), strict=True):
@@ -139,7 +143,7 @@ def parse_reference(key: bytes | None, value: bytes | None) -> ReferenceRecord:
 
 
 def apply_records(
-    client: redis.Redis[bytes],
+    client: RedisClient,
     records: list[tuple[str, int, int, bytes | None, bytes | None]],
     group: str,
     ns: str = "ts",
@@ -173,7 +177,7 @@ def apply_records(
     return applied, refused
 
 
-def positions(client: redis.Redis[bytes], group: str, ns: str = "ts") -> dict[tuple[str, int], int]:
+def positions(client: RedisClient, group: str, ns: str = "ts") -> dict[tuple[str, int], int]:
     raw = client.hgetall(position_key(ns, group))
     out: dict[tuple[str, int], int] = {}
     for k, v in raw.items():
@@ -185,7 +189,7 @@ def positions(client: redis.Redis[bytes], group: str, ns: str = "ts") -> dict[tu
 class ReferenceLoader:
     """Background thread: ``tool.reference`` into Redis, from Redis's own position."""
 
-    def __init__(self, settings: Settings, client: redis.Redis[bytes], metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, client: RedisClient, metrics: Metrics) -> None:
         self.settings = settings
         self.client = client
         self.metrics = metrics
@@ -204,7 +208,7 @@ class ReferenceLoader:
             known = positions(
                 self.client, self.settings.reference_group_id, self.settings.redis_namespace
             )
-        except redis.RedisError:
+        except REDIS_ERRORS:
             logger.warning("cannot read reference positions; starting from the beginning")
             known = {}
         for tp in partitions:
@@ -260,7 +264,7 @@ class ReferenceLoader:
                 self.metrics.references.labels("applied").inc(applied)
                 self.metrics.references.labels("refused").inc(refused)
                 return
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 self.metrics.dependency_errors.labels("redis").inc()
                 logger.warning("reference load failed (%s); retrying in %.1fs", exc, delay)
                 time.sleep(delay)

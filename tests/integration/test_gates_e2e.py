@@ -24,7 +24,6 @@ from typing import Any
 
 import orjson
 import pytest
-import redis
 from confluent_kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -43,6 +42,7 @@ from processor.identity import TokenIssuer
 from processor.pipeline import canonical_json
 from processor.reference_data import publish_references, wait_until_loaded
 from processor.state.approvals import ApprovalStore
+from processor.state.connection import connect
 from tests.integration.harness import ROOT, ProcessorProcess, isolated, issuer, settings_env, token
 
 pytestmark = pytest.mark.integration
@@ -767,20 +767,26 @@ def test_an_attached_approval_runs_the_call_once(world: World) -> None:
     first = world.propose(
         "agent", "cancel_order", cancel(), run_id=run, traceparent=traceparent, approvals=[approval]
     )
-    replay = world.propose(
+    # The same proposal again in the same run has the same idempotency key: the in-flight
+    # call answers it. In another run (another key) only the spent approval stops it.
+    again = world.propose(
         "agent", "cancel_order", cancel(), run_id=run, traceparent=traceparent, approvals=[approval]
     )
-
     obs = world.wait(first)
     assert obs["decision"] == "ROUTED" and obs["gate"] == "route"
     assert obs["status"]["taxonomy_class"] == "SUCCESS"
+    replay = world.propose(
+        "agent", "cancel_order", cancel(), run_id=run_id(), traceparent=traceparent,
+        approvals=[approval],
+    )  # fmt: skip
+    refused(world.wait(again), "IDEMPOTENCY_CONFLICT", "idempotency", ["idempotency_in_flight"])
     obs = world.wait(replay)
     [err] = refused(obs, "CONFIRMATION_MISSING", "confirmation", ["approval_reused"])
     assert approval["approval_id"] in err["message"]
     assert "one execution only" in obs["next_action"]
 
-    calls = world.calls_for([first, replay], "HIGH_RISK_EXTERNAL")
-    assert calls[replay] == []
+    calls = world.calls_for([first, again, replay], "HIGH_RISK_EXTERNAL")
+    assert calls[replay] == [] and calls[again] == []
     [call] = calls[first]
     assert call["approval_ids"] == [approval["approval_id"]]
     spent = [
@@ -894,13 +900,20 @@ def test_decisions_on_tool_approvals_are_checked_and_release_once(world: World) 
     dead = world.dead_letters([*sent, self_approval])
     assert dead == {**sent, self_approval: "self_approval"}
 
-    # The same approval again, on tool.approvals and attached to a resubmission: no second run.
+    # The same approval again, on tool.approvals and attached to a resubmission: no second
+    # run. (Resubmitted in the same run, the released call's idempotency key answers first;
+    # in another run, the spent approval does.)
     world.publish(good, parked.run_id)
+    same_run = world.propose(
+        "agent", "cancel_order", parked.arguments, run_id=parked.run_id,
+        traceparent=parked.traceparent, approvals=[good],
+    )  # fmt: skip
+    refused(world.wait(same_run), "IDEMPOTENCY_CONFLICT", "idempotency", ["idempotency_in_flight"])
     resubmitted = world.propose(
         "agent",
         "cancel_order",
         parked.arguments,
-        run_id=parked.run_id,
+        run_id=run_id(),
         traceparent=parked.traceparent,
         approvals=[good],
     )
@@ -976,8 +989,7 @@ def test_a_rejection_ends_the_parked_call(world: World) -> None:
     world.none_ran([parked.proposal_id], "HIGH_RISK_EXTERNAL")
 
     # An ended request stays readable for a day (approvals show), then its payload goes.
-    store = ApprovalStore(redis.Redis.from_url(world.settings.redis_url),
-                          world.settings.redis_namespace)  # fmt: skip
+    store = ApprovalStore(connect(world.settings.redis_url), world.settings.redis_namespace)
     ended = store.find(parked.request_id)
     assert ended is not None and ended["state"] == "rejected"
     assert ended["rejected_by"] == "ops-2" and ended["reason"] == "customer changed their mind"
@@ -1009,12 +1021,17 @@ def test_a_back_dated_expired_approval_is_refused(world: World) -> None:
 
 
 def test_a_parked_call_nobody_answers_expires(stack_settings: Settings, tmp_path: Path) -> None:
-    settings = isolated(stack_settings, "gates-exp")
+    expires_unanswered(isolated(stack_settings, "gates-exp"), "acme-gx", tmp_path)
+
+
+def expires_unanswered(settings: Settings, tenant: str, tmp_path: Path) -> None:
+    """A processor whose approvals lapse after 2 s parks a call nobody answers; its expiry
+    sweeper ends it with an observation within seconds, and nothing runs. Shared with the
+    Redis Cluster suite, which runs it with ``settings`` pointing at a cluster."""
     policy = (ROOT / "policy" / "policy.yaml").read_text()
     assert "ttl_seconds: 600" in policy
     policy_file = tmp_path / "policy.yaml"
     policy_file.write_text(policy.replace("ttl_seconds: 600", "ttl_seconds: 2"))
-    tenant = "acme-gx"
     publish_references(settings, [(f"{tenant}/order/{ORDER}", {"state": "processing"})])
     proc = ProcessorProcess(
         settings, "gates-exp-1", tmp_path, TOOLSENTRY_POLICY_FILE=str(policy_file)

@@ -1,17 +1,18 @@
-"""Rate limits, run budgets and the loop guard against a real redis-server: boundaries,
-replays after an aborted transaction, and two racing processors."""
+"""Rate limits, run budgets and the loop guard against a real redis-server and a real
+Redis Cluster: boundaries, replays after an aborted transaction, and two racing
+processors."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-import redis
+from redis.exceptions import RedisClusterException
 
-from processor.config import Settings
+from processor.state.connection import connect, is_cluster_url
 from processor.state.limits import Check, LimitStore, Verdict, rate_of
 
 pytestmark = pytest.mark.integration
@@ -20,9 +21,24 @@ NOW = 1_800_000_000_000
 
 
 @pytest.fixture
-def store(stack_settings: Settings) -> Iterator[LimitStore]:
-    client: redis.Redis[bytes] = redis.Redis.from_url(stack_settings.redis_url)
-    yield LimitStore(client, f"limits-{uuid.uuid4().hex[:8]}")
+def redis_url(redis_backend: str, request: pytest.FixtureRequest) -> str:
+    """Each backend in turn. On a cluster LimitStore fails today: it calls its script
+    through ``Script(client=pipeline)``, which redis-py's cluster pipeline refuses
+    (EVALSHA is blocked there). Strict, so the fix (``run_scripts``) shows up as XPASS."""
+    if is_cluster_url(redis_backend):
+        request.applymarker(
+            pytest.mark.xfail(
+                raises=RedisClusterException,
+                strict=True,
+                reason="LimitStore.check pipelines Script calls; needs connection.run_scripts",
+            )
+        )
+    return redis_backend
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[LimitStore]:
+    yield LimitStore(connect(redis_url), f"limits-{uuid.uuid4().hex[:8]}")
 
 
 _pos = iter(range(10**9))
@@ -118,23 +134,19 @@ def test_batched_and_one_by_one_decide_alike(store: LimitStore) -> None:
     assert store.check(batch) == other.check_one_by_one(batch)
 
 
-def test_two_processors_racing_never_exceed_a_limit(stack_settings: Settings) -> None:
+def test_two_processors_racing_never_exceed_a_limit(redis_url: str) -> None:
     ns = f"limits-race-{uuid.uuid4().hex[:8]}"
     rate = rate_of(60, 50)
-    allowed: list[int] = []
 
-    def racer(name: str) -> None:
-        store = LimitStore(redis.Redis.from_url(stack_settings.redis_url), ns)
+    def racer(name: str) -> int:
+        store = LimitStore(connect(redis_url), ns)
         ok = 0
         for n in range(20):
             batch = [check(pos=f"{name}/{n}/{i}", rate=rate, tool="send_email", run=f"{name}-{i}")
                      for i in range(10)]  # fmt: skip
             ok += sum(v.ok for v in store.check(batch))
-        allowed.append(ok)
+        return ok
 
-    threads = [threading.Thread(target=racer, args=(f"p{k}",)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(2) as pool:  # a racer's exception is raised here, not lost
+        allowed = list(pool.map(racer, ["p0", "p1"]))
     assert sum(allowed) == 50, allowed  # 400 attempts at one instant: exactly the burst

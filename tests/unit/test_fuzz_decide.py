@@ -47,8 +47,9 @@ LIMITS = Limits()
 GATES = Gates.development(CONTRACTS, LIMITS)
 PASSED = (Outcome.ROUTED, Outcome.PARKED)
 """Through every gate: routed, or parked at the last one until someone approves."""
-DECIDE_OUTCOMES = [o for o in Outcome if o is not Outcome.IGNORED]
-"""IGNORED is for approval decisions, which decide() never sees."""
+DECIDE_OUTCOMES = [o for o in Outcome if o not in (Outcome.IGNORED, Outcome.SETTLED)]
+"""IGNORED is for approval decisions and SETTLED for results and idempotency hits, which
+decide() never sees (they come from Redis state)."""
 
 
 def _references(value: bytes | None) -> RefAnswers:

@@ -1,0 +1,507 @@
+"""Writing an executor: consume approved calls, run a handler per tool, publish results.
+
+An executor is a consumer group of its own on the ``tool.exec.<class>`` topics.
+Each batch is consumed (read_committed: only calls the processor committed),
+every call in it is handed to the handler registered for its tool, and then
+the results on ``tool.results`` (plus any reference-data updates on
+``tool.reference``) are produced in one Kafka transaction together with the
+batch's input offsets. A crash before the commit therefore loses nothing and
+publishes nothing: the batch is consumed again and every result is produced
+once.
+
+What the transaction cannot cover is the tool's own effect. A batch delivered
+again after a crash or an aborted transaction calls its handlers again, so
+**every handler must be idempotent**: it gets the call's ``idempotency_key``
+(stable across deliveries and retries of one approved call) and must apply its
+effect at most once under that key, answering a repeat with the stored answer.
+``processor.support_executor`` shows one way: the effect and the answer are
+written in one database transaction, keyed by the idempotency key.
+
+The executor decides only what needs no tool knowledge: a call past its
+deadline is not run (``TIMED_OUT``), a tool without a handler and a handler
+that raises fail closed (``FAILED``, not retryable). A record that is not an
+approved call is logged, counted and skipped, so one bad record never stops
+the group. Signals are the caller's business: call ``stop()`` from a signal handler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import orjson
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from prometheus_client import CollectorRegistry, Counter
+
+from processor.app import consumer_config, producer_config
+from processor.codec.records import decode_approved_call, encode_result
+from processor.config import Settings
+from processor.model import SideEffectClass, TaxonomyClass
+
+logger = logging.getLogger(__name__)
+
+SUCCEEDED, FAILED, TIMED_OUT = "SUCCEEDED", "FAILED", "TIMED_OUT"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One approved call, as the processor routed it (arguments already validated)."""
+
+    call_id: str
+    proposal_id: str
+    run_id: str
+    tenant_id: str
+    trace_id: str
+    tool_name: str
+    tool_version: str
+    side_effect_class: str
+    arguments: dict[str, Any]
+    payload_hash: str
+    idempotency_key: str
+    """Apply the effect at most once under this key: the same call can be delivered twice."""
+    deadline_ms: int
+    attempt: int
+    approval_ids: tuple[str, ...]
+    created_at_ms: int
+    contract_set: str | None
+
+
+@dataclass(frozen=True)
+class ReferenceUpdate:
+    """A change to an entity the gates check, published to ``tool.reference`` with the
+    result, so the next proposal is decided against the state this call left behind.
+
+    There is no tenant field: an update always lands under the call's own tenant, so a
+    handler cannot write another tenant's reference data."""
+
+    entity: str
+    entity_id: str
+    state: str | None
+    """The entity's new state; None deletes the entity (a tombstone)."""
+    owner: str | None = None
+    attributes: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.entity or "/" in self.entity or not self.entity_id:
+            raise ValueError("a reference needs an entity (without '/') and an id")
+        if self.state is not None and not self.state:
+            raise ValueError("a reference's state must be non-empty (None deletes it)")
+
+    def key(self, tenant: str) -> bytes:
+        return f"{tenant}/{self.entity}/{self.entity_id}".encode()
+
+    def value(self) -> bytes | None:
+        """The record value ``tool.reference`` expects (``state``, ``owner``, ``attributes``).
+        The topic is compacted and the last value wins, so it carries the whole entity."""
+        if self.state is None:
+            return None
+        doc: dict[str, Any] = {"state": self.state}
+        if self.owner is not None:
+            doc["owner"] = self.owner
+        if self.attributes is not None:
+            doc["attributes"] = dict(self.attributes)
+        return orjson.dumps(doc)
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    data: Any = None
+    """The tool's answer; must be JSON-serialisable."""
+    references: tuple[ReferenceUpdate, ...] = ()
+
+
+@dataclass(frozen=True)
+class Failed:
+    code: str
+    message: str
+    """Read by people and, after the processor checks it, by the model: never secrets."""
+    retryable: bool = False
+    taxonomy_class: str | None = None
+    committed_steps: tuple[str, ...] = ()
+    """Steps already committed when it failed: non-empty means compensation is needed."""
+    compensation_arguments: dict[str, Any] | None = None
+
+
+Handler = Callable[[Call], Succeeded | Failed]
+
+
+def result_id(call_id: str, attempt: int) -> str:
+    """Deterministic, so a call executed again yields the same result id."""
+    return hashlib.sha256(f"{call_id}/{attempt}".encode()).hexdigest()[:32]
+
+
+class ExecutorMetrics:
+    """Executor counters. Tool names are bounded: only contract tools reach exec topics."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.results = Counter(
+            "toolsentry_executor_results_total",
+            "Results published, by tool and outcome.",
+            ["tool", "outcome"],
+            registry=registry,
+        )
+        self.undecodable = Counter(
+            "toolsentry_executor_undecodable_total",
+            "Records on an execution topic that were not approved calls (skipped).",
+            registry=registry,
+        )
+        self.transactions = Counter(
+            "toolsentry_executor_transactions_total",
+            "Executor Kafka transactions by result (committed, aborted).",
+            ["result"],
+            registry=registry,
+        )
+
+
+@dataclass
+class _Output:
+    key: bytes
+    value: bytes
+    tool: str
+    outcome: str
+    references: list[tuple[bytes, bytes | None]] = field(default_factory=list)
+
+
+class Executor:
+    """Runs handlers for the approved calls of some side-effect classes, exactly-once
+    on the Kafka side (see the module docstring for what handlers must guarantee)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        handlers: Mapping[str, Handler],
+        classes: Iterable[str] | None = None,
+        group_id: str = "toolsentry-executor",
+        executor_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+        metrics_registry: CollectorRegistry | None = None,
+        batch_max_records: int = 100,
+    ) -> None:
+        """``batch_max_records`` is far below the processor's: handlers run while the batch
+        is held, and a batch must finish within the consumer's ``max.poll.interval.ms``,
+        or the group moves its partitions away and the whole batch runs again elsewhere."""
+        self.handlers = dict(handlers)
+        self.batch_max_records = batch_max_records
+        wanted = [c.upper() for c in (classes or [c.value for c in SideEffectClass])]
+        unknown = sorted(set(wanted) - {c.value for c in SideEffectClass})
+        if unknown:
+            raise ValueError(f"unknown side-effect classes: {', '.join(unknown)}")
+        self.topics = [settings.topics.execution(c) for c in dict.fromkeys(wanted)]
+        self.executor_id = executor_id or settings.instance_id
+        # The processor's client configs, with this executor's group and instance: the
+        # same enforced exactly-once settings, and transactional.id
+        # "<group_id>-<executor_id>", stable so a restart fences its predecessor.
+        self.settings = settings.model_copy(
+            update={"group_id": group_id, "instance_id": self.executor_id}
+        )
+        self.clock = clock
+        self.metrics = ExecutorMetrics(metrics_registry or CollectorRegistry())
+        self.undecodable = 0
+        self.results_committed = 0
+        self._stop = threading.Event()
+        self._assigned: set[tuple[str, int]] = set()
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Finish the batch in hand, commit it, return from ``run()``. Signal-safe."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Consume and execute until ``stop()``; then close the clients."""
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.run_once(self.settings.batch_wait_s)
+                except KafkaException as exc:
+                    logger.warning("executor: %s; retrying", exc)
+                    self._close_clients()
+                    self._stop.wait(1.0)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._close_clients()
+
+    def run_once(self, timeout_s: float) -> int:
+        """Consume one batch (waiting up to ``timeout_s`` for its first record), execute
+        it, commit. Returns how many records the committed batch consumed, skipped
+        undecodable ones included; 0 when nothing came or the transaction was aborted."""
+        consumer, producer = self._clients()
+        first = consumer.poll(timeout_s)
+        if first is None:
+            return 0
+        messages = [first, *consumer.consume(self.batch_max_records - 1, 0)]
+        records: list[Message] = []
+        for m in messages:
+            err = m.error()
+            if err is None:
+                records.append(m)
+            elif err.code() != KafkaError._PARTITION_EOF:
+                logger.warning("consumer error: %s", err)
+        if not records:
+            return 0
+        outputs = [out for m in records if (out := self._execute(m)) is not None]
+        try:
+            producer.begin_transaction()
+            producer.send_offsets_to_transaction(
+                _next_offsets(records), consumer.consumer_group_metadata(), 30
+            )
+            for out in outputs:
+                for key, value in out.references:
+                    self._send(producer, self.settings.topics.reference, key, value)
+                self._send(producer, self.settings.topics.results, out.key, out.value)
+            self._commit(producer)
+        except KafkaException as exc:
+            self._abort_and_rewind(consumer, producer, records, exc)
+            return 0
+        self.metrics.transactions.labels("committed").inc()
+        for out in outputs:
+            self.metrics.results.labels(out.tool, out.outcome).inc()
+        self.results_committed += len(outputs)
+        return len(records)
+
+    # -- one call --------------------------------------------------------------------------
+
+    def _execute(self, m: Message) -> _Output | None:
+        try:
+            call = _call(decode_approved_call(m.value() or b""))
+        except (ValueError, KeyError, TypeError) as exc:
+            self.undecodable += 1
+            self.metrics.undecodable.inc()
+            logger.warning(
+                "skipping %s[%s]@%s: not an approved call (%s)",
+                m.topic(), m.partition(), m.offset(), exc,
+            )  # fmt: skip
+            return None
+        started = self._now_ms()
+        if call.deadline_ms < started:
+            answer: Succeeded | Failed = Failed(
+                "deadline_exceeded",
+                "the call reached the executor after its deadline and was not run",
+                retryable=True,
+                taxonomy_class=TaxonomyClass.TIMEOUT.value,
+            )
+            outcome = TIMED_OUT
+        else:
+            answer = self._run_handler(call)
+            outcome = SUCCEEDED if isinstance(answer, Succeeded) else FAILED
+        try:
+            out = self._output(call, answer, outcome, started)
+        except Exception as exc:
+            # What the handler answered cannot be published (data that is not JSON, a
+            # field of the wrong type): fail closed with a result that always encodes.
+            out = self._output(call, _handler_error(call, exc), FAILED, started)
+        return out
+
+    def _output(
+        self, call: Call, answer: Succeeded | Failed, outcome: str, started: int
+    ) -> _Output:
+        references: list[tuple[bytes, bytes | None]] = []
+        data: str | None = None
+        compensation: str | None = None
+        if isinstance(answer, Succeeded):
+            data = None if answer.data is None else orjson.dumps(answer.data).decode()
+            references = [(r.key(call.tenant_id), r.value()) for r in answer.references]
+        elif answer.compensation_arguments is not None:
+            compensation = orjson.dumps(answer.compensation_arguments).decode()
+        datum = _result(call, answer, outcome, started, self._now_ms(), self.executor_id)
+        datum["data"], datum["compensation_arguments"] = data, compensation
+        value = encode_result(datum)
+        return _Output(call.run_id.encode(), value, call.tool_name, outcome, references)
+
+    def _run_handler(self, call: Call) -> Succeeded | Failed:
+        handler = self.handlers.get(call.tool_name)
+        if handler is None:
+            return Failed("no_handler", f"this executor has no handler for {call.tool_name}")
+        try:
+            answer = handler(call)
+        except Exception as exc:
+            return _handler_error(call, exc)
+        if not isinstance(answer, Succeeded | Failed):
+            return _handler_error(call, TypeError(type(answer).__name__))
+        return answer
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    # -- Kafka -----------------------------------------------------------------------------
+
+    def _clients(self) -> tuple[Consumer, Producer]:
+        if self._consumer is not None and self._producer is not None:
+            return self._consumer, self._producer
+        producer = Producer(producer_config(self.settings))
+        try:
+            producer.init_transactions(30)
+        except KafkaException:
+            producer.flush(0)
+            raise
+        conf = consumer_config(self.settings)
+        if "statistics.interval.ms" not in self.settings.consumer:
+            conf.pop("statistics.interval.ms", None)  # nothing here reads librdkafka stats
+        consumer = Consumer(conf)
+        consumer.subscribe(
+            self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
+            on_lost=self._on_revoke,
+        )  # fmt: skip
+        logger.info("executor %s consuming %s", self.executor_id, ", ".join(self.topics))
+        self._consumer, self._producer = consumer, producer
+        return consumer, producer
+
+    def _close_clients(self) -> None:
+        consumer, producer = self._consumer, self._producer
+        self._consumer = self._producer = None
+        self._assigned.clear()
+        if consumer is not None:
+            with contextlib.suppress(KafkaException, RuntimeError):
+                consumer.close()
+        if producer is not None:
+            producer.flush(5)
+
+    @staticmethod
+    def _send(producer: Producer, topic: str, key: bytes, value: bytes | None) -> None:
+        while True:
+            try:
+                producer.produce(topic, value=value, key=key)
+                return
+            except BufferError:
+                producer.poll(0.05)  # local queue full: let deliveries drain
+
+    @staticmethod
+    def _commit(producer: Producer) -> None:
+        while True:
+            try:
+                producer.commit_transaction(30)
+                return
+            except KafkaException as exc:
+                if not exc.args[0].retriable():
+                    raise
+
+    def _abort_and_rewind(
+        self, consumer: Consumer, producer: Producer, records: list[Message], exc: KafkaException
+    ) -> None:
+        """Nothing of the batch is published; it is consumed again (handlers run again).
+        A fenced or fatally failed producer cannot abort: the clients are rebuilt from
+        the committed offsets instead, which rewinds just the same."""
+        err: KafkaError = exc.args[0]
+        self.metrics.transactions.labels("aborted").inc()
+        if err.fatal() or err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED):
+            logger.warning("executor producer fenced (%s); rebuilding the clients", err)
+            self._close_clients()
+            return
+        logger.warning("transaction failed (%s); aborting and rewinding the batch", err)
+        with contextlib.suppress(KafkaException):
+            producer.abort_transaction(30)
+        for tp in _first_offsets(records):
+            if (tp.topic, tp.partition) in self._assigned:
+                with contextlib.suppress(KafkaException):
+                    consumer.seek(tp)
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._assigned |= {(tp.topic, tp.partition) for tp in partitions}
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._assigned -= {(tp.topic, tp.partition) for tp in partitions}
+
+
+def _call(d: dict[str, Any]) -> Call:
+    arguments = orjson.loads(d["arguments"])
+    if not isinstance(arguments, dict):
+        raise ValueError("arguments are not a JSON object")
+    return Call(
+        call_id=d["call_id"],
+        proposal_id=d["proposal_id"],
+        run_id=d["run_id"],
+        tenant_id=d["tenant_id"],
+        trace_id=d["trace_id"],
+        tool_name=d["tool_name"],
+        tool_version=d["tool_version"],
+        side_effect_class=d["side_effect_class"],
+        arguments=arguments,
+        payload_hash=d["payload_hash"],
+        idempotency_key=d["idempotency_key"],
+        deadline_ms=int(d["deadline"]),
+        attempt=int(d["attempt"]),
+        approval_ids=tuple(d["approval_ids"]),
+        created_at_ms=int(d["created_at"]),
+        contract_set=d["contract_set"],
+    )
+
+
+def _handler_error(call: Call, exc: Exception) -> Failed:
+    """Fail closed. Only the exception's type is reported: its text may quote arguments."""
+    logger.error("handler for %s failed on call %s: %s", call.tool_name, call.call_id,
+                 type(exc).__name__)  # fmt: skip
+    return Failed(
+        "handler_error",
+        type(exc).__name__,
+        retryable=False,
+        taxonomy_class=TaxonomyClass.UNKNOWN_ERROR.value,
+    )
+
+
+def _result(
+    call: Call,
+    answer: Succeeded | Failed,
+    outcome: str,
+    started_ms: int,
+    finished_ms: int,
+    executor_id: str,
+) -> dict[str, Any]:
+    """The ToolResult datum; ``data`` and ``compensation_arguments`` are filled in by the
+    caller, which serialises them where a failure can still be turned into a result."""
+    failed = answer if isinstance(answer, Failed) else None
+    return {
+        "result_id": result_id(call.call_id, call.attempt),
+        "call_id": call.call_id,
+        "proposal_id": call.proposal_id,
+        "run_id": call.run_id,
+        "tenant_id": call.tenant_id,
+        "trace_id": call.trace_id,
+        "tool_name": call.tool_name,
+        "tool_version": call.tool_version,
+        "side_effect_class": call.side_effect_class,
+        "idempotency_key": call.idempotency_key,
+        "payload_hash": call.payload_hash,
+        "attempt": call.attempt,
+        "outcome": outcome,
+        "retryable": failed.retryable if failed else False,
+        "error_code": failed.code if failed else None,
+        "error_message": failed.message if failed else None,
+        "taxonomy_class": failed.taxonomy_class if failed else None,
+        "committed_steps": list(failed.committed_steps) if failed else [],
+        "data": None,
+        "compensation_arguments": None,
+        "started_at": started_ms,
+        "finished_at": finished_ms,
+        "executor_id": executor_id,
+        "contract_set": call.contract_set,
+    }
+
+
+def _where(m: Message) -> tuple[str, int, int]:
+    return cast(str, m.topic()), cast(int, m.partition()), cast(int, m.offset())
+
+
+def _next_offsets(records: list[Message]) -> list[TopicPartition]:
+    last: dict[tuple[str, int], int] = {}
+    for m in records:
+        topic, partition, offset = _where(m)
+        last[(topic, partition)] = offset
+    return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
+
+
+def _first_offsets(records: list[Message]) -> list[TopicPartition]:
+    first: dict[tuple[str, int], int] = {}
+    for m in records:
+        topic, partition, offset = _where(m)
+        first.setdefault((topic, partition), offset)
+    return [TopicPartition(t, p, o) for (t, p), o in first.items()]

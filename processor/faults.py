@@ -1,0 +1,26 @@
+"""Fault injection for crash tests: kill the process at a named point of the loop.
+
+``TOOLSENTRY_FAULT_POINT=<point>:<probability>`` (read once, at import) makes
+``point(<point>)`` send SIGKILL to this process with that probability. Points:
+``after_redis`` (the batch's Redis effects are applied, nothing produced yet) and
+``before_commit`` (outputs produced, transaction not committed). Unset, ``point``
+is a dictionary lookup and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+_SPEC = os.environ.get("TOOLSENTRY_FAULT_POINT", "")
+_POINTS: dict[str, float] = {}
+for part in filter(None, _SPEC.split(",")):
+    name, _, chance = part.partition(":")
+    _POINTS[name.strip()] = float(chance or 1.0)
+
+
+def point(name: str) -> None:
+    chance = _POINTS.get(name)
+    if chance is not None and random.random() < chance:
+        os.kill(os.getpid(), signal.SIGKILL)

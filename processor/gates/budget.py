@@ -1,0 +1,332 @@
+"""Gates: budget and idempotency. What a batch asks of Redis, and what Redis answers.
+
+After every other gate has accepted a proposal, its call is admitted against the
+run's and the tenant's budgets, the tool's rate limit, the loop guard and the
+idempotency record of its key (``state/admission.py``). A proposal an earlier gate
+refused is still a step of its run and, when it failed on its own arguments, a
+repair: a run that keeps failing the same way is stopped and escalated.
+
+Both functions here are pure: ``admission_item`` says what to ask, ``apply_verdict``
+turns the answer into the decision. Redis sits between them, once per batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from processor.contracts.registry import Contract
+from processor.model import (
+    Decision,
+    FieldError,
+    Final,
+    Gate,
+    Outcome,
+    Rejection,
+    TaxonomyClass,
+)
+from processor.policy import Budgets
+from processor.state.admission import Item, Verdict, call_item, rate_of
+
+_REPAIRS = frozenset({
+    TaxonomyClass.SYNTACTIC_PARSE_FAIL, TaxonomyClass.STRUCTURAL_VIOLATION,
+    TaxonomyClass.TYPE_MISMATCH, TaxonomyClass.OUT_OF_BOUNDS,
+    TaxonomyClass.SEMANTIC_INVALIDITY,
+})  # fmt: skip
+"""Refusals the model is expected to repair by proposing again with other arguments."""
+
+HANDOFF_TOOL = "handoff_to_human"
+DAY_MS = 86_400_000
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """The admission-relevant part of a contract, computed once per contract version."""
+
+    rate: tuple[int, int] | None
+    cost: float
+    ttl_ms: int
+
+
+_runtime: dict[int, tuple[Contract, Runtime]] = {}
+
+
+def runtime_of(c: Contract) -> Runtime:
+    hit = _runtime.get(id(c))
+    if hit is not None and hit[0] is c:
+        return hit[1]
+    raw = c.raw
+    limits = raw["runtime"].get("rate_limits") or {}
+    cost = (raw["runtime"].get("cost_profile") or {}).get("cost_per_call", 0) or 0
+    ttl_s = (raw.get("idempotency") or {}).get("ttl_seconds") or 86_400
+    rt = Runtime(
+        rate_of(int(limits.get("window_sec", 0)), int(limits.get("max_requests", 0))),
+        float(cost),
+        int(ttl_s) * 1000,
+    )
+    _runtime[id(c)] = (c, rt)
+    return rt
+
+
+def _signature(tool: str, args: bytes) -> str:
+    return hashlib.blake2b(tool.encode() + b"\0" + args, digest_size=12).hexdigest()
+
+
+def _scaled(rate: tuple[int, int] | None, scale: float) -> tuple[int, int] | None:
+    if rate is None or scale == 1.0:
+        return rate
+    interval, burst = rate
+    return max(1, int(interval / scale)), max(1, int(burst * scale))
+
+
+def position(d: Decision) -> str:
+    s = d.source
+    return f"{s.topic}/{s.partition}/{s.offset}"
+
+
+def utc_day(now_ms: int) -> str:
+    return time.strftime("%Y%m%d", time.gmtime(now_ms / 1000))
+
+
+def admission_item(
+    d: Decision, contract: Contract | None, budgets: Budgets, now_ms: int
+) -> tuple[str, Item] | None:
+    """What to ask Redis about a decision (None: nothing, it is not a verified run's step).
+
+    Only proposals whose principal verified are counted, and under the token's
+    tenant: nobody can spend another tenant's budget by naming its run."""
+    p, principal = d.proposal, d.principal
+    if p is None or principal is None or d.outcome is Outcome.DEAD_LETTER:
+        return None
+    tenant = principal.tenant_id
+    pos = position(d)
+    if d.outcome in (Outcome.ROUTED, Outcome.PARKED) and d.call is not None:
+        assert contract is not None
+        call, rt = d.call, runtime_of(contract)
+        group = budgets.group(contract.name, contract.side_effect_class)
+        item = call_item(
+            pos=pos,
+            run=p.run_id,
+            tool=contract.name,
+            group=group,
+            cost=rt.cost,
+            sig=_signature(contract.name, call.canonical_arguments.encode()),
+            now=now_ms,
+            rate=_scaled(rt.rate, budgets.rate_limit_scale),
+            steps=budgets.steps,
+            class_budget=budgets.classes.get(group, 0),
+            cost_cap=budgets.run_cost,
+            day_cap=budgets.day_cost,
+            day=utc_day(now_ms),
+            repeats=budgets.repeats,
+            ikey=call.idempotency_key,
+            hash=call.payload_hash,
+            call=call.call_id,
+            deadline=_park_deadline(d) if d.outcome is Outcome.PARKED else call.deadline_ms,
+            grace=budgets.in_flight_grace_ms,
+            ttl=rt.ttl_ms,
+            park=d.outcome is Outcome.PARKED,
+            tok=p.principal_token or "",
+        )
+        return tenant, item
+    if d.outcome is Outcome.REJECTED and d.rejection is not None:
+        repair = d.rejection.taxonomy in _REPAIRS
+        args = p.arguments if p.arguments is not None else p.tool_name
+        try:
+            body = orjson.dumps(args, option=orjson.OPT_SORT_KEYS)
+        except TypeError:
+            body = repr(args).encode()
+        step = {
+            "kind": "step",
+            "pos": pos,
+            "run": p.run_id,
+            "sig": _signature(p.tool_name or "", body),
+            "steps": budgets.steps,
+            "repair": repair,
+            "max_repairs": budgets.repairs,
+        }
+        return tenant, step
+    return None
+
+
+def release_item(d: Decision) -> tuple[str, Item]:
+    """A parked call its approvers released: it takes over its key's record."""
+    p, call = d.proposal, d.call
+    assert p is not None and call is not None and p.tenant_id is not None
+    return p.tenant_id, {
+        "kind": "release",
+        "pos": position(d),
+        "run": p.run_id,
+        "ikey": call.idempotency_key,
+        "hash": call.payload_hash,
+        "call": call.call_id,
+        "deadline": call.deadline_ms,
+        "ttl": DAY_MS,
+    }
+
+
+def _park_deadline(d: Decision) -> int:
+    """A parked call is in flight until its approval request lapses."""
+    packet = d.approval_request or {}
+    expires = packet.get("expires_at")
+    if isinstance(expires, int):
+        return expires
+    assert d.call is not None
+    return d.call.deadline_ms
+
+
+_BUDGET_TEXT = {
+    "step_cap": (
+        "step_cap",
+        "the run has used all {steps} of its steps",
+        "This run is out of steps. Stop calling tools: tell the user what was done and "
+        "what is left, and call handoff_to_human.",
+    ),
+    "class_budget": (
+        "class_budget",
+        "the run may make no more {group} calls (budget {budget})",
+        "This run may make no more {group} calls. Do not retry; finish with what you have, "
+        "or call handoff_to_human if the task needs more.",
+    ),
+    "cost_cap": (
+        "run_cost_cap",
+        "the run's cost cap ({cap}) would be exceeded",
+        "This run has spent its cost budget. Do not retry; call handoff_to_human.",
+    ),
+    "day_cost_cap": (
+        "tenant_day_cost_cap",
+        "the tenant's cost cap for today would be exceeded",
+        "The tenant's daily budget is spent. Do not retry today; call handoff_to_human.",
+    ),
+    "loop": (
+        "repeated_call",
+        "this exact call (same tool, same arguments) was already made {repeats} times in this run",
+        "Do not repeat this call: change the arguments or use another tool; if neither "
+        "helps, call handoff_to_human.",
+    ),
+    "repair_loop": (
+        "repair_loop",
+        "the run proposed this same invalid call before",
+        "Stop: repeating the same invalid call will not succeed. Do not try again; call "
+        "handoff_to_human with what the user asked for.",
+    ),
+    "repair_cap": (
+        "repair_cap",
+        "the run has used all {repairs} of its repairs",
+        "Stop: this run has failed to repair its calls {repairs} times. Do not try again; "
+        "call handoff_to_human with what the user asked for.",
+    ),
+}
+
+
+def _refused(
+    d: Decision,
+    taxonomy: TaxonomyClass,
+    gate: Gate,
+    error: FieldError,
+    next_action: str,
+    allowed: tuple[str, ...] = (),
+) -> Decision:
+    errors = (*d.rejection.errors, error) if d.rejection is not None else (error,)
+    d.rejection = Rejection(taxonomy, gate, errors, next_action, allowed)
+    d.outcome = Outcome.REJECTED
+    d.gate = gate
+    d.call = None
+    d.approval_request = None
+    return d
+
+
+def apply_verdict(
+    d: Decision, verdict: Verdict, budgets: Budgets, contract: Contract | None
+) -> Decision:
+    """The decision once Redis has answered; unchanged when the call may go."""
+    if verdict.get("ok", True):
+        if d.call is not None and "attempt" in verdict:
+            d.call.attempt = int(verdict["attempt"])
+        return d
+    why = str(verdict.get("why"))
+    if why in _BUDGET_TEXT:
+        code, message, action = _BUDGET_TEXT[why]
+        group = budgets.group(contract.name, contract.side_effect_class) if contract else ""
+        facts: dict[str, Any] = {
+            "steps": budgets.steps,
+            "group": group,
+            "budget": budgets.classes.get(group, 0),
+            "cap": budgets.run_cost,
+            "repeats": budgets.repeats,
+            "repairs": budgets.repairs,
+        }
+        error = FieldError(None, message.format(**facts), code)
+        handoff = (HANDOFF_TOOL,) if why in ("step_cap", "repair_loop", "repair_cap") else ()
+        return _refused(
+            d, TaxonomyClass.BUDGET_EXHAUSTED, Gate.BUDGET, error, action.format(**facts), handoff
+        )
+    if why == "rate_limited":
+        wait = int(verdict.get("retry_after_ms", 0))
+        d.retry_after_ms = wait
+        tool = d.contract_name or ""
+        error = FieldError(None, f"{tool} is rate limited for this tenant", "rate_limited")
+        action = (
+            f"Wait {wait / 1000:.1f} s, then propose the same call again unchanged. "
+            "Do not switch to another tool to get around the limit."
+        )
+        return _refused(d, TaxonomyClass.RATE_LIMITED, Gate.BUDGET, error, action)
+    if why == "in_flight":
+        wait = int(verdict.get("retry_after_ms", 0))
+        d.retry_after_ms = wait
+        error = FieldError(
+            "idempotency_key", "a call with this idempotency key is still in flight",
+            "idempotency_in_flight",
+        )  # fmt: skip
+        action = (
+            "The same operation is already running; do not propose it again now. Wait for "
+            f"its result, or retry with the same idempotency key after {wait / 1000:.1f} s."
+        )
+        return _refused(d, TaxonomyClass.IDEMPOTENCY_CONFLICT, Gate.IDEMPOTENCY, error, action)
+    if why == "signature_mismatch":
+        error = FieldError(
+            "idempotency_key",
+            "this idempotency key was already used for a call with other arguments",
+            "idempotency_key_reused",
+        )
+        action = (
+            "Nothing ran. An idempotency key names one operation: use a new key for a new "
+            "operation, or resend the original arguments to retry the original one."
+        )
+        return _refused(d, TaxonomyClass.SIGNATURE_MISMATCH, Gate.IDEMPOTENCY, error, action)
+    if why == "idempotent_hit":
+        return cached_answer(d, verdict)
+    error = FieldError(None, f"admission refused ({why})", "admission_refused")
+    return _refused(
+        d, TaxonomyClass.UNKNOWN_ERROR, Gate.INTERNAL, error,
+        "Nothing was executed; do not retry this call automatically, hand off to a human.",
+    )  # fmt: skip
+
+
+def cached_answer(d: Decision, verdict: Verdict) -> Decision:
+    """A call whose key already has a final answer: that answer again, flagged as an
+    idempotency hit, and nothing routed."""
+    try:
+        cached = orjson.loads(verdict.get("cached") or b"{}")
+    except orjson.JSONDecodeError:
+        cached = {}
+    d.outcome = Outcome.SETTLED
+    d.gate = Gate.IDEMPOTENCY
+    d.call = None
+    d.approval_request = None
+    taxonomy = TaxonomyClass(cached.get("class", TaxonomyClass.SUCCESS.value))
+    d.final = Final(
+        completed=taxonomy is TaxonomyClass.SUCCESS,
+        data=cached.get("data"),
+        idempotency_hit=True,
+        attempt=int(cached.get("attempt", 1)),
+    )
+    d.rejection = None
+    if taxonomy is not TaxonomyClass.SUCCESS:
+        errors = tuple(FieldError(**e) for e in cached.get("errors", ()))
+        d.rejection = Rejection(taxonomy, Gate.RESULT, errors, cached.get("next_action", ""))
+    return d

@@ -1,0 +1,240 @@
+"""Executors' results: the final observation of a routed call, and its idempotency record.
+
+An executor reports every call it was handed on ``tool.results``. The processor
+consumes those records in the same transactions as proposals: each one settles
+its call's idempotency record (COMPLETED, FAILED_RETRYABLE, FAILED_FINAL, EXPIRED)
+and yields the call's final observation, with the result's data on success or the
+failure mapped onto the taxonomy. A result that reports committed steps before a
+failure means the world is half changed: ``COMPENSATION_REQUIRED``, and where the
+contract names a compensation tool the compensating call is proposed on
+``tool.proposals``, under the original caller's token and a key derived from the
+original's, so it passes through every gate like any other call. When that call
+completes, the original's record becomes COMPENSATED; when it fails,
+``COMPENSATION_FAILED`` and an operator must reconcile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from processor.codec.records import decode_result
+from processor.contracts.registry import Contract, ContractSet
+from processor.model import (
+    Decision,
+    FieldError,
+    Final,
+    Gate,
+    Outcome,
+    Proposal,
+    Rejection,
+    SideEffectClass,
+    SourceRecord,
+    TaxonomyClass,
+)
+from processor.state.admission import Item
+
+COMPENSATION_PREFIX = "compensate:"
+_T = TaxonomyClass
+_FAILURE_VALUES = frozenset(c.value for c in _T) - {_T.SUCCESS.value, _T.PARTIAL_SUCCESS.value}
+"""Classes an executor may give its own failure."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResultInput:
+    """One decoded record of ``tool.results`` and what it settles."""
+
+    src: SourceRecord
+    result: dict[str, Any]
+    state: str
+    decision: Decision
+
+    @property
+    def tenant_id(self) -> str:
+        return str(self.result["tenant_id"])
+
+
+def compensation_key(idempotency_key: str) -> str:
+    return COMPENSATION_PREFIX + idempotency_key
+
+
+def result_dead_letter(src: SourceRecord, reason: str) -> Decision:
+    return Decision(
+        src, Outcome.DEAD_LETTER, Gate.RESULT, None, dlq_reason="result_invalid",
+        dlq_detail=reason,
+    )  # fmt: skip
+
+
+def parse_result(src: SourceRecord, contracts: ContractSet) -> ResultInput | str:
+    """A result record, or the reason it cannot be one (it then goes to the DLQ)."""
+    try:
+        r = decode_result(src.value or b"")
+    except Exception as exc:
+        return f"undecodable result: {type(exc).__name__}"
+    contract = contracts.get(r["tool_name"], r["tool_version"])
+    state, rejection, final = _classify(r, contract)
+    p = Proposal(
+        proposal_id=r["proposal_id"],
+        run_id=r["run_id"],
+        tenant_id=r["tenant_id"],
+        created_at=None,
+        tool_name=r["tool_name"],
+        tool_version=r["tool_version"],
+        arguments=None,
+        idempotency_key=r["idempotency_key"],
+        trace_id=r["trace_id"],
+    )
+    d = Decision(
+        src,
+        Outcome.SETTLED,
+        Gate.RESULT,
+        p,
+        contract_name=r["tool_name"],
+        contract_version=r["tool_version"],
+        side_effect_class=SideEffectClass(r["side_effect_class"]),
+        rejection=rejection,
+        decided_at_ms=int(r["finished_at"]),
+        post_action_verification=bool(
+            contract and contract.post_action_verification_required and final.completed
+        ),
+        final=final,
+    )
+    return ResultInput(src, r, state, d)
+
+
+def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Rejection | None, Final]:
+    """The record's new state, the failure as the taxonomy says it, the final answer."""
+    attempt = int(r["attempt"])
+    tool = r["tool_name"]
+    compensating = r["idempotency_key"].startswith(COMPENSATION_PREFIX)
+    if r["outcome"] == "SUCCEEDED":
+        return "COMPLETED", None, Final(True, r.get("data"), attempt=attempt)
+    final = Final(False, r.get("data"), attempt=attempt)
+    detail = FieldError(None, r.get("error_message") or "the call failed", r.get("error_code")
+                        or "failed")  # fmt: skip
+    if r["outcome"] == "TIMED_OUT":
+        action = (
+            f"{tool} was not started before its deadline; nothing ran. Propose it again "
+            "with the same idempotency key, or tell the user it could not be done in time."
+        )
+        err = FieldError(None, "not started before the call's deadline", "deadline_passed")
+        return "EXPIRED", Rejection(_T.TIMEOUT, Gate.RESULT, (err,), action), final
+    if compensating:
+        action = (
+            f"The compensating call {tool} failed, so an earlier step stays committed. Do not "
+            "retry; tell the user an operator will reconcile it and call handoff_to_human."
+        )
+        rej = Rejection(_T.COMPENSATION_FAILED, Gate.RESULT, (detail,), action,
+                        ("handoff_to_human",))  # fmt: skip
+        return "FAILED_FINAL", rej, final
+    steps = list(r.get("committed_steps") or [])
+    if steps:
+        comp = contract.compensation_tool if contract else None
+        done = ", ".join(steps)
+        if comp and r.get("compensation_arguments"):
+            action = (
+                f"{tool} failed after committing {done}. The compensating call {comp} has "
+                "been proposed for you; do not retry this call. Wait for its result."
+            )
+        else:
+            action = (
+                f"{tool} failed after committing {done}, and no compensation can be run "
+                "automatically. Do not retry; call handoff_to_human so an operator reverses it."
+            )
+        err = FieldError(None, f"committed before the failure: {done}", "partially_committed")
+        rej = Rejection(_T.COMPENSATION_REQUIRED, Gate.RESULT, (detail, err), action)
+        return "FAILED_FINAL", rej, final
+    claimed = r.get("taxonomy_class")
+    if r.get("retryable"):
+        cls = _T.DEPENDENCY_UNAVAILABLE
+        action = (
+            f"{tool} failed on a temporary problem and nothing was committed. Retry the same "
+            "call with the same idempotency key after a short wait."
+        )
+        state = "FAILED_RETRYABLE"
+    else:
+        cls = _T.UNKNOWN_ERROR
+        action = f"{tool} failed and will fail again as it is. Do not retry it unchanged."
+        state = "FAILED_FINAL"
+    if claimed in _FAILURE_VALUES:
+        cls = _T(claimed)
+        action = f"{tool} refused the call: {detail.message}. " + _NEXT.get(cls, action)
+    return state, Rejection(cls, Gate.RESULT, (detail,), action), final
+
+
+_NEXT = {
+    _T.STALE_STATE: "Refresh with the lookup tool, then tell the user the actual state.",
+    _T.OUT_OF_BOUNDS: "Use an allowed value (check the current limits first).",
+    _T.SEMANTIC_INVALIDITY: "Call the lookup tool for the right id; never invent ids.",
+    _T.PERMISSION_DENIED: "Do not retry; tell the user, or hand off to a human.",
+}
+
+
+def cached_blob(d: Decision) -> str:
+    """What a retry with the same key gets back: the final answer, as stored in Redis."""
+    assert d.final is not None
+    rej = d.rejection
+    return orjson.dumps(
+        {
+            "class": rej.taxonomy.value if rej else _T.SUCCESS.value,
+            "data": d.final.data,
+            "attempt": d.final.attempt,
+            "next_action": rej.next_action if rej else "",
+            "errors": [{"field": e.field, "message": e.message, "code": e.code} for e in rej.errors]
+            if rej
+            else [],
+        }
+    ).decode()
+
+
+def settle_item(item: ResultInput, position: str, comp_key: str | None) -> tuple[str, Item]:
+    r = item.result
+    key = r["idempotency_key"]
+    compensates = key[len(COMPENSATION_PREFIX) :] if key.startswith(COMPENSATION_PREFIX) else None
+    return item.tenant_id, {
+        "kind": "result",
+        "pos": position,
+        "ikey": key,
+        "call": r["call_id"],
+        "result_id": r["result_id"],
+        "state": item.state,
+        "cached": cached_blob(item.decision),
+        "ttl": 7 * 86_400_000,
+        "compensation_key": comp_key,
+        "compensates": compensates,
+    }
+
+
+def wants_compensation(item: ResultInput, contracts: ContractSet) -> str | None:
+    """The compensation tool to propose for this result, if any."""
+    d = item.decision
+    if d.rejection is None or d.rejection.taxonomy is not _T.COMPENSATION_REQUIRED:
+        return None
+    r = item.result
+    contract = contracts.get(r["tool_name"], r["tool_version"])
+    if contract is None or not contract.compensation_tool or not r.get("compensation_arguments"):
+        return None
+    return contract.compensation_tool
+
+
+def compensation_proposal(item: ResultInput, tool: str, token: str | None) -> bytes:
+    """The compensating call, as a proposal envelope on ``tool.proposals``."""
+    r = item.result
+    key = compensation_key(r["idempotency_key"])
+    env: dict[str, Any] = {
+        "proposal_id": "comp_" + hashlib.sha256(key.encode()).hexdigest()[:24],
+        "created_at": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "tenant_id": r["tenant_id"],
+        "run_id": r["run_id"],
+        "tool": {"name": tool},
+        "arguments": orjson.loads(r["compensation_arguments"]),
+        "idempotency_key": key,
+        "logical_operation_id": key,
+    }
+    if token:
+        env["principal_token"] = token
+    return orjson.dumps(env)

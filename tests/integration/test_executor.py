@@ -1,0 +1,366 @@
+"""Executors against the real broker: approved calls on tool.exec.* in, results on
+tool.results out (read_committed), with the input offsets in the same transaction."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from confluent_kafka import Producer
+from prometheus_client import CollectorRegistry
+
+from processor.codec.avro import codec
+from processor.codec.records import decode_result
+from processor.config import Settings
+from processor.executor import Call, Executor, Failed, Handler, ReferenceUpdate, Succeeded
+from processor.support_executor import SupportStore
+from tests.integration.harness import ROOT, isolated, read_all, settings_env
+
+pytestmark = pytest.mark.integration
+
+TENANT = "acme"
+
+
+def approved_call(
+    tool: str,
+    arguments: dict[str, Any],
+    side_effect_class: str = "READ_ONLY",
+    deadline_in_ms: int = 60_000,
+    idempotency_key: str | None = None,
+) -> dict[str, Any]:
+    """An ApprovedCall datum as the processor writes it (``approved_call_record``)."""
+    now = int(time.time() * 1000)
+    canonical = orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS)
+    return {
+        "call_id": uuid.uuid4().hex,
+        "proposal_id": uuid.uuid4().hex,
+        "run_id": f"run-{uuid.uuid4().hex[:8]}",
+        "tenant_id": TENANT,
+        "trace_id": uuid.uuid4().hex,
+        "traceparent": None,
+        "tool_name": tool,
+        "tool_version": "1.0.0",
+        "side_effect_class": side_effect_class,
+        "arguments": canonical.decode(),
+        "payload_hash": "sha256:" + hashlib.sha256(canonical).hexdigest(),
+        "idempotency_key": idempotency_key or uuid.uuid4().hex,
+        "deadline": now + deadline_in_ms,
+        "created_at": now,
+        "attempt": 1,
+        "approval_ids": [],
+        "contract_set": "cs-test",
+    }
+
+
+def produce(settings: Settings, records: list[tuple[str, bytes | None, bytes]]) -> None:
+    """(topic, key, value) records, acknowledged by the broker before returning."""
+    producer = Producer(settings.client_config(**{"enable.idempotence": True}))
+    for topic, key, value in records:
+        producer.produce(topic, value, key)
+    assert producer.flush(30) == 0
+
+
+def send_calls(settings: Settings, calls: list[dict[str, Any]]) -> None:
+    produce(
+        settings,
+        [
+            (
+                settings.topics.execution(c["side_effect_class"]),
+                c["run_id"].encode(),
+                codec("approved_call").encode(c),
+            )
+            for c in calls
+        ],
+    )
+
+
+def drain(executor: Executor, records: int, timeout: float = 60) -> None:
+    """run_once until ``records`` input records are committed (the first polls also wait
+    for the group to assign the partitions)."""
+    done, deadline = 0, time.monotonic() + timeout
+    while done < records:
+        assert time.monotonic() < deadline, f"only {done} of {records} records committed"
+        done += executor.run_once(0.5)
+
+
+def results(settings: Settings, expect: int) -> dict[str, dict[str, Any]]:
+    """The committed results by call_id (a duplicate call_id would fail the count)."""
+    messages = read_all(settings, settings.topics.results, expect=expect, idle=1.0)
+    decoded = [(m.key(), decode_result(m.value())) for m in messages]
+    for key, r in decoded:
+        assert key == r["run_id"].encode()
+    out = {r["call_id"]: r for _, r in decoded}
+    assert len(decoded) == len(out) == expect, [r["call_id"] for _, r in decoded]
+    return out
+
+
+def executor(settings: Settings, handlers: dict[str, Handler], **kw: Any) -> Executor:
+    name = uuid.uuid4().hex[:8]
+    fast = settings.model_copy(
+        update={"consumer": {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}}
+    )
+    kw.setdefault("group_id", f"executor-{name}")
+    kw.setdefault("executor_id", name)
+    return Executor(fast, handlers, **kw)
+
+
+class Scenario:
+    """One executor run over a mix of calls; each test below checks one of them."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.seen: list[str] = []
+        self.ok = approved_call("lookup_order", {"order_id": "WO-12345-A"})
+        self.late = approved_call("lookup_order", {"order_id": "WO-24680-B"}, deadline_in_ms=-1)
+        self.boom = approved_call(
+            "search_kb", {"query": "card 4242 4242 4242 4242"}, "MEDIUM_RISK_WRITE"
+        )
+        self.partial = approved_call(
+            "refund_order", {"order_id": "WO-12345-A", "amount": 5}, "CRITICAL_MUTATION"
+        )
+        self.unknown = approved_call("archive_user", {"user_id": "U-1"}, "HIGH_RISK_EXTERNAL")
+        # Behind the undecodable records in the same partition (same key).
+        self.after_garbage = {
+            **approved_call("lookup_order", {"order_id": "WO-55555-B"}),
+            "run_id": "run-garbage",
+        }
+
+    def handlers(self) -> dict[str, Handler]:
+        def lookup(call: Call) -> Succeeded:
+            self.seen.append(call.call_id)
+            ref = ReferenceUpdate("order", call.arguments["order_id"], "seen", "CUS-1")
+            return Succeeded({"order_id": call.arguments["order_id"]}, (ref,))
+
+        def search(call: Call) -> Succeeded:
+            raise RuntimeError(f"cannot search for {call.arguments['query']}")
+
+        def refund(call: Call) -> Failed:
+            return Failed(
+                "failed_after_commit",
+                "refund issued, then the ledger call failed",
+                taxonomy_class="COMPENSATION_REQUIRED",
+                committed_steps=("refund_issued", "ledger_reserved"),
+                compensation_arguments={"refund_id": "RF-1", "amount": 5},
+            )
+
+        return {"lookup_order": lookup, "search_kb": search, "refund_order": refund}
+
+    def run(self) -> dict[str, dict[str, Any]]:
+        s = self.settings
+        calls = [self.ok, self.late, self.boom, self.partial, self.unknown]
+        send_calls(s, calls)
+        corrupt = codec("approved_call").header + b"\xff\xff\xff"
+        read_only = s.topics.execution("READ_ONLY")
+        garbage = [(read_only, b"run-garbage", b"not avro"), (read_only, b"run-garbage", corrupt)]
+        produce(s, garbage)
+        send_calls(s, [self.after_garbage])
+        registry = CollectorRegistry()
+        ex = executor(s, self.handlers(), metrics_registry=registry)
+        try:
+            drain(ex, len(calls) + 3)
+            assert ex.undecodable == 2
+            assert registry.get_sample_value("toolsentry_executor_undecodable_total") == 2
+            committed = {"result": "committed"}
+            assert registry.get_sample_value("toolsentry_executor_transactions_total", committed)
+        finally:
+            ex.close()
+        return results(s, len(calls) + 1)
+
+
+@pytest.fixture(scope="module")
+def scenario(stack_settings: Settings) -> Iterator[tuple[Scenario, dict[str, dict[str, Any]]]]:
+    sc = Scenario(isolated(stack_settings, f"exec-{uuid.uuid4().hex[:6]}"))
+    yield sc, sc.run()
+
+
+def test_a_success_carries_the_data_and_the_call(scenario: Any) -> None:
+    sc, out = scenario
+    r = out[sc.ok["call_id"]]
+    assert r["outcome"] == "SUCCEEDED" and r["retryable"] is False
+    assert orjson.loads(r["data"]) == {"order_id": "WO-12345-A"}
+    assert r["result_id"] == hashlib.sha256(f"{sc.ok['call_id']}/1".encode()).hexdigest()[:32]
+    for field in ("proposal_id", "run_id", "tenant_id", "trace_id", "tool_name",
+                  "tool_version", "side_effect_class", "idempotency_key", "payload_hash",
+                  "attempt", "contract_set"):  # fmt: skip
+        assert r[field] == sc.ok[field], field
+    assert r["error_code"] is r["taxonomy_class"] is r["compensation_arguments"] is None
+    assert r["committed_steps"] == []
+    assert sc.ok["created_at"] <= r["started_at"] <= r["finished_at"] <= time.time() * 1000
+
+
+def test_the_success_s_reference_update_is_published(scenario: Any) -> None:
+    sc, _ = scenario
+    refs = {
+        m.key(): orjson.loads(m.value())
+        for m in read_all(sc.settings, sc.settings.topics.reference, idle=1.0)
+    }
+    assert refs[b"acme/order/WO-12345-A"] == {"state": "seen", "owner": "CUS-1"}
+
+
+def test_a_call_past_its_deadline_times_out_without_running(scenario: Any) -> None:
+    sc, out = scenario
+    r = out[sc.late["call_id"]]
+    assert (r["outcome"], r["error_code"], r["taxonomy_class"]) == (
+        "TIMED_OUT",
+        "deadline_exceeded",
+        "TIMEOUT",
+    )
+    assert r["retryable"] is True and r["data"] is None
+    assert sc.late["call_id"] not in sc.seen
+    assert sc.ok["call_id"] in sc.seen
+
+
+def test_a_handler_exception_fails_closed_without_quoting_arguments(scenario: Any) -> None:
+    sc, out = scenario
+    r = out[sc.boom["call_id"]]
+    assert (r["outcome"], r["error_code"], r["taxonomy_class"], r["retryable"]) == (
+        "FAILED",
+        "handler_error",
+        "UNKNOWN_ERROR",
+        False,
+    )
+    assert r["error_message"] == "RuntimeError"
+
+
+def test_committed_steps_and_compensation_arguments_round_trip(scenario: Any) -> None:
+    sc, out = scenario
+    r = out[sc.partial["call_id"]]
+    assert r["outcome"] == "FAILED"
+    assert r["committed_steps"] == ["refund_issued", "ledger_reserved"]
+    assert orjson.loads(r["compensation_arguments"]) == {"refund_id": "RF-1", "amount": 5}
+    assert r["taxonomy_class"] == "COMPENSATION_REQUIRED"
+
+
+def test_a_tool_without_a_handler_fails_closed(scenario: Any) -> None:
+    sc, out = scenario
+    r = out[sc.unknown["call_id"]]
+    assert (r["outcome"], r["error_code"], r["retryable"]) == ("FAILED", "no_handler", False)
+
+
+def test_undecodable_records_are_skipped_and_the_executor_goes_on(scenario: Any) -> None:
+    sc, out = scenario
+    assert out[sc.after_garbage["call_id"]]["outcome"] == "SUCCEEDED"
+    assert sc.after_garbage["call_id"] in sc.seen
+
+
+# -- the support executor: a redelivered call is not applied twice ---------------------------
+
+
+def refunded_cents(store: SupportStore) -> int:
+    order = store.order(TENANT, "WO-24680-B")
+    assert order is not None
+    return int(order["refunded_cents"])
+
+
+class Crash(BaseException):
+    """Stands in for the process dying after the tool ran and before the commit."""
+
+
+def crash_after(handler: Handler, ran: list[str]) -> Handler:
+    """Runs the tool, then crashes the first time only."""
+
+    def run(call: Call) -> Succeeded | Failed:
+        answer = handler(call)
+        ran.append(call.call_id)
+        if len(ran) == 1:
+            raise Crash
+        return answer
+
+    return run
+
+
+@pytest.fixture
+def support(stack_settings: Settings, tmp_path: Path) -> Iterator[tuple[Settings, SupportStore]]:
+    s = isolated(stack_settings, f"exec-support-{uuid.uuid4().hex[:6]}")
+    store = SupportStore(tmp_path / "support.db")
+    store.seed([(f"{TENANT}/order/WO-24680-B", {"state": "delivered", "owner": "CUS-004211"})])
+    yield s, store
+    store.close()
+
+
+def test_a_redelivered_refund_is_applied_once(
+    support: tuple[Settings, SupportStore],
+) -> None:
+    s, store = support
+    args = {"order_id": "WO-24680-B", "amount": 19.99, "currency": "USD", "reason_code": "damaged"}
+    call = approved_call("refund_order", args, "CRITICAL_MUTATION")
+    send_calls(s, [call])
+    ran: list[str] = []
+    handlers = {**store.handlers(), "refund_order": crash_after(store.refund_order, ran)}
+    name = uuid.uuid4().hex[:8]
+    first = executor(s, handlers, group_id=f"executor-{name}", executor_id=name)
+    with pytest.raises(Crash):
+        drain(first, 1)
+    first.close()  # nothing committed: no result, no offsets
+    assert read_all(s, s.topics.results, idle=1.0) == []
+    assert refunded_cents(store) == 1999
+
+    # The same instance restarts: the call is delivered again and its handler runs again.
+    second = executor(s, handlers, group_id=f"executor-{name}", executor_id=name)
+    try:
+        drain(second, 1)
+    finally:
+        second.close()
+    assert ran == [call["call_id"]] * 2
+    r = results(s, 1)[call["call_id"]]
+    assert r["outcome"] == "SUCCEEDED"
+    assert orjson.loads(r["data"])["status"] == "settled"
+    assert refunded_cents(store) == 1999
+    assert store.db.execute("SELECT count(*) FROM refunds").fetchone()[0] == 1
+    refs = {m.key(): m.value() for m in read_all(s, s.topics.reference, idle=1.0)}
+    assert orjson.loads(refs[b"acme/order/WO-24680-B"])["attributes"]["refunded_amount"] == 19.99
+
+
+def test_the_same_call_routed_twice_is_applied_once(
+    support: tuple[Settings, SupportStore],
+) -> None:
+    s, store = support
+    args = {"order_id": "WO-24680-B", "amount": 5, "currency": "USD", "reason_code": "damaged"}
+    once = approved_call("refund_order", args, "CRITICAL_MUTATION")
+    twice = {**once, "call_id": uuid.uuid4().hex}  # a second record, the same operation
+    send_calls(s, [once, twice])
+    ex = executor(s, store.handlers())
+    try:
+        drain(ex, 2)
+    finally:
+        ex.close()
+    out = results(s, 2)
+    assert out[once["call_id"]]["data"] == out[twice["call_id"]]["data"]
+    assert refunded_cents(store) == 500
+
+
+def test_the_cli_runs_the_support_executor_until_sigterm(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    s = isolated(stack_settings, f"exec-cli-{uuid.uuid4().hex[:6]}")
+    name = uuid.uuid4().hex[:8]
+    env = settings_env(s, name)
+    db = tmp_path / "support.db"
+    log_path = tmp_path / "executor.log"
+    command = [sys.executable, "-m", "processor", "executor", "run", "--db", str(db),
+               "--seed-demo", TENANT, "--classes", "high_risk_external,read_only",
+               "--executor-id", name]  # fmt: skip
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        args = {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True}
+        call = approved_call("cancel_order", args, "HIGH_RISK_EXTERNAL")
+        send_calls(s, [call])
+        r = results(s, 1)[call["call_id"]]
+        assert r["outcome"] == "SUCCEEDED", r
+        assert orjson.loads(r["data"]) == {"order_id": "WO-12345-A", "status": "cancelled"}
+        refs = {m.key(): m.value() for m in read_all(s, s.topics.reference, idle=1.0)}
+        assert orjson.loads(refs[b"acme/order/WO-12345-A"])["state"] == "cancelled"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    assert code == 0, log_path.read_text()
