@@ -232,6 +232,22 @@ class ToolsentryClient:
                     raise ObservationTimeout(f"no final observation for {proposal_id}")
                 self._cond.wait(left)
 
+    def wait_result(self, proposal_id: str, timeout: float = 30.0) -> dict[str, Any]:
+        """The observation that says what the call finally did: COMPLETED or FAILED (from
+        its executor, or cached under its idempotency key), or the refusal that stopped it
+        before it ran."""
+        self._producer.flush(timeout)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for o in self._history.get(proposal_id, ()):
+                    if o["decision"] in ("COMPLETED", "FAILED", "REJECTED"):
+                        return o
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ObservationTimeout(f"no result for {proposal_id} in {timeout}s")
+                self._cond.wait(left)
+
     def history(self, proposal_id: str) -> list[dict[str, Any]]:
         with self._cond:
             return list(self._history.get(proposal_id, ()))

@@ -62,6 +62,12 @@ def compensation_key(idempotency_key: str) -> str:
     return COMPENSATION_PREFIX + idempotency_key
 
 
+def compensation_proposal_id(idempotency_key: str) -> str:
+    """The id of the compensating call proposed for the call under this key."""
+    key = compensation_key(idempotency_key)
+    return "comp_" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
 def result_dead_letter(src: SourceRecord, reason: str) -> Decision:
     return Decision(
         src, Outcome.DEAD_LETTER, Gate.RESULT, None, dlq_reason="result_invalid",
@@ -136,9 +142,10 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         comp = contract.compensation_tool if contract else None
         done = ", ".join(steps)
         if comp and r.get("compensation_arguments"):
+            pid = compensation_proposal_id(r["idempotency_key"])
             action = (
                 f"{tool} failed after committing {done}. The compensating call {comp} has "
-                "been proposed for you; do not retry this call. Wait for its result."
+                f"been proposed for you as {pid}; do not retry this call. Wait for its result."
             )
         else:
             action = (
@@ -226,7 +233,7 @@ def compensation_proposal(item: ResultInput, tool: str, token: str | None) -> by
     r = item.result
     key = compensation_key(r["idempotency_key"])
     env: dict[str, Any] = {
-        "proposal_id": "comp_" + hashlib.sha256(key.encode()).hexdigest()[:24],
+        "proposal_id": compensation_proposal_id(r["idempotency_key"]),
         "created_at": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "tenant_id": r["tenant_id"],
         "run_id": r["run_id"],

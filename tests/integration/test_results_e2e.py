@@ -1,0 +1,287 @@
+"""Calls to the end: executors' results, idempotency records and compensation.
+
+A processor (``toolsentry run``) decides; an executor built with ``processor.executor``
+runs the routed calls, driven batch by batch from the test so that "in flight" is a
+state the test controls rather than a race. Every assertion reads the committed
+topics or the processor's Redis records.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from processor.approval_flow import publish_approvals
+from processor.client import ToolsentryClient
+from processor.codec.records import decode_approved_call
+from processor.config import Settings
+from processor.executor import Call, Executor, Failed, Handler, Succeeded
+from processor.reference_data import publish_references, wait_until_loaded
+from processor.results import compensation_key, compensation_proposal_id
+from processor.state.admission import AdmissionStore
+from processor.state.connection import connect
+from tests.integration.harness import (
+    ProcessorProcess,
+    approval,
+    existing,
+    isolated,
+    read_all,
+    token,
+)
+
+pytestmark = pytest.mark.integration
+
+TENANT = "acme-res"
+CHARGE = {
+    "customer_id": "CUS-004211", "payment_method_id": "PM-7Q2K9X4M1A",
+    "order_id": "WO-55501-A", "amount": 12.5, "currency": "USD", "reason_code": "balance_due",
+}  # fmt: skip
+REFUND = {"order_id": "WO-55501-A", "amount": 12.5, "currency": "USD", "reason_code": "damaged"}
+
+
+@dataclass
+class Bench:
+    settings: Settings
+    client: ToolsentryClient
+    executor: Executor
+    store: AdmissionStore
+    calls: list[Call]
+    flaky_seen: set[str]
+
+    def drain(self, rounds: int = 3) -> None:
+        """Run the executor until it has found nothing new ``rounds`` times in a row."""
+        idle = 0
+        while idle < rounds:
+            idle = idle + 1 if self.executor.run_once(0.5) == 0 else 0
+
+    def propose(self, tool: str, args: dict[str, Any], **kw: Any) -> str:
+        kw.setdefault("run_id", f"run-{uuid.uuid4().hex[:10]}")
+        return self.client.propose(tool, args, **kw)
+
+    def routed(self, pid: str) -> dict[str, Any]:
+        obs = self.client.wait(pid, 60)
+        assert obs["decision"] == "ROUTED", (obs["gate"], obs["status"]["taxonomy_class"])
+        return obs
+
+    def result(self, pid: str) -> dict[str, Any]:
+        """Run the executor until the call's final observation arrives."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            self.executor.run_once(0.3)
+            for o in self.client.history(pid):
+                if o["decision"] in ("COMPLETED", "FAILED"):
+                    return o
+        raise AssertionError(f"no result for {pid}")
+
+    def exec_calls(self, cls: str) -> list[dict[str, Any]]:
+        topic = self.settings.topics.execution(cls)
+        return [decode_approved_call(m.value()) for m in read_all(self.settings, topic, idle=1)]
+
+
+def _handlers(calls: list[Call], flaky_seen: set[str]) -> dict[str, Handler]:
+    def record(fn: Handler) -> Handler:
+        def wrapped(call: Call) -> Succeeded | Failed:
+            calls.append(call)
+            return fn(call)
+
+        return wrapped
+
+    def lookup(call: Call) -> Succeeded | Failed:
+        return Succeeded({"order_id": call.arguments["order_id"], "status": "processing"})
+
+    def search(call: Call) -> Succeeded | Failed:
+        # Fails once per key on a temporary problem, then works.
+        if call.idempotency_key not in flaky_seen:
+            flaky_seen.add(call.idempotency_key)
+            return Failed("kb_unavailable", "the knowledge base timed out", retryable=True)
+        return Succeeded({"articles": [{"id": "KB-1", "title": "Returns"}]})
+
+    def charge(call: Call) -> Succeeded | Failed:
+        # The card is charged, then the receipt step fails: the charge must be undone.
+        undo = {"order_id": call.arguments["order_id"], "amount": call.arguments["amount"],
+                "currency": call.arguments["currency"], "reason_code": "damaged"}  # fmt: skip
+        return Failed("receipt_failed", "charged, but the receipt could not be stored",
+                      committed_steps=("card_charged",), compensation_arguments=undo)  # fmt: skip
+
+    def refund(call: Call) -> Succeeded | Failed:
+        if call.arguments["amount"] == 99.99:
+            return Failed("refund_declined", "the processor declined the refund")
+        return Succeeded({"refund_id": "RF-1", "status": "settled"})
+
+    return {
+        "lookup_order": record(lookup),
+        "search_kb": record(search),
+        "charge_customer_card_v2": record(charge),
+        "refund_order": record(refund),
+    }
+
+
+@pytest.fixture(scope="module")
+def bench(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bench]:
+    settings = isolated(stack_settings, "results")
+    logs: Path = tmp_path_factory.mktemp("results-logs")
+    proc = ProcessorProcess(settings, "results-1", logs).start().wait_ready()
+    refs = existing(TENANT, "lookup_order", {"order_id": "WO-55502-A"})
+    publish_references(settings, refs)
+    wait_until_loaded(settings)
+    calls: list[Call] = []
+    flaky: set[str] = set()
+    executor = Executor(settings, _handlers(calls, flaky), executor_id="results-exec")
+    client = ToolsentryClient(settings, TENANT, principal_token=token(settings, TENANT))
+    store = AdmissionStore(connect(settings.redis_url), settings.redis_namespace)
+    try:
+        yield Bench(settings, client, executor, store, calls, flaky)
+    finally:
+        client.close()
+        executor.close()
+        proc.terminate()
+
+
+def test_a_completed_call_is_answered_from_its_record_and_never_runs_twice(bench: Bench) -> None:
+    key = f"k-{uuid.uuid4().hex}"
+    args = {"order_id": "WO-55502-A"}
+    first = bench.propose("lookup_order", args, idempotency_key=key)
+    bench.routed(first)
+    # Still in flight: the executor has not run yet, so the same key waits.
+    again = bench.propose("lookup_order", args, idempotency_key=key)
+    busy = bench.client.wait(again, 60)
+    assert busy["status"]["taxonomy_class"] == "IDEMPOTENCY_CONFLICT"
+    assert busy["gate"] == "idempotency" and busy["retry_after_ms"] > 0
+    assert "retry with the same idempotency key" in busy["next_action"]
+    assert bench.store.record(TENANT, key)["state"] == "PENDING"
+
+    done = bench.result(first)
+    assert done["decision"] == "COMPLETED" and done["gate"] == "result"
+    assert done["status"]["taxonomy_class"] == "SUCCESS" and done["status"]["code"] == 200
+    assert done["execution_metadata"]["idempotency_hit"] is False
+    assert '"WO-55502-A"' in done["result_payload"]["data"]
+    assert bench.store.record(TENANT, key)["state"] == "COMPLETED"
+
+    retry = bench.propose("lookup_order", args, idempotency_key=key)
+    hit = bench.client.wait(retry, 60)
+    assert (hit["decision"], hit["gate"]) == ("COMPLETED", "idempotency")
+    assert hit["execution_metadata"]["idempotency_hit"] is True
+    assert hit["result_payload"]["data"] == done["result_payload"]["data"]
+
+    other = bench.client.wait(bench.propose("lookup_order", {"order_id": "WO-55503-A"},
+                                            idempotency_key=key), 60)  # fmt: skip
+    assert other["status"]["taxonomy_class"] == "SIGNATURE_MISMATCH"
+    assert [e["code"] for e in other["result_payload"]["errors"]] == ["idempotency_key_reused"]
+
+    bench.drain()
+    routed = [c for c in bench.exec_calls("READ_ONLY") if c["idempotency_key"] == key]
+    assert len(routed) == 1
+    assert [c.idempotency_key for c in bench.calls].count(key) == 1
+
+
+def test_a_temporary_failure_is_retryable_under_the_same_key(bench: Bench) -> None:
+    key = f"k-{uuid.uuid4().hex}"
+    args = {"query": "return window", "limit": 3}
+    run = f"run-{uuid.uuid4().hex[:10]}"
+    first = bench.propose("search_kb", args, idempotency_key=key, run_id=run)
+    bench.routed(first)
+    failed = bench.result(first)
+    assert failed["decision"] == "FAILED"
+    assert failed["status"]["taxonomy_class"] == "DEPENDENCY_UNAVAILABLE"
+    assert failed["status"]["retryable"] is True
+    assert "same idempotency key" in failed["next_action"]
+    assert bench.store.record(TENANT, key)["state"] == "FAILED_RETRYABLE"
+
+    second = bench.propose("search_kb", args, idempotency_key=key, run_id=run)
+    bench.routed(second)
+    done = bench.result(second)
+    assert done["decision"] == "COMPLETED"
+    assert done["execution_metadata"]["attempt_number"] == 2
+    record = bench.store.record(TENANT, key)
+    assert record["state"] == "COMPLETED" and record["attempt"] == "2"
+
+
+def test_a_call_past_its_deadline_times_out_and_may_run_again(bench: Bench) -> None:
+    key = f"k-{uuid.uuid4().hex}"
+    args = {"order_id": "WO-55502-A"}
+    first = bench.propose("lookup_order", args, idempotency_key=key)
+    bench.routed(first)
+    # With its clock an hour ahead, the executor sees the call past its deadline.
+    bench.executor.clock = lambda: time.time() + 3600
+    try:
+        deadline = time.monotonic() + 60
+        while not any(o["decision"] == "FAILED" for o in bench.client.history(first)):
+            assert time.monotonic() < deadline, bench.client.history(first)
+            bench.executor.run_once(0.3)
+    finally:
+        bench.executor.clock = time.time
+    timed_out = bench.client.wait_result(first)
+    assert timed_out["status"]["taxonomy_class"] == "TIMEOUT"
+    assert "nothing ran" in timed_out["next_action"]
+    assert bench.store.record(TENANT, key)["state"] == "EXPIRED"
+    assert key not in [c.idempotency_key for c in bench.calls]
+
+    retry = bench.propose("lookup_order", args, idempotency_key=key)
+    bench.routed(retry)
+    assert bench.result(retry)["decision"] == "COMPLETED"
+    assert bench.store.record(TENANT, key)["state"] == "COMPLETED"
+
+
+def _charge(bench: Bench, amount: float, order: str) -> tuple[str, str, dict[str, Any]]:
+    """A parked charge released by two approvers; returns (proposal, key, arguments)."""
+    key = f"k-{uuid.uuid4().hex}"
+    args = {**CHARGE, "amount": amount, "order_id": order}
+    publish_references(bench.settings, existing(TENANT, "charge_customer_card_v2", args))
+    wait_until_loaded(bench.settings)
+    run = f"run-{uuid.uuid4().hex[:10]}"
+    pid = bench.propose("charge_customer_card_v2", args, idempotency_key=key, run_id=run)
+    parked = bench.client.wait(pid, 60)
+    assert parked["decision"] == "PENDING_APPROVAL", parked["result_payload"]["errors"]
+    votes = [approval(bench.settings, who, parked) for who in ("ops-1", "ops-2")]
+    publish_approvals(bench.settings, run, votes)
+    # What the order system reports once the charge went through: a refund is possible.
+    refund = {**REFUND, "order_id": order}
+    publish_references(bench.settings, existing(TENANT, "refund_order", refund))
+    wait_until_loaded(bench.settings)
+    return pid, key, args
+
+
+def _release_compensation(bench: Bench, key: str) -> str:
+    comp = compensation_proposal_id(key)
+    parked = bench.client.wait(comp, 60)
+    # The compensating refund is a critical mutation too: it waits for its approvers.
+    assert parked["decision"] == "PENDING_APPROVAL", parked["result_payload"]["errors"]
+    votes = [approval(bench.settings, who, parked) for who in ("ops-1", "ops-2")]
+    publish_approvals(bench.settings, parked["run_id"], votes)
+    return comp
+
+
+def test_a_partial_failure_is_compensated_through_the_gates(bench: Bench) -> None:
+    pid, key, _ = _charge(bench, 12.5, "WO-55501-A")
+    failed = bench.result(pid)
+    assert failed["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
+    assert [e["code"] for e in failed["result_payload"]["errors"]] == [
+        "receipt_failed", "partially_committed",
+    ]  # fmt: skip
+    comp = compensation_proposal_id(key)
+    assert comp in failed["next_action"] and "refund_order" in failed["next_action"]
+
+    _release_compensation(bench, key)
+    done = bench.result(comp)
+    assert done["decision"] == "COMPLETED" and done["tool_identity"]["name"] == "refund_order"
+    assert bench.store.record(TENANT, key)["state"] == "COMPENSATED"
+    assert bench.store.record(TENANT, compensation_key(key))["state"] == "COMPLETED"
+    refunds = [c for c in bench.calls if c.tool_name == "refund_order"]
+    assert [c.idempotency_key for c in refunds].count(compensation_key(key)) == 1
+
+
+def test_a_failed_compensation_escalates(bench: Bench) -> None:
+    pid, key, _ = _charge(bench, 99.99, "WO-55504-A")
+    assert bench.result(pid)["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
+    comp = _release_compensation(bench, key)
+    failed = bench.result(comp)
+    assert failed["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
+    assert failed["status"]["escalate"] is True
+    assert failed["allowed_tools"] == ["handoff_to_human"]
+    assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
