@@ -27,7 +27,6 @@ from types import FrameType
 from typing import Any, cast
 
 import orjson
-import redis
 from confluent_kafka import (
     Consumer,
     KafkaError,
@@ -86,7 +85,7 @@ from processor.results import (
 )
 from processor.state.admission import AdmissionStore, Item
 from processor.state.approvals import ApprovalStore, retain_ms
-from processor.state.connection import connect
+from processor.state.connection import REDIS_ERRORS, connect
 from processor.state.references import ReferenceLoader, ReferenceStore
 
 logger = logging.getLogger(__name__)
@@ -375,7 +374,7 @@ class Processor:
         except KafkaException as exc:
             self._abort_and_rewind(consumer, producer, records, exc)
             return
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             # Parking failed after the outputs were produced: none of them may commit.
             with contextlib.suppress(KafkaException):
                 producer.abort_transaction(30)
@@ -416,7 +415,7 @@ class Processor:
             self._admit_releases(decisions, now_ms)
             faults.point("after_redis")
             return decisions
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise DependencyDown(f"redis: {exc}") from exc
 
     def _admit(
@@ -797,6 +796,9 @@ def _reused(d: Decision, approval_id: str | None) -> Decision:
     return d
 
 
+_SWEEP_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, KafkaException, BufferError)
+
+
 class ExpirySweeper(threading.Thread):
     """Publishes an expiry check for each parked call whose time is up.
 
@@ -834,8 +836,8 @@ class ExpirySweeper(threading.Thread):
                     )
                 producer.flush(10)
                 self.store.postpone(due, int(time.time() * 1000) + 30_000)
-            except (redis.RedisError, KafkaException, BufferError) as exc:
-                which = "redis" if isinstance(exc, redis.RedisError) else "kafka"
+            except _SWEEP_ERRORS as exc:
+                which = "redis" if isinstance(exc, REDIS_ERRORS) else "kafka"
                 self.metrics.dependency_errors.labels(which).inc()
                 logger.warning("expiry sweep failed: %s", exc)
         if producer is not None:

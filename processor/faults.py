@@ -5,6 +5,10 @@
 ``after_redis`` (the batch's Redis effects are applied, nothing produced yet) and
 ``before_commit`` (outputs produced, transaction not committed). Unset, ``point``
 is a dictionary lookup and nothing else.
+
+Before the kill, ``fault point <point>: SIGKILL`` is written straight to stderr
+(unbuffered, so it survives the kill): a crash test can tell which point killed the
+process, which its exit status (-9, as for any SIGKILL) does not say.
 """
 
 from __future__ import annotations
@@ -23,4 +27,5 @@ for part in filter(None, _SPEC.split(",")):
 def point(name: str) -> None:
     chance = _POINTS.get(name)
     if chance is not None and random.random() < chance:
+        os.write(2, f"fault point {name}: SIGKILL\n".encode())
         os.kill(os.getpid(), signal.SIGKILL)

@@ -130,7 +130,8 @@ def admission_item(
             grace=budgets.in_flight_grace_ms,
             ttl=rt.ttl_ms,
             park=d.outcome is Outcome.PARKED,
-            tok=p.principal_token or "",
+            # Kept only where a compensating call may have to be proposed in its name.
+            tok=(p.principal_token or "") if contract.compensation_tool else "",
         )
         return tenant, item
     if d.outcome is Outcome.REJECTED and d.rejection is not None:

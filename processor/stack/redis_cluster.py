@@ -42,9 +42,6 @@ class ClusterNodeService(RedisService):
             f"nodes-{self.port}.conf",
             "--cluster-port",
             str(self.bus_port),
-            # A stopped node is declared failed after this; short, since nothing fails over.
-            "--cluster-node-timeout",
-            "5000",
         ]
 
 

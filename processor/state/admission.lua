@@ -3,14 +3,19 @@
 --
 -- KEYS[1]  the tenant's key prefix, "<ns>:{<tenant>}"; every key below starts with
 --          it, so all of them share the tenant's cluster slot
--- ARGV[1]  JSON list of items, in the batch's order (see admission.py for the fields):
---          kind "call"   a proposal every earlier gate accepted (routed or parked)
---          kind "step"   a proposal an earlier gate refused (it still is a step of its run)
---          kind "result" an executor's result for a routed call
---          kind "release" a parked call its approvers released
--- ARGV[2]  how long a run's counters live (ms)
+-- ARGV[1]  JSON header: what every item shares (see admission.py, _header)
+-- ARGV[2]  JSON list of items, in the batch's order, each a positional list whose first
+--          element is its kind (see admission.py, _WIRE):
+--          1 call     a proposal every earlier gate accepted (routed or parked)
+--          2 step     a proposal an earlier gate refused (it still is a step of its run)
+--          3 result   an executor's result for a routed call
+--          4 release  a parked call its approvers released
+-- ARGV[3]  how long a run's counters live (ms)
 --
--- Returns a JSON list of verdicts, one per item.
+-- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
+-- "hit|<state>|<call>|<cached answer>", or a result's "settled[|tok|<token>]",
+-- "settled|compensated|<key>", "duplicate", "stale|<state>", "unknown". Short strings,
+-- not JSON: decoding and encoding are most of a script's cost per item.
 --
 -- Replay safety: every verdict is kept in the tenant's 'done' hash under its input
 -- record's position (topic/partition/offset) until the batch's Kafka transaction
@@ -18,76 +23,151 @@
 -- the first time, and no counter or record moves twice.
 
 local base = KEYS[1]
-local items = cjson.decode(ARGV[1])
-local run_ttl = tonumber(ARGV[2])
+local H = cjson.decode(ARGV[1])
+local items = cjson.decode(ARGV[2])
+local run_ttl = tonumber(ARGV[3])
 local done_key = base .. ':done'
 local out = {}
+
+local function opt(v) if v == '' or v == -1 or v == cjson.null then return nil end return v end
+
+-- Positional items to named fields, with what the header says for them.
+local function unwire(a)
+  local kind = a[1]
+  if kind == 1 then
+    local t = H.tools[a[4]]
+    return {kind = 'call', pos = a[2], run = a[3], tool = a[4], group = a[5], sig = a[6],
+            ikey = a[7], hash = a[8], call = a[9], deadline = a[10], park = a[11] == 1,
+            tok = a[12], cost = t[1], rate = t[2] > 0 and {t[2], t[3]} or nil, ttl = t[4],
+            class_budget = H.classes[a[5]] or 0, steps = H.steps, repeats = H.repeats,
+            cost_cap = H.cost_cap, day_cap = opt(H.day_cap), day = H.day, now = H.now,
+            grace = H.grace}
+  elseif kind == 2 then
+    return {kind = 'step', pos = a[2], run = a[3], sig = a[4], repair = a[5] == 1,
+            steps = H.steps, max_repairs = H.max_repairs}
+  elseif kind == 3 then
+    return {kind = 'result', pos = a[2], ikey = a[3], call = a[4], result_id = a[5],
+            state = a[6], cached = a[7], ttl = a[8], compensation_key = opt(a[9]),
+            compensates = opt(a[10])}
+  end
+  return {kind = 'release', pos = a[2], run = a[3], ikey = a[4], hash = a[5], call = a[6],
+          deadline = a[7], ttl = a[8]}
+end
+
+local function encode(v)
+  if v.status then
+    if v.tok then return 'settled|tok|' .. v.tok end
+    if v.compensated then return 'settled|compensated|' .. v.compensated end
+    if v.state then return v.status .. '|' .. v.state end
+    return v.status
+  end
+  if v.ok then return 'ok|' .. (v.attempt or 0) end
+  if v.why == 'idempotent_hit' then
+    return 'hit|' .. v.state .. '|' .. v.call .. '|' .. (v.cached or '')
+  end
+  return 'no|' .. v.why .. '|' .. string.format('%d', v.retry_after_ms or 0)
+end
 
 -- Lua's stack bounds unpack(): long lists go to Redis in chunks.
 local CHUNK = 1000
 local earlier = {}
 for first = 1, #items, CHUNK do
   local positions = {}
-  for i = first, math.min(first + CHUNK - 1, #items) do positions[#positions + 1] = items[i].pos end
+  for i = first, math.min(first + CHUNK - 1, #items) do positions[#positions + 1] = items[i][2] end
   local got = redis.call('HMGET', done_key, unpack(positions))
   for k = 1, #positions do earlier[first + k - 1] = got[k] end
 end
 
 local FINAL = {COMPLETED = true, FAILED_FINAL = true, COMPENSATED = true}
 local RETRYABLE = {FAILED_RETRYABLE = true, EXPIRED = true}
-local touched = {}
+
+-- A run's counters (steps, class:<group>, cost, sig:<signature>, repairs, bad:<signature>),
+-- a tool's GCRA arrival time and a day's cost are read once per script call, kept here
+-- while the batch is decided, and written back once at the end.
+local runs, run_dirty = {}, {}
+local tats, tat_ttl = {}, {}
+local days, day_dirty = {}, {}
+
+local function run_of(id)
+  local counters = runs[id]
+  if not counters then
+    counters = {}
+    local flat = redis.call('HGETALL', base .. ':run:' .. id)
+    for i = 1, #flat, 2 do counters[flat[i]] = tonumber(flat[i + 1]) end
+    runs[id] = counters
+    run_dirty[id] = {}
+  end
+  return counters
+end
+
+local function bump(id, field, by)
+  local counters = run_of(id)
+  counters[field] = (counters[field] or 0) + by
+  run_dirty[id][field] = true
+end
+
+local function day_cost(day)
+  if days[day] == nil then
+    days[day] = tonumber(redis.call('HGET', base .. ':day:' .. day, 'cost') or '0')
+  end
+  return days[day]
+end
+
+local function tat_of(tool)
+  if tats[tool] == nil then tats[tool] = tonumber(redis.call('GET', base .. ':rl:' .. tool) or '0') end
+  return tats[tool]
+end
 
 local function refuse(why, retry_after)
   return {ok = false, why = why, retry_after_ms = retry_after or 0}
 end
 
-local function count_step(run_key)
-  redis.call('HINCRBY', run_key, 'steps', 1)
-  touched[run_key] = true
-end
-
 -- The budgets and the rate limit of an admissible call; nil when it may go.
 -- `charged`: the call was charged when it was parked, and is only being released now.
-local function limits(c, run_key, v, charged)
-  local steps, in_class, cost, repeats = v.steps, v.in_class, v.cost, v.repeats
-  if steps >= c.steps then return refuse('step_cap') end
-  if repeats >= c.repeats then return refuse('loop') end
+local function limits(c, counters, charged)
+  if (counters.steps or 0) >= c.steps then return refuse('step_cap') end
+  if (counters['sig:' .. c.sig] or 0) >= c.repeats then return refuse('loop') end
   if charged then return nil end
-  if in_class >= c.class_budget then return refuse('class_budget') end
-  if cost + c.cost > c.cost_cap then return refuse('cost_cap') end
-  if c.day_cap ~= cjson.null then
-    local spent = tonumber(redis.call('HGET', base .. ':day:' .. c.day, 'cost') or '0')
-    if spent + c.cost > c.day_cap then return refuse('day_cost_cap') end
+  if (counters['class:' .. c.group] or 0) >= c.class_budget then return refuse('class_budget') end
+  if (counters.cost or 0) + c.cost > c.cost_cap then return refuse('cost_cap') end
+  if c.day_cap and day_cost(c.day) + c.cost > c.day_cap then
+    return refuse('day_cost_cap')
   end
-  if c.rate ~= cjson.null then
+  if c.rate then
     local interval, burst = c.rate[1], c.rate[2]
-    local tat = tonumber(redis.call('GET', base .. ':rl:' .. c.tool) or '0')
-    local new_tat = math.max(tat, c.now) + interval
+    local new_tat = math.max(tat_of(c.tool), c.now) + interval
     local allow_at = new_tat - interval * burst
     if c.now < allow_at then return refuse('rate_limited', allow_at - c.now) end
-    v.new_tat = new_tat
   end
   return nil
 end
 
+local function charge(c)
+  bump(c.run, 'class:' .. c.group, 1)
+  bump(c.run, 'cost', c.cost)
+  if c.day_cap and c.cost > 0 then
+    days[c.day] = day_cost(c.day) + c.cost
+    day_dirty[c.day] = true
+  end
+  if c.rate then
+    tats[c.tool] = math.max(tat_of(c.tool), c.now) + c.rate[1]
+    tat_ttl[c.tool] = math.max(tat_ttl[c.tool] or 0, c.rate[1] * c.rate[2] * 2)
+  end
+end
+
 local function admit_call(c)
-  local run_key = base .. ':run:' .. c.run
-  local class_field = 'class:' .. c.group
-  local sig_field = 'sig:' .. c.sig
-  local r = redis.call('HMGET', run_key, 'steps', class_field, 'cost', sig_field)
-  local v = {steps = tonumber(r[1] or '0'), in_class = tonumber(r[2] or '0'),
-             cost = tonumber(r[3] or '0'), repeats = tonumber(r[4] or '0')}
+  local counters = run_of(c.run)
   local idem_key = base .. ':idem:' .. c.ikey
   local rec = redis.call('HMGET', idem_key, 'state', 'hash', 'call', 'deadline', 'awaiting',
                          'attempt', 'cached')
   local state, attempt, charged = rec[1], tonumber(rec[6] or '0'), false
   if state then
     if rec[2] ~= c.hash then
-      count_step(run_key)
+      bump(c.run, 'steps', 1)
       return refuse('signature_mismatch')
     end
     if FINAL[state] then
-      count_step(run_key)
+      bump(c.run, 'steps', 1)
       return {ok = false, why = 'idempotent_hit', state = state, call = rec[3], cached = rec[7]}
     end
     if state == 'PENDING' then
@@ -95,54 +175,42 @@ local function admit_call(c)
       if rec[5] == '1' and not c.park then
         charged = true             -- the parked call, now resubmitted with its approvals
       elseif c.now < deadline + c.grace then
-        count_step(run_key)
+        bump(c.run, 'steps', 1)
         return refuse('in_flight', deadline + c.grace - c.now)
       end
       -- else: the deadline and the grace period passed with no result; by rule the
       -- key is retryable, as if the call had expired
     elseif not RETRYABLE[state] then
-      count_step(run_key)
+      bump(c.run, 'steps', 1)
       return refuse('signature_mismatch')
     end
   end
-  local refusal = limits(c, run_key, v, charged)
-  if refusal then
-    count_step(run_key)
-    return refusal
-  end
-  redis.call('HSET', run_key, 'steps', v.steps + 1, sig_field, v.repeats + 1)
-  if not charged then
-    redis.call('HSET', run_key, class_field, v.in_class + 1, 'cost', v.cost + c.cost)
-    if c.day_cap ~= cjson.null and c.cost > 0 then
-      local day_key = base .. ':day:' .. c.day
-      redis.call('HINCRBYFLOAT', day_key, 'cost', c.cost)
-      redis.call('PEXPIRE', day_key, 2 * 86400000)
-    end
-    if v.new_tat then
-      redis.call('SET', base .. ':rl:' .. c.tool, v.new_tat, 'PX', c.rate[1] * c.rate[2] * 2)
-    end
-  end
-  touched[run_key] = true
+  local refusal = limits(c, counters, charged)
+  bump(c.run, 'steps', 1)
+  if refusal then return refusal end
+  bump(c.run, 'sig:' .. c.sig, 1)
+  if not charged then charge(c) end
   local next_attempt = charged and math.max(attempt, 1) or attempt + 1
   redis.call('HSET', idem_key, 'state', 'PENDING', 'hash', c.hash, 'call', c.call,
              'deadline', c.deadline, 'awaiting', c.park and '1' or '0',
-             'attempt', next_attempt, 'run', c.run, 'tok', c.tok or '')
-  redis.call('HDEL', idem_key, 'cached', 'result')
+             'attempt', next_attempt, 'run', c.run, 'tok', c.tok)
+  if state then redis.call('HDEL', idem_key, 'cached', 'result') end
   redis.call('PEXPIRE', idem_key, c.ttl)
   return {ok = true, attempt = next_attempt}
 end
 
 local function admit_step(c)
-  local run_key = base .. ':run:' .. c.run
-  local r = redis.call('HMGET', run_key, 'steps', 'repairs', 'bad:' .. c.sig)
-  local steps, repairs, same = tonumber(r[1] or '0'), tonumber(r[2] or '0'), tonumber(r[3] or '0')
-  touched[run_key] = true
+  local counters = run_of(c.run)
+  local steps = counters.steps or 0
+  bump(c.run, 'steps', 1)
   if not c.repair then
-    redis.call('HSET', run_key, 'steps', steps + 1)
     if steps >= c.steps then return refuse('step_cap') end
     return {ok = true}
   end
-  redis.call('HSET', run_key, 'steps', steps + 1, 'repairs', repairs + 1, 'bad:' .. c.sig, same + 1)
+  local same = counters['bad:' .. c.sig] or 0
+  local repairs = counters.repairs or 0
+  bump(c.run, 'repairs', 1)
+  bump(c.run, 'bad:' .. c.sig, 1)
   if steps >= c.steps then return refuse('step_cap') end
   if same >= 1 then return refuse('repair_loop') end
   if repairs >= c.max_repairs then return refuse('repair_cap') end
@@ -163,13 +231,13 @@ local function settle(c)
   redis.call('HDEL', idem_key, 'tok')
   redis.call('PEXPIRE', idem_key, c.ttl)
   local verdict = {status = 'settled'}
-  if c.compensation_key ~= cjson.null then
+  if c.compensation_key then
     -- The compensating call is proposed under this key; the original is compensated
     -- once that call completes.
     redis.call('HSET', idem_key, 'compensation', c.compensation_key)
     verdict.tok = rec[4]
   end
-  if c.compensates ~= cjson.null and c.state == 'COMPLETED' then
+  if c.compensates and c.state == 'COMPLETED' then
     local orig_key = base .. ':idem:' .. c.compensates
     if redis.call('HGET', orig_key, 'compensation') == c.ikey then
       redis.call('HSET', orig_key, 'state', 'COMPENSATED')
@@ -197,10 +265,11 @@ local function release(c)
 end
 
 local fresh = {}
-for i, c in ipairs(items) do
+for i, a in ipairs(items) do
   if earlier[i] then
-    out[i] = cjson.decode(earlier[i])
+    out[i] = earlier[i]
   else
+    local c = unwire(a)
     local verdict
     if c.kind == 'call' then
       verdict = admit_call(c)
@@ -211,15 +280,30 @@ for i, c in ipairs(items) do
     else
       verdict = settle(c)
     end
+    local text = encode(verdict)
     fresh[#fresh + 1] = c.pos
-    fresh[#fresh + 1] = cjson.encode(verdict)
-    out[i] = verdict
+    fresh[#fresh + 1] = text
+    out[i] = text
   end
 end
 for first = 1, #fresh, 2 * CHUNK do
   redis.call('HSET', done_key, unpack(fresh, first, math.min(first + 2 * CHUNK - 1, #fresh)))
 end
-for run_key in pairs(touched) do
+for id, fields in pairs(run_dirty) do
+  local flat = {}
+  for field in pairs(fields) do
+    flat[#flat + 1] = field
+    flat[#flat + 1] = runs[id][field]
+  end
+  local run_key = base .. ':run:' .. id
+  if #flat > 0 then redis.call('HSET', run_key, unpack(flat)) end
   redis.call('PEXPIRE', run_key, run_ttl)
 end
-return cjson.encode(out)
+for tool, ttl in pairs(tat_ttl) do
+  redis.call('SET', base .. ':rl:' .. tool, tats[tool], 'PX', ttl)
+end
+for day in pairs(day_dirty) do
+  redis.call('HSET', base .. ':day:' .. day, 'cost', days[day])
+  redis.call('PEXPIRE', base .. ':day:' .. day, 2 * 86400000)
+end
+return out

@@ -59,9 +59,7 @@ def rate_of(window_sec: int, max_requests: int) -> tuple[int, int] | None:
 
 
 class AdmissionStore:
-    def __init__(
-        self, client: RedisClient, ns: str = "ts", run_ttl_ms: int = RUN_TTL_MS
-    ) -> None:
+    def __init__(self, client: RedisClient, ns: str = "ts", run_ttl_ms: int = RUN_TTL_MS) -> None:
         self.client = client
         self.ns = ns
         self.run_ttl_ms = run_ttl_ms
@@ -80,21 +78,25 @@ class AdmissionStore:
             if forget:
                 self.forget(forget)
             return []
-        by_tenant: dict[str, list[int]] = defaultdict(list)
-        for i, (tenant, _) in enumerate(items):
-            by_tenant[tenant].append(i)
+        segments = _segments(items)
         pipe = self.client.pipeline(transaction=False)
         n_forget = self._queue_forget(pipe, forget or [])
-        tenants = list(by_tenant)
         calls = [
-            ([self._base(t)], [orjson.dumps([items[i][1] for i in by_tenant[t]]), self.run_ttl_ms])
-            for t in tenants
+            (
+                [self._base(tenant)],
+                [
+                    orjson.dumps(header),
+                    orjson.dumps([_wire(items[i][1]) for i in owners]),
+                    self.run_ttl_ms,
+                ],
+            )  # fmt: skip
+            for tenant, header, owners in segments
         ]
         out: list[Verdict] = [{} for _ in items]
         replies = run_scripts(self.client, _SCRIPT, calls, pipe)[n_forget:]
-        for tenant, reply in zip(tenants, replies, strict=True):
-            for i, v in zip(by_tenant[tenant], orjson.loads(reply), strict=True):
-                out[i] = v
+        for (_, _, owners), reply in zip(segments, replies, strict=True):
+            for i, text in zip(owners, reply, strict=True):
+                out[i] = parse_verdict(text)
         return out
 
     def apply_one_by_one(self, items: list[tuple[str, Item]]) -> list[Verdict]:
@@ -133,6 +135,105 @@ class AdmissionStore:
 
     def day_cost(self, tenant: str, day: str) -> float:
         return float(self.client.hget(f"{self._base(tenant)}:day:{day}", "cost") or 0)
+
+
+_CONSTANTS = ("now", "day", "steps", "repeats", "grace", "cost_cap", "day_cap")
+"""What every call of a tenant's batch shares (one policy, one clock): sent once."""
+
+
+def _segments(items: list[tuple[str, Item]]) -> list[tuple[str, dict[str, Any], list[int]]]:
+    """Items grouped by tenant, in order, with the header their script call shares.
+
+    A tenant's items whose shared values differ (never in the processor: one policy and
+    one clock per batch) start a new segment, in order, so nothing is decided with
+    another item's limits."""
+    segments: list[tuple[str, dict[str, Any], list[int]]] = []
+    current: dict[str, tuple[str, dict[str, Any], list[int]]] = {}
+    for i, (tenant, item) in enumerate(items):
+        seg = current.get(tenant)
+        if seg is None or not _fits(seg[1], item):
+            seg = (tenant, {"classes": {}, "tools": {}}, [])
+            segments.append(seg)
+            current[tenant] = seg
+        _absorb(seg[1], item)
+        seg[2].append(i)
+    return segments
+
+
+def _fits(header: dict[str, Any], item: Item) -> bool:
+    kind = item["kind"]
+    if kind == "call":
+        if any(k in header and header[k] != item[k] for k in _CONSTANTS):
+            return False
+        if header["classes"].get(item["group"], item["class_budget"]) != item["class_budget"]:
+            return False
+        tool = header["tools"].get(item["tool"])
+        return tool is None or tool == _tool(item)
+    if kind == "step":
+        return all(header.get(k, item[k]) == item[k] for k in ("steps", "max_repairs"))
+    return True
+
+
+def _tool(item: Item) -> list[Any]:
+    interval, burst = item["rate"] or (0, 0)
+    return [item["cost"], interval, burst, item["ttl"]]
+
+
+def _absorb(header: dict[str, Any], item: Item) -> None:
+    kind = item["kind"]
+    if kind == "call":
+        for k in _CONSTANTS:
+            header[k] = item[k]
+        if header["day_cap"] is None:
+            header["day_cap"] = -1
+        header["classes"][item["group"]] = item["class_budget"]
+        header["tools"][item["tool"]] = _tool(item)
+    elif kind == "step":
+        header["steps"] = item["steps"]
+        header["max_repairs"] = item["max_repairs"]
+    header.setdefault("max_repairs", 0)
+
+
+def _wire(item: Item) -> list[Any]:
+    """An item as the positional list the script reads (see admission.lua, unwire)."""
+    kind = item["kind"]
+    if kind == "call":
+        return [1, item["pos"], item["run"], item["tool"], item["group"], item["sig"],
+                item["ikey"], item["hash"], item["call"], item["deadline"],
+                1 if item["park"] else 0, item["tok"]]  # fmt: skip
+    if kind == "step":
+        return [2, item["pos"], item["run"], item["sig"], 1 if item["repair"] else 0]
+    if kind == "result":
+        return [3, item["pos"], item["ikey"], item["call"], item["result_id"], item["state"],
+                item["cached"], item["ttl"], item["compensation_key"] or "",
+                item["compensates"] or ""]  # fmt: skip
+    return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
+            item["deadline"], item["ttl"]]  # fmt: skip
+
+
+def parse_verdict(raw: bytes | str) -> Verdict:
+    """A verdict string from the script (see admission.lua, encode) as a dict."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    head, _, rest = text.partition("|")
+    if head == "ok":
+        return {"ok": True, "attempt": int(rest)} if rest and rest != "0" else {"ok": True}
+    if head == "no":
+        why, _, wait = rest.partition("|")
+        return {"ok": False, "why": why, "retry_after_ms": int(wait or 0)}
+    if head == "hit":
+        state, call, cached = rest.split("|", 2)
+        return {"ok": False, "why": "idempotent_hit", "state": state, "call": call,
+                "cached": cached}  # fmt: skip
+    if head == "settled":
+        what, _, value = rest.partition("|")
+        if what == "tok":
+            return {"status": "settled", "tok": value}
+        if what == "compensated":
+            return {"status": "settled", "compensated": value}
+        return {"status": "settled"}
+    if head == "stale":
+        return {"status": "stale", "state": rest}
+    return {"status": head}
 
 
 def call_item(**fields: Any) -> Item:

@@ -11,7 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, TopicPartition
+import redis
+import yaml
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from processor.approvals import load_private_key, sign_for_request
 from processor.client import ToolsentryClient
@@ -20,6 +23,9 @@ from processor.config import Settings, Topics
 from processor.contracts.registry import load_contracts
 from processor.identity import TokenIssuer
 from processor.kafka.topics import ensure_topics
+from processor.policy import load_policy
+from processor.stack.local import free_ports
+from processor.stack.redis import ensure_redis_server, ping
 from tests.unit.helpers import existing_references
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,8 +143,11 @@ class ProcessorProcess:
         self.log_path = log_dir / f"processor-{instance_id}.log"
         self.env = settings_env(settings, instance_id, **env)
         self.proc: subprocess.Popen[bytes] | None = None
+        self._life_starts_at = 0
+        """Where in the log the latest start() began: a restarted instance appends to it."""
 
     def start(self) -> ProcessorProcess:
+        self._life_starts_at = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "processor", "run"],
@@ -151,9 +160,9 @@ class ProcessorProcess:
         return self
 
     def wait_ready(self, timeout: float = 60) -> ProcessorProcess:
-        """Until the instance has joined the group and owns partitions."""
+        """Until the instance, as (re)started last, has joined the group and owns partitions."""
         deadline = time.monotonic() + timeout
-        while "assigned [" not in self.log():
+        while "assigned [" not in self.life_log():
             if not self.alive() or time.monotonic() > deadline:
                 raise AssertionError(
                     f"processor {self.instance_id} not ready:\n{self.log()[-3000:]}"
@@ -177,18 +186,110 @@ class ProcessorProcess:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit status of the latest start() (None while it runs; -9 after a SIGKILL)."""
+        return None if self.proc is None else self.proc.poll()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def life_log(self) -> str:
+        """The log written since the latest start(): one life of a restarted instance."""
+        if not self.log_path.exists():
+            return ""
+        with self.log_path.open("rb") as f:
+            f.seek(self._life_starts_at)
+            return f.read().decode(errors="replace")
+
+
+class GroupLag:
+    """How many records of ``tool.proposals`` the processors' group has yet to commit:
+    0 once every proposal produced so far is decided (and its transaction committed)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.admin = AdminClient(settings.client_config())
+
+    def __call__(self) -> int:
+        topic = self.settings.topics.proposals
+        meta = self.admin.list_topics(topic, timeout=10)
+        parts = [TopicPartition(topic, p) for p in meta.topics[topic].partitions]
+        request = [ConsumerGroupTopicPartitions(self.settings.group_id, parts)]
+        [offsets] = self.admin.list_consumer_group_offsets(request).values()
+        committed = {tp.partition: tp.offset for tp in offsets.result(10).topic_partitions}
+        ends = self.admin.list_offsets({tp: OffsetSpec.latest() for tp in parts})
+        return sum(
+            end.result(10).offset - max(committed.get(tp.partition, 0), 0)
+            for tp, end in ends.items()
+        )
+
+
+class RedisServer:
+    """A redis-server of the test's own on a free port, to stop and start again.
+
+    ``args`` are extra redis-server options (persistence, say); ``dir`` is its data
+    dir, kept across restarts."""
+
+    def __init__(self, data_dir: Path, *args: str) -> None:
+        (self.port,) = free_ports(1)
+        self.data_dir = data_dir
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.args = [ensure_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+                     "--dir", str(data_dir), *args]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+    def start(self, timeout: float = 20) -> RedisServer:
+        """Start it and wait until it answers PING (after loading its data, if any)."""
+        log = (self.data_dir / "redis.log").open("ab")
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while (why := ping(self.port, 0.5)) is not None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"redis-server on {self.port} did not start: {why}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM (what SHUTDOWN does: persist, then exit); returns once the process is gone."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def policy_with_budgets(path: Path, budgets: dict[str, Any]) -> Path:
+    """The shipped policy with these ``budgets`` merged over its own, written to ``path``
+    (checked by the processor's own loader, so a typo fails here, not in a subprocess)."""
+    doc = yaml.safe_load((ROOT / "policy" / "policy.yaml").read_text())
+    doc["budgets"] = {**doc["budgets"], **budgets}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    load_policy(path)
+    return path
 
 
 def read_all(
     settings: Settings,
-    topic: str,
+    topic: str | list[str],
     timeout: float = 30.0,
     idle: float = 3.0,
     expect: int | None = None,
 ) -> list[Any]:
-    """Every committed record on ``topic`` (read_committed), from the beginning.
+    """Every committed record on ``topic`` (read_committed), from the beginning; ``topic``
+    may be a list, read together (one quiet period for all of them, not one each).
 
     Stops once ``expect`` records are in and the topic has stayed quiet for
     ``idle`` seconds, or when nothing new arrives for ``idle`` seconds and no
@@ -204,8 +305,11 @@ def read_all(
             }
         )
     )
-    meta = consumer.list_topics(topic, timeout=10)
-    consumer.assign([TopicPartition(topic, p, 0) for p in meta.topics[topic].partitions])
+    assignment = []
+    for name in [topic] if isinstance(topic, str) else topic:
+        meta = consumer.list_topics(name, timeout=10)
+        assignment += [TopicPartition(name, p, 0) for p in meta.topics[name].partitions]
+    consumer.assign(assignment)
     out: list[Any] = []
     deadline = time.monotonic() + timeout
     last_new = time.monotonic()

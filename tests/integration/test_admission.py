@@ -1,0 +1,300 @@
+"""Admission against a real redis-server and a real 3-master Redis Cluster: every budget
+and limit at its boundary, every idempotency state transition, replays after an aborted
+transaction, and racing processors."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import orjson
+import pytest
+
+from processor.state.admission import AdmissionStore, Item, Verdict, call_item, rate_of
+from processor.state.connection import connect
+
+pytestmark = pytest.mark.integration
+
+NOW = 1_800_000_000_000
+TENANT = "acme"
+
+
+@pytest.fixture
+def store(redis_backend: str) -> Iterator[AdmissionStore]:
+    yield AdmissionStore(connect(redis_backend), f"adm-{uuid.uuid4().hex[:8]}")
+
+
+_pos = iter(range(10**9))
+
+
+def call(**kw: Any) -> tuple[str, Item]:
+    """A call with generous limits unless told otherwise; its own key and signature."""
+    fields: dict[str, Any] = {
+        "pos": f"t/0/{next(_pos)}", "run": "run-1", "tool": "search_kb", "group": "read",
+        "cost": 0.0, "sig": uuid.uuid4().hex, "now": NOW, "rate": None, "steps": 1000,
+        "class_budget": 1000, "cost_cap": 1e9, "day_cap": None, "day": "20270115",
+        "repeats": 1000, "ikey": uuid.uuid4().hex, "hash": "h1", "call": uuid.uuid4().hex,
+        "deadline": NOW + 8000, "grace": 1000, "ttl": 3_600_000, "park": False, "tok": "",
+    }  # fmt: skip
+    tenant = kw.pop("tenant", TENANT)
+    fields.update(kw)
+    return tenant, call_item(**fields)
+
+
+def step(sig: str = "bad", repair: bool = True, **kw: Any) -> tuple[str, Item]:
+    item = {"kind": "step", "pos": f"t/0/{next(_pos)}", "run": "run-1", "sig": sig,
+            "steps": 1000, "repair": repair, "max_repairs": 3}  # fmt: skip
+    item.update(kw)
+    return TENANT, item
+
+
+def result(
+    of: tuple[str, Item], state: str = "COMPLETED", result_id: str | None = None, **kw: Any
+) -> tuple[str, Item]:
+    tenant, c = of
+    item = {"kind": "result", "pos": f"r/0/{next(_pos)}", "ikey": c["ikey"], "call": c["call"],
+            "result_id": result_id or uuid.uuid4().hex, "state": state,
+            "cached": orjson.dumps({"class": "SUCCESS", "data": '{"n":1}'}).decode(),
+            "ttl": 3_600_000, "compensation_key": None, "compensates": None}  # fmt: skip
+    item.update(kw)
+    return tenant, item
+
+
+def whys(verdicts: list[Verdict]) -> list[str | None]:
+    return [None if v.get("ok") else v.get("why") for v in verdicts]
+
+
+# -- budgets and limits ------------------------------------------------------------------------
+
+
+def test_the_nth_step_is_allowed_and_the_next_refused(store: AdmissionStore) -> None:
+    verdicts = store.apply([call(steps=12) for _ in range(13)])
+    assert whys(verdicts) == [None] * 12 + ["step_cap"]
+    assert store.run_counters(TENANT, "run-1")["steps"] == 13  # refused proposals count too
+    # A refused proposal of the same run is a step as well, and is stopped at the cap.
+    assert whys(store.apply([step(repair=False, steps=12)])) == ["step_cap"]
+
+
+def test_class_budgets_and_a_zero_budget(store: AdmissionStore) -> None:
+    writes = store.apply([call(group="write", class_budget=5) for _ in range(6)])
+    assert whys(writes) == [None] * 5 + ["class_budget"]
+    assert whys(store.apply([call(group="critical", class_budget=0)])) == ["class_budget"]
+    reads = store.apply([call(group="read", class_budget=30) for _ in range(3)])
+    assert whys(reads) == [None] * 3  # another group's budget is its own
+
+
+def test_the_cost_caps_count_what_was_allowed(store: AdmissionStore) -> None:
+    verdicts = store.apply([call(cost=4.0, cost_cap=10.0) for _ in range(3)])
+    assert whys(verdicts) == [None, None, "cost_cap"]
+    assert store.run_counters(TENANT, "run-1")["cost"] == 8.0
+    # The tenant's day: across runs, per tenant, per day.
+    day = [call(run=f"d{i}", cost=3.0, day_cap=10.0, day="20270116") for i in range(4)]
+    assert whys(store.apply(day)) == [None, None, None, "day_cost_cap"]
+    assert store.day_cost(TENANT, "20270116") == 9.0
+    assert whys(store.apply([call(run="d9", cost=3.0, day_cap=10.0, day="20270117")])) == [None]
+    other = call(tenant="globex", run="d0", cost=3.0, day_cap=10.0, day="20270116")
+    assert whys(store.apply([other])) == [None]
+
+
+def test_the_third_identical_call_of_a_run_is_a_loop(store: AdmissionStore) -> None:
+    same = [call(sig="cancel_order:abc", repeats=2) for _ in range(3)]
+    assert whys(store.apply(same)) == [None, None, "loop"]
+    assert whys(store.apply([call(sig="cancel_order:other", repeats=2)])) == [None]
+    assert whys(store.apply([call(sig="cancel_order:abc", run="run-2", repeats=2)])) == [None]
+
+
+def test_a_repair_loop_and_the_repair_cap(store: AdmissionStore) -> None:
+    assert whys(store.apply([step("bad-1"), step("bad-1")])) == [None, "repair_loop"]
+    assert whys(store.apply([step("bad-2", run="r2"), step("bad-3", run="r2"),
+                             step("bad-4", run="r2"), step("bad-5", run="r2")])) == [
+        None, None, None, "repair_cap"]  # fmt: skip
+    # Refusals that are not repairs (policy, identity) only count as steps.
+    assert whys(store.apply([step("p", repair=False, run="r3") for _ in range(5)])) == [None] * 5
+    assert store.run_counters(TENANT, "r3") == {"steps": 5.0}
+
+
+def test_gcra_allows_a_burst_then_one_per_interval(store: AdmissionStore) -> None:
+    rate = rate_of(window_sec=60, max_requests=30)
+    assert rate == (2000, 30)
+    burst = store.apply([call(rate=rate, tool="send_email") for _ in range(31)])
+    assert whys(burst) == [None] * 30 + ["rate_limited"]
+    assert burst[-1]["retry_after_ms"] == 2000
+    later = store.apply([call(rate=rate, tool="send_email", now=NOW + 1999)])
+    assert whys(later) == ["rate_limited"] and later[0]["retry_after_ms"] == 1
+    assert whys(store.apply([call(rate=rate, tool="send_email", now=NOW + 2000)])) == [None]
+    assert whys(store.apply([call(rate=rate, tool="search_kb")])) == [None]  # per tool
+
+
+def test_a_replayed_batch_gets_the_same_verdicts_and_counts_nothing_twice(
+    store: AdmissionStore,
+) -> None:
+    key = call()[1]["ikey"]
+    batch = [call(steps=3, sig="same", ikey=key) for _ in range(2)] + [call(steps=3), call(steps=3)]
+    first = store.apply(batch)
+    counters = store.run_counters(TENANT, "run-1")
+    record = store.record(TENANT, key)
+    assert store.apply(batch) == first  # the transaction aborted; the batch comes again
+    assert store.apply(list(reversed(batch))) == list(reversed(first))
+    assert store.run_counters(TENANT, "run-1") == counters
+    assert store.record(TENANT, key) == record
+    done = f"{store.ns}:{{{TENANT}}}:done"
+    assert store.client.hlen(done) == len(batch)
+    # Committed: the markers go with the next batch's round trip, so memory stays flat.
+    store.apply([call()], forget=batch)
+    assert store.client.hlen(done) == 1
+
+
+def test_a_batch_longer_than_a_lua_stack_is_decided_whole(store: AdmissionStore) -> None:
+    verdicts = store.apply([call(steps=2500, class_budget=5000) for _ in range(2600)])
+    assert whys(verdicts) == [None] * 2500 + ["step_cap"] * 100
+
+
+def test_batched_and_one_by_one_decide_alike(store: AdmissionStore) -> None:
+    rate = rate_of(60, 10)
+    keys = [uuid.uuid4().hex for _ in range(5)]
+    batch = [call(run=f"r{i % 3}", rate=rate, steps=5, sig=f"s{i % 4}", repeats=2,
+                  ikey=keys[i % 5], hash=f"h{i % 2}") for i in range(40)]  # fmt: skip
+    other = AdmissionStore(store.client, store.ns + "-b")
+    assert store.apply(batch) == other.apply_one_by_one(batch)
+
+
+def test_two_processors_racing_never_exceed_a_limit(redis_backend: str) -> None:
+    ns = f"adm-race-{uuid.uuid4().hex[:8]}"
+    rate = rate_of(60, 50)
+    shared_key = uuid.uuid4().hex
+
+    def racer(name: str) -> tuple[int, int]:
+        store = AdmissionStore(connect(redis_backend), ns)
+        ok = won = 0
+        for n in range(20):
+            batch = [call(pos=f"{name}/{n}/{i}", rate=rate, tool="send_email",
+                          run=f"{name}-{i}") for i in range(10)]  # fmt: skip
+            ok += sum(v.get("ok", False) for v in store.apply(batch))
+            same = call(pos=f"{name}/{n}/k", ikey=shared_key, run=f"{name}-k{n}")
+            won += sum(v.get("ok", False) for v in store.apply([same]))
+        return ok, won
+
+    with ThreadPoolExecutor(2) as pool:  # a racer's exception is raised here, not lost
+        outcomes = list(pool.map(racer, ["p0", "p1"]))
+    assert sum(o for o, _ in outcomes) == 50, outcomes  # 400 attempts at once: the burst
+    assert sum(w for _, w in outcomes) == 1, outcomes  # one key, one call in flight
+
+
+# -- idempotency ---------------------------------------------------------------------------------
+
+
+def test_a_key_in_flight_conflicts_until_its_deadline_and_grace_pass(store: AdmissionStore) -> None:
+    first = call()
+    key = first[1]["ikey"]
+    assert store.apply([first]) == [{"ok": True, "attempt": 1}]
+    assert store.record(TENANT, key)["state"] == "PENDING"
+    busy = store.apply([call(ikey=key, now=NOW + 500)])
+    assert whys(busy) == ["in_flight"] and busy[0]["retry_after_ms"] == 8000 + 1000 - 500
+    # Another payload under the same key: refused, whatever the state.
+    assert whys(store.apply([call(ikey=key, hash="h2")])) == ["signature_mismatch"]
+    # The deadline and the grace passed with no result: retryable, as a new attempt.
+    late = store.apply([call(ikey=key, now=NOW + 9000)])
+    assert late == [{"ok": True, "attempt": 2}]
+
+
+def test_a_completed_key_answers_with_its_cached_result(store: AdmissionStore) -> None:
+    first = call()
+    key = first[1]["ikey"]
+    store.apply([first])
+    settled = result(first, result_id="res-1")
+    assert store.apply([settled]) == [{"status": "settled"}]
+    assert store.record(TENANT, key)["state"] == "COMPLETED"
+    [hit] = store.apply([call(ikey=key)])
+    assert hit["why"] == "idempotent_hit" and hit["state"] == "COMPLETED"
+    assert orjson.loads(hit["cached"])["data"] == '{"n":1}'
+    assert whys(store.apply([call(ikey=key, hash="h2")])) == ["signature_mismatch"]
+    # The same result again (another record): nothing changes.
+    again = result(first, result_id="res-1")
+    assert store.apply([again]) == [{"status": "duplicate"}]
+
+
+@pytest.mark.parametrize(
+    ("state", "retry"),
+    [("FAILED_RETRYABLE", True), ("EXPIRED", True), ("FAILED_FINAL", False)],
+)
+def test_failed_keys_retry_or_answer(store: AdmissionStore, state: str, retry: bool) -> None:
+    first = call()
+    key = first[1]["ikey"]
+    store.apply([first])
+    store.apply([result(first, state=state)])
+    [again] = store.apply([call(ikey=key)])
+    if retry:
+        assert again == {"ok": True, "attempt": 2}
+        assert store.record(TENANT, key)["state"] == "PENDING"
+    else:
+        assert again["why"] == "idempotent_hit" and again["state"] == "FAILED_FINAL"
+
+
+def test_a_result_for_an_older_attempt_settles_nothing(store: AdmissionStore) -> None:
+    first = call()
+    key = first[1]["ikey"]
+    store.apply([first])
+    retry = call(ikey=key, now=NOW + 9000)
+    store.apply([retry])  # the first attempt was given up; the retry holds the key
+    assert store.apply([result(first)]) == [{"status": "stale", "state": "PENDING"}]
+    assert store.record(TENANT, key)["state"] == "PENDING"
+    assert store.apply([result(retry)]) == [{"status": "settled"}]
+    assert store.apply([result(call())]) == [{"status": "unknown"}]
+
+
+def test_a_parked_call_is_released_once_whichever_path_comes_first(store: AdmissionStore) -> None:
+    parked = call(park=True, group="critical", class_budget=1, deadline=NOW + 600_000)
+    key = parked[1]["ikey"]
+    assert whys(store.apply([parked])) == [None]
+    assert store.record(TENANT, key)["awaiting"] == "1"
+    # The same call parked again while it waits: in flight.
+    assert whys(store.apply([call(ikey=key, park=True, group="critical", class_budget=1)])) == [
+        "in_flight"
+    ]
+    # Resubmitted with its approvals attached: it goes, without a second charge.
+    resubmitted = call(ikey=key, group="critical", class_budget=1)
+    assert whys(store.apply([resubmitted])) == [None]
+    assert store.run_counters(TENANT, "run-1")["class:critical"] == 1
+    # A release by the approvers afterwards finds the key taken: not routed again.
+    release = {"kind": "release", "pos": f"a/0/{next(_pos)}", "run": "run-1", "ikey": key,
+               "hash": "h1", "call": "released", "deadline": NOW + 8000,
+               "ttl": 3_600_000}  # fmt: skip
+    assert whys(store.apply([(TENANT, release)])) == ["superseded"]
+
+    other = call(park=True, deadline=NOW + 600_000)
+    store.apply([other])
+    release2 = {**release, "pos": f"a/0/{next(_pos)}", "ikey": other[1]["ikey"]}
+    assert whys(store.apply([(TENANT, release2)])) == [None]
+    assert store.record(TENANT, other[1]["ikey"])["awaiting"] == "0"
+
+
+def test_a_compensated_call_is_marked_once_its_compensation_completes(
+    store: AdmissionStore,
+) -> None:
+    original = call(tok="token-of-the-caller")
+    key = original[1]["ikey"]
+    store.apply([original])
+    comp_key = "compensate:" + key
+    verdict = store.apply([result(original, state="FAILED_FINAL", compensation_key=comp_key)])
+    assert verdict == [{"status": "settled", "tok": "token-of-the-caller"}]
+    assert "tok" not in store.record(TENANT, key)  # the token is not kept after settling
+    compensation = call(ikey=comp_key)
+    store.apply([compensation])
+    done = store.apply([result(compensation, compensates=key)])
+    assert done == [{"status": "settled", "compensated": key}]
+    assert store.record(TENANT, key)["state"] == "COMPENSATED"
+    [hit] = store.apply([call(ikey=key)])
+    assert hit["why"] == "idempotent_hit" and hit["state"] == "COMPENSATED"
+
+
+def test_a_forged_compensation_key_compensates_nothing(store: AdmissionStore) -> None:
+    original = call()
+    key = original[1]["ikey"]
+    store.apply([original])
+    store.apply([result(original, state="FAILED_FINAL")])  # no compensation was proposed
+    forged = call(ikey="compensate:" + key)
+    store.apply([forged])
+    assert store.apply([result(forged, compensates=key)]) == [{"status": "settled"}]
+    assert store.record(TENANT, key)["state"] == "FAILED_FINAL"

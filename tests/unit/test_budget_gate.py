@@ -1,0 +1,205 @@
+"""The budget and idempotency gates' pure halves: what a decision asks of Redis, and what
+Redis's answer turns the decision into. Redis itself is exercised in the integration
+tests (tests/integration/test_limits.py); here nothing runs but the mapping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from processor.contracts.registry import ContractSet
+from processor.gates.budget import admission_item, apply_verdict, cached_answer, runtime_of
+from processor.model import Decision, Gate, Outcome, TaxonomyClass
+from processor.policy import Budgets, PolicyError, parse_policy
+from tests.unit.helpers import NOW_MS, decide_envelope, envelope
+
+BUDGETS = Budgets(financial_tools=frozenset({"refund_order"}))
+
+
+def _decide(contracts: ContractSet, tool: str = "lookup_order", **fields: Any) -> Decision:
+    return decide_envelope(envelope(tool, **fields), contracts)
+
+
+def _contract(contracts: ContractSet, d: Decision) -> Any:
+    assert d.contract_name and d.contract_version
+    return contracts.get(d.contract_name, d.contract_version)
+
+
+def test_a_routed_call_is_admitted_under_its_principals_tenant(contracts: ContractSet) -> None:
+    d = _decide(contracts)
+    assert d.outcome is Outcome.ROUTED and d.call is not None
+    tenant, item = admission_item(d, _contract(contracts, d), BUDGETS, NOW_MS) or ("", {})
+    assert tenant == "tenant-1"
+    assert item["kind"] == "call" and item["group"] == "read"
+    assert item["ikey"] == d.call.idempotency_key and item["hash"] == d.call.payload_hash
+    assert item["deadline"] == d.call.deadline_ms and item["park"] is False
+    assert item["steps"] == 12 and item["class_budget"] == 30 and item["repeats"] == 2
+    assert item["pos"] == "tool.proposals/3/42"
+    # GCRA from the contract: max_requests per window as (interval, burst).
+    window = _contract(contracts, d).raw["runtime"]["rate_limits"]
+    assert item["rate"] == (window["window_sec"] * 1000 // window["max_requests"],
+                            window["max_requests"])  # fmt: skip
+
+
+def test_the_same_arguments_in_any_key_order_are_one_signature(contracts: ContractSet) -> None:
+    a = _decide(contracts, "search_kb", arguments={"query": "q", "limit": 3})
+    b = _decide(contracts, "search_kb", arguments={"limit": 3, "query": "q"})
+    c = _decide(contracts, "search_kb", arguments={"limit": 4, "query": "q"})
+    sig = [admission_item(d, _contract(contracts, d), BUDGETS, NOW_MS)[1]["sig"]  # type: ignore[index]
+           for d in (a, b, c)]  # fmt: skip
+    assert sig[0] == sig[1] != sig[2]
+
+
+def test_financial_tools_count_as_financial_and_parked_calls_until_their_approval_lapses(
+    contracts: ContractSet,
+) -> None:
+    d = _decide(contracts, "refund_order")
+    assert d.outcome is Outcome.PARKED
+    _, item = admission_item(d, _contract(contracts, d), BUDGETS, NOW_MS) or ("", {})
+    assert item["group"] == "financial" and item["class_budget"] == 0
+    assert item["park"] is True
+    assert item["deadline"] == d.approval_request["expires_at"]
+
+
+def test_a_refusal_is_a_step_and_an_argument_refusal_a_repair(contracts: ContractSet) -> None:
+    bad_args = _decide(contracts, arguments={"order_id": 12})
+    assert bad_args.rejection and bad_args.rejection.taxonomy is TaxonomyClass.TYPE_MISMATCH
+    _, item = admission_item(bad_args, None, BUDGETS, NOW_MS) or ("", {})
+    assert item == {**item, "kind": "step", "repair": True, "max_repairs": 3}
+
+    unknown_id = decide_envelope(envelope("cancel_order"), contracts, answers={})
+    assert unknown_id.rejection
+    assert unknown_id.rejection.taxonomy is TaxonomyClass.SEMANTIC_INVALIDITY
+    _, item = admission_item(unknown_id, None, BUDGETS, NOW_MS) or ("", {})
+    assert item["repair"] is True
+
+    other = decide_envelope(
+        {**envelope("lookup_order"), "tool": {"name": "drop_tables"}}, contracts
+    )
+    _, item = admission_item(other, None, BUDGETS, NOW_MS) or ("", {})
+    assert item["repair"] is True  # an unknown tool is repaired by picking another
+
+    secret = _decide(contracts, "search_kb", arguments={"query": "sk-live-" + "a1B2" * 8})
+    assert secret.rejection and secret.rejection.taxonomy is TaxonomyClass.POLICY_VIOLATION
+    _, item = admission_item(secret, None, BUDGETS, NOW_MS) or ("", {})
+    assert item["kind"] == "step" and item["repair"] is False
+
+
+def test_nothing_is_counted_without_a_verified_principal(contracts: ContractSet) -> None:
+    d = _decide(contracts)
+    d.principal = None
+    assert admission_item(d, _contract(contracts, d), BUDGETS, NOW_MS) is None
+    broken = decide_envelope({"proposal_id": "x"}, contracts)
+    assert admission_item(broken, None, BUDGETS, NOW_MS) is None
+
+
+@pytest.mark.parametrize(
+    ("why", "code", "handoff"),
+    [
+        ("step_cap", "step_cap", True),
+        ("class_budget", "class_budget", False),
+        ("cost_cap", "run_cost_cap", False),
+        ("day_cost_cap", "tenant_day_cost_cap", False),
+        ("loop", "repeated_call", False),
+        ("repair_loop", "repair_loop", True),
+        ("repair_cap", "repair_cap", True),
+    ],
+)
+def test_budget_refusals(contracts: ContractSet, why: str, code: str, handoff: bool) -> None:
+    d = _decide(contracts)
+    out = apply_verdict(d, {"ok": False, "why": why}, BUDGETS, _contract(contracts, d))
+    assert out.outcome is Outcome.REJECTED and out.call is None and out.gate is Gate.BUDGET
+    assert out.rejection and out.rejection.taxonomy is TaxonomyClass.BUDGET_EXHAUSTED
+    assert [e.code for e in out.rejection.errors] == [code]
+    assert out.rejection.allowed_tools == (("handoff_to_human",) if handoff else ())
+    if why == "loop":
+        assert "change the arguments or use another tool" in out.rejection.next_action
+
+
+def test_a_repair_loop_keeps_the_original_errors_first(contracts: ContractSet) -> None:
+    d = _decide(contracts, arguments={"order_id": 12})
+    out = apply_verdict(d, {"ok": False, "why": "repair_loop"}, BUDGETS, None)
+    codes = [e.code for e in out.rejection.errors]  # type: ignore[union-attr]
+    assert codes[-1] == "repair_loop" and len(codes) >= 2
+    assert "handoff_to_human" in out.rejection.next_action  # type: ignore[union-attr]
+
+
+def test_rate_limits_and_conflicts_carry_a_retry_after(contracts: ContractSet) -> None:
+    d = _decide(contracts)
+    out = apply_verdict(d, {"ok": False, "why": "rate_limited", "retry_after_ms": 1500},
+                        BUDGETS, _contract(contracts, d))  # fmt: skip
+    assert out.rejection and out.rejection.taxonomy is TaxonomyClass.RATE_LIMITED
+    assert out.retry_after_ms == 1500 and "1.5 s" in out.rejection.next_action
+    d = _decide(contracts)
+    out = apply_verdict(d, {"ok": False, "why": "in_flight", "retry_after_ms": 8000}, BUDGETS, None)
+    assert out.rejection and out.rejection.taxonomy is TaxonomyClass.IDEMPOTENCY_CONFLICT
+    assert out.gate is Gate.IDEMPOTENCY and out.retry_after_ms == 8000
+    d = _decide(contracts)
+    out = apply_verdict(d, {"ok": False, "why": "signature_mismatch"}, BUDGETS, None)
+    assert out.rejection and out.rejection.taxonomy is TaxonomyClass.SIGNATURE_MISMATCH
+    assert out.call is None
+
+
+def test_an_admitted_call_keeps_its_route_and_takes_its_attempt(contracts: ContractSet) -> None:
+    d = _decide(contracts)
+    out = apply_verdict(d, {"ok": True, "attempt": 3}, BUDGETS, _contract(contracts, d))
+    assert out.outcome is Outcome.ROUTED and out.call is not None and out.call.attempt == 3
+
+
+def test_a_hit_answers_with_the_cached_result(contracts: ContractSet) -> None:
+    cached = {"class": "SUCCESS", "data": '{"status":"shipped"}', "attempt": 2}
+    d = cached_answer(_decide(contracts), {"cached": orjson.dumps(cached).decode()})
+    assert d.outcome is Outcome.SETTLED and d.call is None and d.rejection is None
+    assert d.final and d.final.completed and d.final.idempotency_hit and d.final.attempt == 2
+    error = {"field": None, "message": "shipped", "code": "order_shipped"}
+    failed = {"class": "STALE_STATE", "data": None, "next_action": "Refresh.", "errors": [error]}
+    d = cached_answer(_decide(contracts), {"cached": orjson.dumps(failed).decode()})
+    assert d.final and not d.final.completed
+    assert d.rejection and d.rejection.taxonomy is TaxonomyClass.STALE_STATE
+
+
+def test_contract_runtime_is_read_once_per_version(contracts: ContractSet) -> None:
+    c = contracts.versions("refund_order")[0]
+    assert runtime_of(c) is runtime_of(c)
+    assert runtime_of(c).cost == 0.05 and runtime_of(c).ttl_ms == 604_800_000
+
+
+def test_budgets_are_data_with_per_tenant_overrides() -> None:
+    policy = parse_policy({
+        "budgets": {
+            "steps": 20, "classes": {"critical": 1}, "day_cost": None,
+            "tenants": {"acme": {"classes": {"write": 9}, "rate_limit_scale": 10}},
+        },
+    })  # fmt: skip
+    base, acme = policy.budgets_for("other"), policy.budgets_for("acme")
+    assert base.steps == 20 and base.classes["critical"] == 1 and base.day_cost is None
+    assert base.classes["read"] == 30 and base.rate_limit_scale == 1.0
+    assert acme.steps == 20 and acme.classes["critical"] == 1 and acme.classes["write"] == 9
+    assert acme.rate_limit_scale == 10
+
+
+@pytest.mark.parametrize(
+    "budgets",
+    [
+        {"steps": -1},
+        {"classes": {"gold": 3}},
+        {"classes": {"read": "many"}},
+        {"run_cost": True},
+        {"financial_tools": "refund_order"},
+        {"speed": 3},
+    ],
+)
+def test_unusable_budgets_are_refused(budgets: dict[str, Any]) -> None:
+    with pytest.raises(PolicyError):
+        parse_policy({"budgets": budgets})
+
+
+def test_the_shipped_policy_grants_what_its_comments_say() -> None:
+    from processor.policy import load_policy
+    from tests.unit.helpers import ROOT
+
+    b = load_policy(ROOT / "policy" / "policy.yaml").budgets
+    assert (b.steps, b.repeats, b.repairs) == (12, 2, 3)
+    assert b.classes == {"read": 30, "write": 5, "external": 3, "financial": 1, "critical": 1}
