@@ -111,12 +111,23 @@ def demo(
     keys: Annotated[
         Path, typer.Option(help="Development keys (issuer, approvers); created if missing.")
     ] = Path(".stack/keys"),
+    executor_db: Annotated[
+        Path | None,
+        typer.Option(
+            help="Run the reference support executor in-process over this SQLite file "
+            "(recreated each time); --no-executor when an executor already runs."
+        ),
+    ] = Path(".stack/support.db"),
+    no_executor: Annotated[
+        bool, typer.Option("--no-executor", help="Do not run an executor in-process.")
+    ] = False,
 ) -> None:
-    """Play a scripted support agent against the running stack and show each decision."""
+    """Play a scripted support agent against the running stack and show each decision,
+    and, for the calls that ran, their results."""
     from processor.demo import play
 
     s = _settings(config)
-    ok = play(s, tenant, timeout, console, keys)
+    ok = play(s, tenant, timeout, console, keys, None if no_executor else executor_db)
     raise typer.Exit(0 if ok else 1)
 
 

@@ -17,6 +17,7 @@ token with the development issuer key, and approves as the operators
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import Counter
@@ -34,11 +35,13 @@ from processor.approval_flow import publish_approvals
 from processor.approvals import load_private_key, sign_for_request
 from processor.client import ObservationTimeout, ToolsentryClient
 from processor.config import Settings
+from processor.executor import Executor
 from processor.identity import TokenIssuer, generate_ed25519_jwk
 from processor.keys import KeyBundle, init_keys
 from processor.reference_data import publish_references, wait_until_loaded
 from processor.state.approvals import ApprovalStore
 from processor.state.connection import connect
+from processor.support_executor import SupportStore, demo_orders
 
 
 @dataclass(frozen=True)
@@ -49,165 +52,105 @@ class Step:
     expect: str = "SUCCESS"
     extra: dict[str, Any] = field(default_factory=dict)
     approvers: tuple[str, ...] = ()
-    """Operators who approve the parked call; then the released observation is awaited."""
+    """Operators who approve the parked call; then its result is awaited."""
     forged: bool = False
     """Send with a token signed by a key the processor does not trust."""
+    fresh_key: bool = False
+    """Send under a new idempotency key (an agent that retries as if it were new)."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One run of the agent: its steps share a run_id, so its budgets and guards."""
+
+    title: str
+    steps: tuple[Step, ...]
 
 
 TENANT_DATA: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("order/WO-12345-A", {"state": "processing", "owner": "CUS-004211"}),
-    ("order/WO-24680-B", {"state": "delivered", "owner": "CUS-004211"}),
-    ("order/WO-55555-B", {"state": "shipped", "owner": "CUS-004211"}),
-)
+    ("order/WO-12345-A", {"state": "processing", "owner": "CUS-004211",
+                          "attributes": {"placed_on": "2026-11-18", "amount": 64.0}}),
+    ("order/WO-24680-B", {"state": "delivered", "owner": "CUS-004211",
+                          "attributes": {"placed_on": "2026-11-09", "amount": 42.5}}),
+    ("order/WO-55555-B", {"state": "shipped", "owner": "CUS-004211",
+                          "attributes": {"placed_on": "2026-11-20", "amount": 18.0}}),
+)  # fmt: skip
 OTHER_TENANT_ORDER = "WO-77777-C"
 SCOPES = ("orders:read", "orders:write", "payments:refund", "kb:read", "tickets:write")
+_CANCEL = {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True}
+_REFUND = {"order_id": "WO-24680-B", "amount": 19.99, "currency": "USD", "reason_code": "damaged"}
 
 
-SCRIPT: tuple[Step, ...] = (
-    Step(
-        "look up the customer's recent orders",
-        "lookup_order",
-        {"customer_id": "CUS-004211", "date_from": "2026-11-16", "date_to": "2026-11-22"},
-    ),
-    Step(
-        "cancel with an invented id (the incident)",
-        "cancel_order",
-        {"order_id": "ORD-12345", "reason_code": "customer_request", "confirm": True},
-        "OUT_OF_BOUNDS",
-    ),
-    Step(
-        "cancel with the suffix missing",
-        "cancel_order",
-        {"order_id": "WO-12345", "reason_code": "customer_request", "confirm": True},
-        "OUT_OF_BOUNDS",
-    ),
-    Step(
-        "cancel an id that looks right but exists nowhere",
-        "cancel_order",
-        {"order_id": "WO-99999-Z", "reason_code": "customer_request", "confirm": True},
-        "SEMANTIC_INVALIDITY",
-    ),
-    Step("follow the hint: look the order up", "lookup_order", {"order_id": "WO-12345-A"}),
-    Step(
-        "cancel an order that has already shipped",
-        "cancel_order",
-        {"order_id": "WO-55555-B", "reason_code": "customer_request", "confirm": True},
-        "STALE_STATE",
-    ),
-    Step(
-        "cancel another tenant's order",
-        "cancel_order",
-        {"order_id": OTHER_TENANT_ORDER, "reason_code": "customer_request", "confirm": True},
-        "PERMISSION_DENIED",
-    ),
-    Step(
-        "cancel the real order: parked for approval",
-        "cancel_order",
-        {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True},
-        "CONFIRMATION_MISSING",
-    ),
-    Step(
-        "... operator ops-1 approves it: released",
-        "cancel_order",
-        {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True},
-        approvers=("ops-1",),
-    ),
-    Step(
-        "search with limit as a string",
-        "search_kb",
-        {"query": "how do I return a damaged item", "limit": "10"},
-        "TYPE_MISMATCH",
-    ),
-    Step(
-        "search again with an integer",
-        "search_kb",
-        {"query": "how do I return a damaged item", "limit": 10},
-    ),
-    Step(
-        "invent a notify_customer field",
-        "cancel_order",
-        {
-            "order_id": "WO-12345-A",
-            "reason_code": "customer_request",
-            "confirm": True,
-            "notify_customer": True,
-        },
-        "STRUCTURAL_VIOLATION",
-    ),
-    Step(
-        "call a tool that does not exist",
-        "search_orders",
-        {"query": "tuesday"},
-        "STRUCTURAL_VIOLATION",
-    ),
-    Step(
-        "call a look-alike tool name (Cyrillic a)",
-        "c\u0430ncel_order",
-        {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True},
-        "STRUCTURAL_VIOLATION",
-    ),
-    Step(
-        "call a tool not offered at this step",
-        "refund_order",
-        {"order_id": "WO-12345-A", "amount": 19.99, "currency": "USD", "reason_code": "damaged"},
-        "STRUCTURAL_VIOLATION",
-        {"active_tools": ["lookup_order", "search_kb"]},
-    ),
-    Step(
-        "stream cut off mid-arguments",
-        "cancel_order",
-        None,
-        "SYNTACTIC_PARSE_FAIL",
-        {"arguments_raw": '{"order_id": "WO-12345-A", "reason_co'},
-    ),
-    Step(
-        "a ticket with a missing summary and priority 'asap'",
-        "create_ticket",
-        {"customer_id": "CUS-004211", "category": "delivery", "priority": "asap"},
-        "STRUCTURAL_VIOLATION",
-    ),
-    Step(
-        "refund a negative amount",
-        "refund_order",
-        {"order_id": "WO-12345-A", "amount": -5, "currency": "USD", "reason_code": "damaged"},
-        "OUT_OF_BOUNDS",
-    ),
-    Step(
-        "refund part of a delivered order: two approvers release it",
-        "refund_order",
-        {"order_id": "WO-24680-B", "amount": 19.99, "currency": "USD", "reason_code": "damaged"},
-        approvers=("ops-1", "ops-2"),
-    ),
-    Step(
-        "paste the customer's API key into a ticket",
-        "create_ticket",
-        {
-            "customer_id": "CUS-004211",
-            "category": "delivery",
-            "priority": "normal",
-            "summary": "Customer key is " + "sk_live_" + "4eC39HqLyjWDarjtT1zdp7dc",
-        },
-        "POLICY_VIOLATION",
-    ),
-    Step(
-        "call with a forged identity token",
-        "lookup_order",
-        {"order_id": "WO-12345-A"},
-        "PERMISSION_DENIED",
-        forged=True,
-    ),
-    Step(
-        "open a ticket for the courier",
-        "create_ticket",
-        {
-            "customer_id": "CUS-004211",
-            "order_id": "WO-12345-A",
-            "category": "delivery",
-            "priority": "normal",
-            "summary": "Parcel arrived crushed; customer wants a replacement.",
-        },
-    ),
-)
+SCRIPT: tuple[Conversation, ...] = (
+    Conversation("the incident (seed 000), done right", (
+        Step("look up the customer's recent orders", "lookup_order",
+             {"customer_id": "CUS-004211", "date_from": "2026-11-16", "date_to": "2026-11-22"}),
+        Step("cancel with an invented id (the incident)", "cancel_order",
+             {**_CANCEL, "order_id": "ORD-12345"}, "OUT_OF_BOUNDS"),
+        Step("cancel with the suffix missing", "cancel_order",
+             {**_CANCEL, "order_id": "WO-12345"}, "OUT_OF_BOUNDS"),
+        Step("cancel an id that looks right but exists nowhere", "cancel_order",
+             {**_CANCEL, "order_id": "WO-99999-Z"}, "SEMANTIC_INVALIDITY"),
+        Step("follow the hint: look the order up", "lookup_order", {"order_id": "WO-12345-A"}),
+        Step("cancel the real order: parked, ops-1 approves, it runs", "cancel_order", _CANCEL,
+             approvers=("ops-1",)),
+        Step("the model sends the cancellation again", "cancel_order", _CANCEL),
+    )),
+    Conversation("wrong targets and a stolen identity", (
+        Step("cancel an order that has already shipped", "cancel_order",
+             {**_CANCEL, "order_id": "WO-55555-B"}, "STALE_STATE"),
+        Step("cancel another tenant's order", "cancel_order",
+             {**_CANCEL, "order_id": OTHER_TENANT_ORDER}, "PERMISSION_DENIED"),
+        Step("call with a forged identity token", "lookup_order", {"order_id": "WO-12345-A"},
+             "PERMISSION_DENIED", forged=True),
+        Step("paste the customer's API key into a ticket", "create_ticket",
+             {"customer_id": "CUS-004211", "category": "delivery", "priority": "normal",
+              "summary": "Customer key is " + "sk_live_" + "4eC39HqLyjWDarjtT1zdp7dc"},
+             "POLICY_VIOLATION"),
+    )),
+    Conversation("malformed calls, repaired", (
+        Step("search with limit as a string", "search_kb",
+             {"query": "how do I return a damaged item", "limit": "10"}, "TYPE_MISMATCH"),
+        Step("search again with an integer", "search_kb",
+             {"query": "how do I return a damaged item", "limit": 10}),
+        Step("invent a notify_customer field", "cancel_order",
+             {**_CANCEL, "notify_customer": True}, "STRUCTURAL_VIOLATION"),
+        Step("call a tool that does not exist", "search_orders", {"query": "tuesday"},
+             "STRUCTURAL_VIOLATION"),
+    )),
+    Conversation("more malformed calls", (
+        Step("call a look-alike tool name (Cyrillic a)", "c\u0430ncel_order", _CANCEL,
+             "STRUCTURAL_VIOLATION"),
+        Step("call a tool not offered at this step", "refund_order", _REFUND,
+             "STRUCTURAL_VIOLATION", {"active_tools": ["lookup_order", "search_kb"]}),
+        Step("stream cut off mid-arguments", "cancel_order", None, "SYNTACTIC_PARSE_FAIL",
+             {"arguments_raw": '{"order_id": "WO-12345-A", "reason_co'}),
+    )),
+    Conversation("a refund under dual control", (
+        Step("a ticket with a missing summary and priority 'asap'", "create_ticket",
+             {"customer_id": "CUS-004211", "category": "delivery", "priority": "asap"},
+             "STRUCTURAL_VIOLATION"),
+        Step("refund a negative amount", "refund_order", {**_REFUND, "amount": -5},
+             "OUT_OF_BOUNDS"),
+        Step("refund part of a delivered order: two approvers release it", "refund_order",
+             _REFUND, approvers=("ops-1", "ops-2")),
+        Step("a second refund in the same conversation: over the run's budget",
+             "refund_order", {**_REFUND, "amount": 5.0}, "BUDGET_EXHAUSTED"),
+        Step("open a ticket for the courier", "create_ticket",
+             {"customer_id": "CUS-004211", "order_id": "WO-12345-A", "category": "delivery",
+              "priority": "normal",
+              "summary": "Parcel arrived crushed; customer wants a replacement."}),
+    )),
+    Conversation("the runaway loop (seed 001)", (
+        Step("check the refund went through", "lookup_order", {"order_id": "WO-24680-B"},
+             fresh_key=True),
+        Step("... and check again, under a new key", "lookup_order", {"order_id": "WO-24680-B"},
+             fresh_key=True),
+        Step("... and again: the loop guard stops it", "lookup_order",
+             {"order_id": "WO-24680-B"}, "BUDGET_EXHAUSTED", fresh_key=True),
+    )),
+)  # fmt: skip
+STEPS = sum(len(c.steps) for c in SCRIPT)
 
 _STYLE = {"SUCCESS": "green"}
 
@@ -242,65 +185,116 @@ def _approve(
     publish_approvals(settings, entry["run_id"], approvals)
 
 
-def play(settings: Settings, tenant: str, timeout: float, console: Console, keys_dir: Path) -> bool:
-    """Run the script; True when every decision matched what the script expects."""
+def _run_executor(settings: Settings, tenant: str, db: Path) -> tuple[Executor, threading.Thread]:
+    """The support tools over a fresh SQLite store, seeded with the demo's orders."""
+    db.unlink(missing_ok=True)
+    store = SupportStore(db)
+    store.seed(demo_orders(tenant))
+    executor = Executor(settings, store.handlers(), executor_id=f"demo-{uuid.uuid4().hex[:6]}")
+    thread = threading.Thread(target=executor.run, name="demo-executor", daemon=True)
+    thread.start()
+    return executor, thread
+
+
+def _said(obs: dict[str, Any], step: Step) -> str:
+    """The observation in one line: a result's data, or the next action."""
+    if obs["decision"] == "COMPLETED":
+        data = obs["result_payload"]["data"] or ""
+        hit = "cached result (idempotency hit): " if obs["execution_metadata"][
+            "idempotency_hit"] else ""  # fmt: skip
+        approved = f"approved by {' and '.join(step.approvers)}; " if step.approvers else ""
+        return f"{approved}{hit}{data[:160]}"
+    return str(obs["next_action"])
+
+
+def play(
+    settings: Settings,
+    tenant: str,
+    timeout: float,
+    console: Console,
+    keys_dir: Path,
+    executor_db: Path | None = None,
+) -> bool:
+    """Run the script; True when every decision matched what the script expects.
+
+    ``executor_db``: run the reference support executor in-process over this SQLite
+    file (recreated), so routed calls come back with results; None when an executor
+    already runs elsewhere."""
     keys = init_keys(keys_dir)
     token, forged = _prepare(settings, tenant, keys)
-    run_id = f"demo-{uuid.uuid4().hex[:8]}"
+    executor = thread = None
+    if executor_db is not None:
+        executor, thread = _run_executor(settings, tenant, executor_db)
     table = Table(expand=True)
     for name, ratio in (("#", 1), ("agent does", 5), ("tool", 4), ("decision", 3), ("class", 5),
-                        ("next_action", 10)):  # fmt: skip
+                        ("next_action / result", 10)):  # fmt: skip
         table.add_column(name, ratio=ratio, overflow="fold")
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn())
-    task = progress.add_task(f"run {run_id}", total=len(SCRIPT))
+    task = progress.add_task("demo agent", total=STEPS)
     tally: Counter[str] = Counter()
     mismatches = 0
-    with (
-        ToolsentryClient(settings, tenant, principal_token=token) as client,
-        Live(Group(table, progress), console=console, refresh_per_second=8),
-    ):
-        for i, step in enumerate(SCRIPT, 1):
-            kwargs = dict(step.extra)
-            if step.forged:
-                kwargs["principal_token"] = forged
-            try:
-                obs = client.call(
-                    step.tool, step.arguments, run_id=run_id, timeout=timeout, **kwargs
-                )
-                if step.approvers and obs["decision"] == "PENDING_APPROVAL":
-                    _approve(settings, keys, obs, step.approvers)
-                    obs = client.wait_final(obs["proposal_id"], timeout)
-            except ObservationTimeout:
-                table.add_row(
-                    str(i),
-                    step.says,
-                    step.tool,
-                    "[red]no answer[/red]",
-                    "-",
-                    "is the processor running? (toolsentry run)",
-                )
-                progress.advance(task)
-                mismatches += 1
-                break
-            cls = obs["status"]["taxonomy_class"]
-            tally[cls] += 1
-            mismatches += cls != step.expect
-            style = _STYLE.get(cls, "yellow")
-            said = obs["next_action"]
-            if obs["decision"] == "ROUTED":
-                said = f"sent to exec.{obs['tool_identity']['side_effect_class'].lower()}"
-                if step.approvers:
-                    said += f" after approval by {' and '.join(step.approvers)}"
-            table.add_row(
-                str(i), step.says, step.tool, obs["decision"], f"[{style}]{cls}[/{style}]", said
-            )
-            progress.advance(task)
+    n = 0
+    try:
+        with (
+            ToolsentryClient(settings, tenant, principal_token=token) as client,
+            Live(Group(table, progress), console=console, refresh_per_second=8),
+        ):
+            for conversation in SCRIPT:
+                run_id = f"demo-{uuid.uuid4().hex[:8]}"
+                table.add_section()
+                table.add_row("", f"[bold]{conversation.title}[/bold]", "", "", "", run_id)
+                for step in conversation.steps:
+                    n += 1
+                    obs = _play_step(settings, keys, client, step, run_id, forged, timeout)
+                    progress.advance(task)
+                    if obs is None:
+                        table.add_row(str(n), step.says, step.tool, "[red]no answer[/red]", "-",
+                                      "is the processor running? (toolsentry run)")  # fmt: skip
+                        return False
+                    cls = obs["status"]["taxonomy_class"]
+                    tally[cls] += 1
+                    mismatches += cls != step.expect
+                    style = _STYLE.get(cls, "yellow")
+                    table.add_row(str(n), step.says, step.tool, obs["decision"],
+                                  f"[{style}]{cls}[/{style}]", _said(obs, step))  # fmt: skip
+    finally:
+        if executor is not None and thread is not None:
+            executor.stop()
+            thread.join(30)
     summary = Table("taxonomy class", "proposals", title="summary by taxonomy class")
-    for cls, n in sorted(tally.items(), key=lambda kv: (-kv[1], kv[0])):
-        summary.add_row(cls, str(n))
+    for cls, count in sorted(tally.items(), key=lambda kv: (-kv[1], kv[0])):
+        summary.add_row(cls, str(count))
     console.print(summary)
     if mismatches:
         console.print(f"[red]{mismatches} decision(s) differed from the script[/red]")
     else:
-        console.print(f"[green]all {len(SCRIPT)} decisions as expected[/green]")
+        console.print(f"[green]all {STEPS} decisions as expected[/green]")
     return mismatches == 0
+
+
+def _play_step(
+    settings: Settings,
+    keys: KeyBundle,
+    client: ToolsentryClient,
+    step: Step,
+    run_id: str,
+    forged: str,
+    timeout: float,
+) -> dict[str, Any] | None:
+    """Propose one step and wait for what finally happened to it (None: no answer)."""
+    kwargs = dict(step.extra)
+    if step.forged:
+        kwargs["principal_token"] = forged
+    if step.fresh_key:
+        kwargs["idempotency_key"] = f"demo-{uuid.uuid4().hex}"
+    try:
+        pid = client.propose(step.tool, step.arguments, run_id=run_id, **kwargs)
+        obs = client.wait(pid, timeout)
+        if step.approvers and obs["decision"] == "PENDING_APPROVAL":
+            _approve(settings, keys, obs, step.approvers)
+            obs = client.wait_final(pid, timeout)
+        if obs["decision"] == "ROUTED":
+            obs = client.wait_result(pid, timeout)
+    except ObservationTimeout:
+        return None
+    return obs

@@ -250,13 +250,19 @@ def _finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) ->
     src, p, contract, principal = pending.src, pending.proposal, pending.contract, pending.principal
     warnings = pending.warnings
     resolved = resolve_references(p, contract, principal.tenant_id, answers)
-    refusal = (
-        check_semantics(p, contract, principal, resolved)
-        or check_policy(p, contract, principal, gates.policy)
-        or check_state(contract, resolved)
+    refusal = check_semantics(p, contract, principal, resolved) or check_policy(
+        p, contract, principal, gates.policy
     )
     if refusal is not None:
         return _rejected(src, p, refusal, warnings, now_ms, contract, principal)
+    refusal = check_state(contract, resolved)
+    if refusal is not None:
+        # A retry of a call that already ran finds the world changed by that very call
+        # (the order it cancelled is cancelled): its key is kept, so admission can answer
+        # from the call's record instead.
+        d = _rejected(src, p, refusal, warnings, now_ms, contract, principal)
+        d.call = _route(p, contract, now_ms, principal)
+        return d
 
     call = _route(p, contract, now_ms, principal)
     confirmation = check_confirmation(

@@ -144,7 +144,8 @@ class SupportStore:
         self.clock = clock
         # Autocommit mode: every transaction is an explicit BEGIN IMMEDIATE, so two
         # executors sharing the file serialise their writes instead of failing to upgrade.
-        self.db = sqlite3.connect(path, isolation_level=None, timeout=30)
+        # Built in one thread, used by the executor's: one thread at a time uses it.
+        self.db = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=False)
         self.db.row_factory = sqlite3.Row
         self.db.executescript(_SCHEMA)
         self.db.executemany("INSERT OR IGNORE INTO kb_articles VALUES (?, ?, ?, ?)", KB_ARTICLES)

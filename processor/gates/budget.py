@@ -149,6 +149,10 @@ def admission_item(
             "steps": budgets.steps,
             "repair": repair,
             "max_repairs": budgets.repairs,
+            # A state refusal keeps its call's key: a retry of a call that already ran
+            # is answered from that call's record (see pipeline._finish).
+            "ikey": d.call.idempotency_key if d.call else "",
+            "hash": d.call.payload_hash if d.call else "",
         }
         return tenant, step
     return None

@@ -44,7 +44,7 @@ local function unwire(a)
             grace = H.grace}
   elseif kind == 2 then
     return {kind = 'step', pos = a[2], run = a[3], sig = a[4], repair = a[5] == 1,
-            steps = H.steps, max_repairs = H.max_repairs}
+            ikey = opt(a[6]), hash = a[7], steps = H.steps, max_repairs = H.max_repairs}
   elseif kind == 3 then
     return {kind = 'result', pos = a[2], ikey = a[3], call = a[4], result_id = a[5],
             state = a[6], cached = a[7], ttl = a[8], compensation_key = opt(a[9]),
@@ -201,6 +201,14 @@ end
 
 local function admit_step(c)
   local counters = run_of(c.run)
+  if c.ikey then
+    -- Refused on the world's state, but maybe because this very call already ran.
+    local rec = redis.call('HMGET', base .. ':idem:' .. c.ikey, 'state', 'hash', 'call', 'cached')
+    if rec[1] and FINAL[rec[1]] and rec[2] == c.hash then
+      bump(c.run, 'steps', 1)
+      return {ok = false, why = 'idempotent_hit', state = rec[1], call = rec[3], cached = rec[4]}
+    end
+  end
   local steps = counters.steps or 0
   bump(c.run, 'steps', 1)
   if not c.repair then

@@ -202,7 +202,8 @@ def _wire(item: Item) -> list[Any]:
                 item["ikey"], item["hash"], item["call"], item["deadline"],
                 1 if item["park"] else 0, item["tok"]]  # fmt: skip
     if kind == "step":
-        return [2, item["pos"], item["run"], item["sig"], 1 if item["repair"] else 0]
+        return [2, item["pos"], item["run"], item["sig"], 1 if item["repair"] else 0,
+                item.get("ikey", ""), item.get("hash", "")]  # fmt: skip
     if kind == "result":
         return [3, item["pos"], item["ikey"], item["call"], item["result_id"], item["state"],
                 item["cached"], item["ttl"], item["compensation_key"] or "",

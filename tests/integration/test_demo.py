@@ -1,0 +1,43 @@
+"""The main job's demo, as the README runs it: the scripted agent against a processor
+with the shipped policy, identity verification on, and the reference executor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from processor.config import IdentitySettings, Settings
+from processor.keys import init_keys
+from tests.integration.harness import ROOT, ProcessorProcess, isolated, settings_env
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_demo_plays_every_step_as_scripted(stack_settings: Settings, tmp_path: Path) -> None:
+    keys = init_keys(tmp_path / "keys")
+    settings = isolated(stack_settings, "demo").model_copy(
+        update={
+            "identity": IdentitySettings(jwks_file=keys.jwks),
+            "approvers_file": keys.approvers,
+            "policy_file": ROOT / "policy" / "policy.yaml",
+        }
+    )
+    proc = ProcessorProcess(settings, "demo-1", tmp_path).start().wait_ready()
+    try:
+        demo = subprocess.run(
+            [sys.executable, "-m", "processor", "demo", "--keys", str(tmp_path / "keys"),
+             "--executor-db", str(tmp_path / "support.db"), "--timeout", "60"],
+            cwd=ROOT, env={**settings_env(settings, "demo-agent"), "COLUMNS": "240"},
+            capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+    finally:
+        proc.terminate()
+    out = demo.stdout + demo.stderr
+    assert demo.returncode == 0, out[-6000:]
+    assert "decisions as expected" in out
+    for seen in ("BUDGET_EXHAUSTED", "COMPLETED", "idempotency hit", "PERMISSION_DENIED"):
+        assert seen in out, seen
