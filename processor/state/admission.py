@@ -89,7 +89,7 @@ class AdmissionStore:
                     orjson.dumps([_wire(items[i][1]) for i in owners]),
                     self.run_ttl_ms,
                 ],
-            )  # fmt: skip
+            )
             for tenant, header, owners in segments
         ]
         out: list[Verdict] = [{} for _ in items]
