@@ -10,7 +10,8 @@ from the first batch to the last commit, and the process's peak RSS.
   tool resolution, schema, route. The same loop and the same gate code; the
   gates on identity, meaning, policy and approval are left out.
 * ``toolsentry`` — the processor as shipped: every gate, tokens verified,
-  reference data read from Redis, calls that need approval parked.
+  reference data read from Redis, calls that need approval parked, every
+  proposal admitted in Redis (idempotency record, budgets, rate limit, guards).
 * ``naive`` — the obvious implementation: one record at a time, validate
   with python-jsonschema, encode, produce, commit a transaction per record.
 """

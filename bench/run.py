@@ -5,7 +5,8 @@
 
 (a) passthrough, (b) the foundation gates (parse, resolve, schema, route),
 (e) every gate as shipped (identity, references in Redis, rules, policy,
-confirmation) and (c) the naive processor each consume the same
+confirmation, budgets, rate limits, idempotency in Redis) and (c) the naive
+processor each consume the same
 pre-produced proposals from their own topics, in their own process; (d)
 times the decision core in this process; the latency run offers a fixed
 rate to a running processor as shipped and measures proposal -> observation.
@@ -60,6 +61,12 @@ work (99.6% after): the corpus is the harder of the two."""
 AGENTS = 16
 """Principals (one token each) the corpus's runs are spread over."""
 
+STEPS_PER_RUN = 8
+"""Consecutive proposals of one agent run: under the shipped step cap (12)."""
+
+POLICY = ROOT / "bench" / "policy.yaml"
+"""The shipped policy, with one tenant's rate limits and day cap opened up (see the file)."""
+
 
 def corpus(n: int, seed: int = 7, tokens: list[str] | None = None) -> list[tuple[bytes, bytes]]:
     """Proposals as agents send them: 84% valid, the rest the usual mistakes. Each run's
@@ -88,7 +95,7 @@ def corpus(n: int, seed: int = 7, tokens: list[str] | None = None) -> list[tuple
             tool, args = "search_kb", {"query": "refunds", "limit": "10"}
         else:
             tool, args = "lookup_order", {"order_id": f"WO-{i % 100000:05d}-A", "notify": True}
-        run_id = f"bench-run-{i % 512}"
+        run_id = f"bench-run-{i // STEPS_PER_RUN}"
         env = {
             "proposal_id": f"p-{i}",
             "created_at": "2026-11-22T02:08:49.000Z",
@@ -99,7 +106,7 @@ def corpus(n: int, seed: int = 7, tokens: list[str] | None = None) -> list[tuple
             "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         }
         if tokens:
-            env["principal_token"] = tokens[(i % 512) % len(tokens)]
+            env["principal_token"] = tokens[(i // STEPS_PER_RUN) % len(tokens)]
         out.append((run_id.encode(), orjson.dumps(env)))
     return out
 
@@ -125,7 +132,7 @@ def with_identity(settings: Settings, directory: Path) -> tuple[Settings, list[s
         update={
             "identity": IdentitySettings(jwks_file=bundle.jwks),
             "approvers_file": bundle.approvers,
-            "policy_file": ROOT / "policy" / "policy.yaml",
+            "policy_file": POLICY,
         }
     )
     return updated, tokens
@@ -384,6 +391,16 @@ def main() -> None:
     )
     print(f"  (b)/(c) = {ratio_bc:6.1f}x  target >= 5x     {'met' if ratio_bc >= 5 else 'NOT met'}")
     ratio_eb = statistics.median(gate_ratios)
+    ea_ratios = sorted(
+        te["per_second"] / ta["per_second"]
+        for ta, te in zip(runs["passthrough"], runs["toolsentry"], strict=True)
+    )
+    ratio_ea = statistics.median(ea_ratios)
+    print(
+        f"  (e)/(a) = {ratio_ea:6.2f}   target >= 0.35 (every gate, Redis admission included, "
+        f"against the pipe's limit)   {'met' if ratio_ea >= 0.35 else 'NOT met'}"
+        f"   rounds: {', '.join(f'{r:.2f}' for r in ea_ratios)}"
+    )
     print(
         f"  (e)/(b) = {ratio_eb:6.2f}   target >= 0.70 (the gates on identity, meaning, policy "
         f"and approval cost <= 30%)   {'met' if ratio_eb >= 0.7 else 'NOT met'}"
