@@ -54,6 +54,7 @@ CATEGORIES = (
     "out_of_scope",
     "multilingual",
     "adversarial",
+    "budgets",
 )
 
 

@@ -11,7 +11,7 @@ from processor.model import RESPONSE_VECTORS, TaxonomyClass
 _T = TaxonomyClass
 
 RAISED_BY: dict[TaxonomyClass, str] = {
-    _T.SUCCESS: "route; approval (a parked call released)",
+    _T.SUCCESS: "route; approval (a parked call released); result",
     _T.SYNTACTIC_PARSE_FAIL: "parse",
     _T.STRUCTURAL_VIOLATION: "resolve, schema",
     _T.TYPE_MISMATCH: "schema",
@@ -21,11 +21,28 @@ RAISED_BY: dict[TaxonomyClass, str] = {
     _T.POLICY_VIOLATION: "policy (credentials, tenant classes, clearance, egress)",
     _T.STALE_STATE: "state (entity not in an allowed state)",
     _T.CONFIRMATION_MISSING: "confirmation; approval (rejected, expired)",
+    _T.BUDGET_EXHAUSTED: "budget (step cap, class budgets, cost caps, loop and repair guards)",
+    _T.RATE_LIMITED: "budget (rate limit)",
+    _T.SIGNATURE_MISMATCH: "idempotency",
+    _T.IDEMPOTENCY_CONFLICT: "idempotency",
+    _T.TIMEOUT: "result (not started before its deadline)",
+    _T.DEPENDENCY_UNAVAILABLE: "result (retryable failure)",
+    _T.COMPENSATION_REQUIRED: "result (failed after committing steps)",
+    _T.COMPENSATION_FAILED: "result (the compensating call failed)",
     _T.UNKNOWN_ERROR: "internal (a bug; fails closed)",
 }
-"""Where each class comes from today. Classes not listed are defined, with their response
-vectors, for the stages that do not exist yet (budgets and rate limits, idempotency,
-execution results and compensation); no gate raises them."""
+"""Where each class comes from. The gates raise theirs as a proposal passes through them,
+admission (budget, idempotency) last; the conformance suite sees each of them raised.
+The classes of ``RAISED_BY_RESULTS`` come only from executors' results, which the
+conformance run (no executors) never sees. An executor may also report a failure under
+a class of its own. Classes not listed are defined, with their response vectors, for
+stages that do not exist yet; nothing raises them."""
+
+RAISED_BY_RESULTS: frozenset[TaxonomyClass] = frozenset(
+    {_T.TIMEOUT, _T.DEPENDENCY_UNAVAILABLE, _T.COMPENSATION_REQUIRED, _T.COMPENSATION_FAILED}
+)
+"""Raised only from an executor's result: exercised end to end by
+``tests/integration/test_results_e2e.py``, not by the conformance suite."""
 
 NEXT_ACTIONS: dict[TaxonomyClass, str] = {
     _T.SUCCESS: "Wait for the call's result before proposing a dependent step.",

@@ -129,8 +129,8 @@ local function limits(c, counters, charged)
   if (counters['sig:' .. c.sig] or 0) >= c.repeats then return refuse('loop') end
   if charged then return nil end
   if (counters['class:' .. c.group] or 0) >= c.class_budget then return refuse('class_budget') end
-  if (counters.cost or 0) + c.cost > c.cost_cap then return refuse('cost_cap') end
-  if c.day_cap and day_cost(c.day) + c.cost > c.day_cap then
+  if (counters.cost or 0) + c.cost > c.cost_cap + 1e-9 then return refuse('cost_cap') end
+  if c.day_cap and day_cost(c.day) + c.cost > c.day_cap + 1e-9 then
     return refuse('day_cost_cap')
   end
   if c.rate then

@@ -6,7 +6,9 @@ ids are unique, every category is covered, the tools exist, and each label
 is what the gate order of the design gives for the suite's own principals,
 references, approvers and policy. Parse, resolve and schema labels are
 checked against the real gates; the later gates against a small model of
-the design (identity, semantic, ownership, policy, state, confirmation).
+the design (identity, semantic, ownership, policy, state, confirmation), and
+admission (budgets, rate limits, the loop and repair guards, idempotency)
+against a model of its rules run over each case's steps in the runner's order.
 """
 
 from __future__ import annotations
@@ -30,19 +32,22 @@ from processor.gates.policy import check_secrets
 from processor.gates.resolve import resolve_tool
 from processor.gates.schema import check_arguments
 from processor.model import Rejection, SourceRecord, TaxonomyClass
-from processor.policy import Policy
+from processor.policy import Budgets, Policy, parse_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE_DIR = ROOT / "tests" / "conformance"
 CATEGORIES = (
     "lookup", "multi_step", "ambiguous", "clarification", "already_done",
-    "confirmation", "out_of_scope", "multilingual", "adversarial",
+    "confirmation", "out_of_scope", "multilingual", "adversarial", "budgets",
 )  # fmt: skip
+MULTI_STEP = frozenset({"multi_step", "budgets"})
+"""The categories whose cases are runs of several steps (and only those)."""
+ADMISSION = ("budget", "idempotency")
 GATES = (
     "parse", "resolve", "schema", "identity", "semantic", "policy", "state",
-    "confirmation", "route",
+    "confirmation", "route", *ADMISSION,
 )  # fmt: skip
-AFTER_SCHEMA = frozenset(GATES[GATES.index("schema") + 1 :])
+AFTER_SCHEMA = frozenset(GATES[GATES.index("schema") + 1 :]) - set(ADMISSION)
 CLEARANCE = ("public", "internal", "confidential", "regulated", "secret")
 TOKEN_CODES = {
     "valid": None,
@@ -71,8 +76,10 @@ TAMPER_CODES = {
 }
 PROPOSAL_KEYS = frozenset(
     {"principal", "token", "tenant_id", "tool", "version", "arguments", "arguments_raw",
-     "active_tools", "approvals", "expect"}
+     "active_tools", "approvals", "envelope", "expect"}
 )  # fmt: skip
+ENVELOPE_KEYS = frozenset({"idempotency_key"})
+"""What a proposal's ``envelope:`` may set (the runner merges it into the envelope)."""
 CASE_KEYS = PROPOSAL_KEYS | {"id", "category", "description", "steps"}
 EXPECT_KEYS = frozenset(
     {"taxonomy", "gate", "codes", "fields", "next_action_contains", "allowed_tools_contains"}
@@ -116,6 +123,7 @@ class Proposal:
     active_tools: list[str] | None
     approvals: list[dict[str, Any]]
     expect: dict[str, Any]
+    envelope: dict[str, Any] = field(default_factory=dict)
     reused: bool = False
     step: int | None = None
 
@@ -166,6 +174,7 @@ def _proposals(case: dict[str, Any], principals: dict[str, Any]) -> Iterator[Pro
             active_tools=merged.get("active_tools"),
             approvals=approvals,
             expect=merged["expect"],
+            envelope=dict(body.get("envelope") or {}),  # the runner sends a step's own only
             reused=reused,
             step=n,
         )
@@ -199,10 +208,10 @@ def test_every_file_loads_and_names_its_category(suite: Suite) -> None:
             assert c["category"] == stem, c["id"]
             assert set(c) <= CASE_KEYS, (c["id"], set(c) - CASE_KEYS)
             assert isinstance(c["description"], str) and c["description"].strip(), c["id"]
-            assert ("steps" in c) == (stem == "multi_step"), c["id"]
+            assert ("steps" in c) == (stem in MULTI_STEP), c["id"]
             if "steps" in c:
                 assert len(c["steps"]) >= 2, c["id"]
-                assert "tool" not in c and "expect" not in c, c["id"]
+                assert "tool" not in c and "expect" not in c and "envelope" not in c, c["id"]
                 for s in c["steps"]:
                     assert set(s) <= PROPOSAL_KEYS, (c["id"], set(s) - PROPOSAL_KEYS)
 
@@ -232,6 +241,7 @@ def test_every_proposal_is_well_formed(suite: Suite) -> None:
             assert a["approver"] in suite.approvers or a.get("tamper") == "unregistered", p.where
             assert a.get("tamper", "none") in TAMPER_CODES, p.where
             assert a.get("decision", "approved") in ("approved", "rejected"), p.where
+        assert set(p.envelope) <= ENVELOPE_KEYS, p.where
         assert set(p.expect) <= EXPECT_KEYS, p.where
         assert p.expect["gate"] in GATES, p.where
         for key in EXPECT_KEYS - {"taxonomy", "gate"}:
@@ -342,6 +352,16 @@ def test_mutations_that_reach_confirmation_do_not_share_payloads(
         assert owner.setdefault(key, p.case_id) == p.case_id, (p.where, owner[key])
 
 
+def test_explicit_idempotency_keys_are_not_shared_between_cases(suite: Suite) -> None:
+    """A key names one operation of a tenant, whatever the run: two cases sharing one
+    would decide each other's labels."""
+    owner: dict[tuple[str, str], str] = {}
+    for p in suite.proposals:
+        if "idempotency_key" in p.envelope:
+            key = (p.tenant_id, p.envelope["idempotency_key"])
+            assert owner.setdefault(key, p.case_id) == p.case_id, (p.where, owner[key])
+
+
 # -- the gates: real ones up to schema, a model of the design after it -------------------------
 
 
@@ -379,6 +399,7 @@ def _envelope(p: Proposal) -> bytes:
         env["arguments"] = p.arguments
     if p.active_tools is not None:
         env["active_tools"] = p.active_tools
+    env.update(p.envelope)
     return orjson.dumps(env)
 
 
@@ -535,26 +556,268 @@ def _model(p: Proposal, contract: Contract, args: dict[str, Any], suite: Suite) 
     return Outcome("SUCCESS", "route")
 
 
-def _observe(p: Proposal, pack: ContractSet, suite: Suite) -> Outcome:
+@dataclass
+class Gated:
+    """What the gates before admission decide, and what admission needs to know."""
+
+    outcome: Outcome
+    arguments: Any
+    contract: Contract | None
+
+
+def _observe(p: Proposal, pack: ContractSet, suite: Suite) -> Gated:
     parsed = parse_proposal(SourceRecord("tool.proposals", 0, 0, None, _envelope(p), 0), Limits())
     assert not isinstance(parsed, DeadLetter), p.where
     proposal, rejection, _ = parsed
     if rejection is not None:
-        return Outcome.of(rejection)
+        return Gated(Outcome.of(rejection), proposal.arguments, None)
     resolved = resolve_tool(proposal, pack)
     if isinstance(resolved, Rejection):
-        return Outcome.of(resolved)
+        return Gated(Outcome.of(resolved), proposal.arguments, None)
     # Credentials are refused before the schema gate, which would quote them back.
     refused = check_secrets(proposal, Policy()) or check_arguments(proposal.arguments, resolved)
     if refused is not None:
-        return Outcome.of(refused)
-    return _model(p, resolved, proposal.arguments, suite)
+        return Gated(Outcome.of(refused), proposal.arguments, resolved)
+    return Gated(_model(p, resolved, proposal.arguments, suite), proposal.arguments, resolved)
+
+
+# -- admission: a model of its rules over the runs ---------------------------------------------
+
+REPAIRS = frozenset(
+    {"SYNTACTIC_PARSE_FAIL", "STRUCTURAL_VIOLATION", "TYPE_MISMATCH", "OUT_OF_BOUNDS",
+     "SEMANTIC_INVALIDITY"}
+)  # fmt: skip
+"""Refusals of a proposal's own arguments: what the repair guard counts."""
+HANDOFF = ("handoff_to_human",)
+ADMISSION_ACTIONS = {
+    "step_cap": "This run is out of steps: stop calling tools and call handoff_to_human.",
+    "class_budget": "This run may make no more {group} calls. Do not retry.",
+    "run_cost_cap": "This run has spent its cost budget. Do not retry; call handoff_to_human.",
+    "tenant_day_cost_cap": "The tenant's daily budget is spent; call handoff_to_human.",
+    "repeated_call": "Do not repeat this call: change the arguments or use another tool.",
+    "repair_loop": "Stop: the same invalid call will not succeed; call handoff_to_human.",
+    "repair_cap": "Stop: this run has failed to repair its calls {repairs} times; call "
+    "handoff_to_human.",
+    "rate_limited": "Wait, then propose the same call again unchanged.",
+    "idempotency_in_flight": "The same operation is already running: wait for its result, or "
+    "retry with the same idempotency key later.",
+    "idempotency_key_reused": "Nothing ran: use a new key for a new operation.",
+}
+"""What the model must be told for each admission refusal (labels quote these words)."""
+
+
+def _canonical(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+@dataclass
+class Run:
+    steps: int = 0
+    repairs: int = 0
+    spent: Counter[str] = field(default_factory=Counter)
+    cost: float = 0.0
+    made: Counter[tuple[str, bytes]] = field(default_factory=Counter)
+    invalid: Counter[tuple[str, bytes]] = field(default_factory=Counter)
+
+
+@dataclass
+class Record:
+    """An idempotency record; with no executor in the run, every one stays in flight."""
+
+    payload: bytes
+    awaiting_approval: bool
+
+
+@dataclass
+class Admission:
+    """The rules the design gives admission, over the suite's runs in the runner's order.
+
+    No time passes in the model: a rate-limit bucket never refills and a call in flight
+    stays in flight. Keys, buckets and day costs are per tenant, across runs."""
+
+    policy: Policy
+    runs: dict[tuple[str, str], Run] = field(default_factory=dict)
+    records: dict[tuple[Any, ...], Record] = field(default_factory=dict)
+    calls: Counter[tuple[str, str]] = field(default_factory=Counter)
+    callers: dict[tuple[str, str], set[str]] = field(default_factory=dict)
+    limited: set[tuple[str, str]] = field(default_factory=set)
+    day: dict[str, float] = field(default_factory=dict)
+
+    def admit(self, p: Proposal, run_id: str, gated: Gated, who: dict[str, Any]) -> Outcome:
+        seen = gated.outcome
+        tenant = who["tenant_id"]
+        verified = TOKEN_CODES[p.token] is None and p.tenant_id == tenant
+        # An identity refusal leaves no principal to charge, so only a verified
+        # principal's proposals are steps (cross_tenant_reference is found after it).
+        if not verified or (seen.gate == "identity" and "cross_tenant_reference" not in seen.codes):
+            return seen
+        budgets = self.policy.budgets_for(tenant)
+        run = self.runs.setdefault((tenant, run_id), Run())
+        contract = gated.contract
+        parked = seen.taxonomy == "CONFIRMATION_MISSING" and seen.codes == {"approval_required"}
+        # A replayed approval is only found spent after admission let its call through.
+        replayed = seen.codes == {"approval_reused"}
+        if seen.taxonomy == "SUCCESS" or parked or replayed:
+            assert contract is not None, p.where
+            base = seen if parked else Outcome("SUCCESS", "route")
+            refused = self._call(p, run, run_id, gated, contract, budgets, who, parked)
+            if refused is None:
+                return seen
+            return self._refusal(base, refused, budgets, contract)
+        code = self._step(p, run, gated, budgets, repair=seen.taxonomy in REPAIRS)
+        return seen if code is None else self._refusal(seen, code, budgets, None)
+
+    def _step(
+        self, p: Proposal, run: Run, gated: Gated, budgets: Budgets, repair: bool
+    ) -> str | None:
+        args = gated.arguments if gated.arguments is not None else p.tool
+        signature = (p.tool, _canonical(args))
+        before, run.steps = run.steps, run.steps + 1
+        if repair:
+            repairs, same = run.repairs, run.invalid[signature]
+            run.repairs += 1
+            run.invalid[signature] += 1
+        if before >= budgets.steps:
+            return "step_cap"
+        if not repair:
+            return None
+        if same >= 1:
+            return "repair_loop"
+        if repairs >= budgets.repairs:
+            return "repair_cap"
+        return None
+
+    def _call(
+        self,
+        p: Proposal,
+        run: Run,
+        run_id: str,
+        gated: Gated,
+        contract: Contract,
+        budgets: Budgets,
+        who: dict[str, Any],
+        parked: bool,
+    ) -> str | None:
+        tenant, tool = who["tenant_id"], contract.name
+        payload = _canonical(gated.arguments)
+        explicit = p.envelope.get("idempotency_key")
+        key: tuple[Any, ...] = (
+            (tenant, explicit)
+            if explicit is not None
+            else (tenant, run_id, who["user_id"], tool, contract.version, payload)
+        )
+        record = self.records.get(key)
+        charged = False
+        if record is not None:
+            if record.payload != payload:
+                run.steps += 1
+                return "idempotency_key_reused"
+            if record.awaiting_approval and not parked:
+                charged = True  # the parked call, back with its approvals: paid already
+            else:
+                run.steps += 1
+                return "idempotency_in_flight"
+        code = self._limits(run, contract, budgets, tenant, payload, charged)
+        if code is not None:
+            run.steps += 1
+            return code
+        run.steps += 1
+        run.made[(tool, payload)] += 1
+        if not charged:
+            group = budgets.group(tool, contract.side_effect_class)
+            cost = _cost_of(contract)
+            run.spent[group] += 1
+            run.cost += cost
+            self.day[tenant] = self.day.get(tenant, 0.0) + cost
+            self.calls[(tenant, tool)] += 1
+            self.callers.setdefault((tenant, tool), set()).add(p.case_id)
+        self.records[key] = Record(payload, parked)
+        return None
+
+    def _limits(
+        self,
+        run: Run,
+        contract: Contract,
+        budgets: Budgets,
+        tenant: str,
+        payload: bytes,
+        charged: bool,
+    ) -> str | None:
+        tool = contract.name
+        if run.steps >= budgets.steps:
+            return "step_cap"
+        if run.made[(tool, payload)] >= budgets.repeats:
+            return "repeated_call"
+        if charged:
+            return None
+        group = budgets.group(tool, contract.side_effect_class)
+        cost = _cost_of(contract)
+        if run.spent[group] >= budgets.classes.get(group, 0):
+            return "class_budget"
+        if run.cost + cost > budgets.run_cost:
+            return "run_cost_cap"
+        if budgets.day_cost is not None and self.day.get(tenant, 0.0) + cost > budgets.day_cost:
+            return "tenant_day_cost_cap"
+        burst = _burst(contract, budgets.rate_limit_scale)
+        if burst is not None and self.calls[(tenant, tool)] >= burst:
+            self.limited.add((tenant, tool))
+            return "rate_limited"
+        return None
+
+    def _refusal(
+        self, seen: Outcome, code: str, budgets: Budgets, contract: Contract | None
+    ) -> Outcome:
+        """The earlier gates' errors are kept; admission's is added."""
+        taxonomy, gate, fields = "BUDGET_EXHAUSTED", "budget", set(seen.fields)
+        if code == "rate_limited":
+            taxonomy = "RATE_LIMITED"
+        elif code.startswith("idempotency_"):
+            taxonomy = (
+                "IDEMPOTENCY_CONFLICT"
+                if code == "idempotency_in_flight"
+                else ("SIGNATURE_MISMATCH")
+            )
+            gate = "idempotency"
+            fields.add("idempotency_key")
+        group = budgets.group(contract.name, contract.side_effect_class) if contract else ""
+        action = ADMISSION_ACTIONS[code].format(group=group, repairs=budgets.repairs)
+        handoff = HANDOFF if code in ("step_cap", "repair_loop", "repair_cap") else ()
+        codes = seen.codes | {code} if seen.taxonomy != "SUCCESS" else {code}
+        return Outcome(taxonomy, gate, codes, fields, action, handoff)
+
+
+def _cost_of(contract: Contract) -> float:
+    profile = contract.raw["runtime"].get("cost_profile") or {}
+    return float(profile.get("cost_per_call") or 0)
+
+
+def _burst(contract: Contract, scale: float) -> int | None:
+    """Calls a tenant may make of a tool at once: the contract's max_requests, scaled."""
+    limits = contract.raw["runtime"].get("rate_limits") or {}
+    if not limits.get("max_requests") or not limits.get("window_sec"):
+        return None
+    return max(1, int(limits["max_requests"] * scale))
+
+
+def _decided(suite: Suite, pack: ContractSet) -> list[tuple[Proposal, Outcome]]:
+    """Every proposal's observation, in the order the runner sends them: single cases
+    first, then each multi-step case's steps in order, every case in its own run."""
+    admission = Admission(parse_policy(suite.policy))
+    ordered = sorted(suite.proposals, key=lambda p: p.step is not None)  # stable
+    out = []
+    for p in ordered:
+        who = suite.principals[p.principal]
+        out.append((p, admission.admit(p, f"run-{p.case_id}", _observe(p, pack, suite), who)))
+    for bucket in admission.limited:
+        # Buckets are per tenant and tool, across runs: a limit one case hits must not
+        # depend on how fast the runner got through another.
+        assert len(admission.callers[bucket]) == 1, (bucket, admission.callers[bucket])
+    return out
 
 
 def test_every_label_is_what_the_gates_decide(suite: Suite, pack: ContractSet) -> None:
     wrong = []
-    for p in suite.proposals:
-        seen = _observe(p, pack, suite)
+    for p, seen in _decided(suite, pack):
         e = p.expect
         problems = []
         if (seen.taxonomy, seen.gate) != (e["taxonomy"], e["gate"]):
@@ -571,6 +834,14 @@ def test_every_label_is_what_the_gates_decide(suite: Suite, pack: ContractSet) -
         if problems:
             wrong.append(f"{p.where}: labelled {e}, gates give {'; '.join(problems)}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_admission_labels_name_all_their_codes(suite: Suite, pack: ContractSet) -> None:
+    """An admission refusal keeps the earlier gates' errors: its label lists them too, so
+    a budget code cannot stand in for the refusal it was added to."""
+    for p, seen in _decided(suite, pack):
+        if p.expect["gate"] in ADMISSION:
+            assert set(p.expect.get("codes", [])) == seen.codes, (p.where, sorted(seen.codes))
 
 
 def test_rejections_name_their_codes(suite: Suite) -> None:
