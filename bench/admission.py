@@ -52,6 +52,7 @@ def calls(n: int, tenants: int = 4) -> list[tuple[str, Item]]:
                 ttl=3_600_000,
                 park=False,
                 tok="",
+                exempt=False,
             ),
         )
         for i in range(n)

@@ -241,7 +241,8 @@ def _prepare(src: SourceRecord, gates: Gates, now_ms: int, started: float) -> De
 
     principal = check_identity(p, contract, gates.verifier, now_ms / 1000)
     if isinstance(principal, Rejection):
-        return _rejected(src, p, principal, warnings, now_ms, contract)
+        # A missing scope comes with a token that verified: that run's step still counts.
+        return _early(src, p, principal, warnings, now_ms, gates, contract)
     keys = reference_keys(p, contract, principal.tenant_id)
     return Pending(src, p, contract, principal, warnings, keys, started)
 

@@ -29,7 +29,8 @@ RAISED_BY: dict[TaxonomyClass, str] = {
     _T.DEPENDENCY_UNAVAILABLE: "result (retryable failure)",
     _T.COMPENSATION_REQUIRED: "result (failed after committing steps)",
     _T.COMPENSATION_FAILED: "result (the compensating call failed)",
-    _T.UNKNOWN_ERROR: "internal (a bug; fails closed)",
+    _T.UNKNOWN_ERROR: "internal (a bug; fails closed); result (a failure its executor did not "
+    "classify)",
 }
 """Where each class comes from. The gates raise theirs as a proposal passes through them,
 admission (budget, idempotency) last; the conformance suite sees each of them raised.

@@ -40,6 +40,8 @@ _REPAIRS = frozenset({
 """Refusals the model is expected to repair by proposing again with other arguments."""
 
 HANDOFF_TOOL = "handoff_to_human"
+"""What a run out of steps or budget is told to call: never refused for steps, budgets or
+costs (its idempotency key and rate limit still apply)."""
 DAY_MS = 86_400_000
 
 
@@ -132,6 +134,7 @@ def admission_item(
             park=d.outcome is Outcome.PARKED,
             # Kept only where a compensating call may have to be proposed in its name.
             tok=(p.principal_token or "") if contract.compensation_tool else "",
+            exempt=contract.name == HANDOFF_TOOL,
         )
         return tenant, item
     if d.outcome is Outcome.REJECTED and d.rejection is not None:

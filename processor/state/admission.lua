@@ -39,6 +39,7 @@ local function unwire(a)
     return {kind = 'call', pos = a[2], run = a[3], tool = a[4], group = a[5], sig = a[6],
             ikey = a[7], hash = a[8], call = a[9], deadline = a[10], park = a[11] == 1,
             tok = a[12], cost = t[1], rate = t[2] > 0 and {t[2], t[3]} or nil, ttl = t[4],
+            exempt = t[5] == 1,
             class_budget = H.classes[a[5]] or 0, steps = H.steps, repeats = H.repeats,
             cost_cap = H.cost_cap, day_cap = opt(H.day_cap), day = H.day, now = H.now,
             grace = H.grace}
@@ -124,14 +125,17 @@ end
 
 -- The budgets and the rate limit of an admissible call; nil when it may go.
 -- `charged`: the call was charged when it was parked, and is only being released now.
+-- `exempt`: the hand-off tool, which a run out of steps or budget is told to call.
 local function limits(c, counters, charged)
-  if (counters.steps or 0) >= c.steps then return refuse('step_cap') end
+  if not c.exempt and (counters.steps or 0) >= c.steps then return refuse('step_cap') end
   if (counters['sig:' .. c.sig] or 0) >= c.repeats then return refuse('loop') end
   if charged then return nil end
-  if (counters['class:' .. c.group] or 0) >= c.class_budget then return refuse('class_budget') end
-  if (counters.cost or 0) + c.cost > c.cost_cap + 1e-9 then return refuse('cost_cap') end
-  if c.day_cap and day_cost(c.day) + c.cost > c.day_cap + 1e-9 then
-    return refuse('day_cost_cap')
+  if not c.exempt then
+    if (counters['class:' .. c.group] or 0) >= c.class_budget then return refuse('class_budget') end
+    if (counters.cost or 0) + c.cost > c.cost_cap + 1e-9 then return refuse('cost_cap') end
+    if c.day_cap and day_cost(c.day) + c.cost > c.day_cap + 1e-9 then
+      return refuse('day_cost_cap')
+    end
   end
   if c.rate then
     local interval, burst = c.rate[1], c.rate[2]

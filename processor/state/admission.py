@@ -48,7 +48,7 @@ Verdict = dict[str, Any]
 # Every optional field is always sent: a missing one would read as nil in Lua, not null.
 _CALL_FIELDS = ("pos", "run", "tool", "group", "cost", "sig", "now", "rate", "steps",
                 "class_budget", "cost_cap", "day_cap", "day", "repeats", "ikey", "hash",
-                "call", "deadline", "grace", "ttl", "park", "tok")  # fmt: skip
+                "call", "deadline", "grace", "ttl", "park", "tok", "exempt")  # fmt: skip
 
 
 def rate_of(window_sec: int, max_requests: int) -> tuple[int, int] | None:
@@ -176,7 +176,7 @@ def _fits(header: dict[str, Any], item: Item) -> bool:
 
 def _tool(item: Item) -> list[Any]:
     interval, burst = item["rate"] or (0, 0)
-    return [item["cost"], interval, burst, item["ttl"]]
+    return [item["cost"], interval, burst, item["ttl"], 1 if item["exempt"] else 0]
 
 
 def _absorb(header: dict[str, Any], item: Item) -> None:

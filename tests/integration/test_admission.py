@@ -37,6 +37,7 @@ def call(**kw: Any) -> tuple[str, Item]:
         "class_budget": 1000, "cost_cap": 1e9, "day_cap": None, "day": "20270115",
         "repeats": 1000, "ikey": uuid.uuid4().hex, "hash": "h1", "call": uuid.uuid4().hex,
         "deadline": NOW + 8000, "grace": 1000, "ttl": 3_600_000, "park": False, "tok": "",
+        "exempt": False,
     }  # fmt: skip
     tenant = kw.pop("tenant", TENANT)
     fields.update(kw)
@@ -75,6 +76,14 @@ def test_the_nth_step_is_allowed_and_the_next_refused(store: AdmissionStore) -> 
     assert store.run_counters(TENANT, "run-1")["steps"] == 13  # refused proposals count too
     # A refused proposal of the same run is a step as well, and is stopped at the cap.
     assert whys(store.apply([step(repair=False, steps=12)])) == ["step_cap"]
+
+
+def test_the_hand_off_is_never_refused_for_steps_or_budgets(store: AdmissionStore) -> None:
+    spent = store.apply([call(steps=2, class_budget=1, group="write") for _ in range(3)])
+    assert whys(spent) == [None, "class_budget", "step_cap"]
+    handoff = store.apply([call(steps=2, class_budget=1, group="write", tool="handoff_to_human",
+                                exempt=True, cost=1.0, cost_cap=0.5)])  # fmt: skip
+    assert whys(handoff) == [None]
 
 
 def test_class_budgets_and_a_zero_budget(store: AdmissionStore) -> None:
