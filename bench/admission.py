@@ -31,7 +31,7 @@ def calls(n: int, tenants: int = 4) -> list[tuple[str, Item]]:
             f"t{i % tenants}",
             call_item(
                 pos=f"bench/{i % 6}/{i}",
-                run=f"run-{i % 512}",
+                run=f"run-{i // 8}",
                 tool=("search_kb", "lookup_order", "cancel_order")[i % 3],
                 group="read",
                 cost=0.01,

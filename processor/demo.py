@@ -193,6 +193,7 @@ def _run_executor(settings: Settings, tenant: str, db: Path) -> tuple[Executor, 
     executor = Executor(settings, store.handlers(), executor_id=f"demo-{uuid.uuid4().hex[:6]}")
     thread = threading.Thread(target=executor.run, name="demo-executor", daemon=True)
     thread.start()
+    executor.wait_ready(60)
     return executor, thread
 
 

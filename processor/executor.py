@@ -206,6 +206,8 @@ class Executor:
         self.results_committed = 0
         self._stop = threading.Event()
         self._assigned: set[tuple[str, int]] = set()
+        self.ready = threading.Event()
+        """Set once the executor's consumer owns partitions."""
         self._consumer: Consumer | None = None
         self._producer: Producer | None = None
 
@@ -407,6 +409,13 @@ class Executor:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned |= {(tp.topic, tp.partition) for tp in partitions}
+        if self._assigned:
+            self.ready.set()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Until the executor owns partitions: a call routed before then waits for the
+        group to form and may miss its deadline."""
+        return self.ready.wait(timeout)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned -= {(tp.topic, tp.partition) for tp in partitions}

@@ -147,6 +147,7 @@ def admission_item(
         step = {
             "kind": "step",
             "pos": pos,
+            "now": now_ms,
             "run": p.run_id,
             "sig": _signature(p.tool_name or "", body),
             "steps": budgets.steps,

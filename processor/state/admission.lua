@@ -10,12 +10,20 @@
 --          2 step     a proposal an earlier gate refused (it still is a step of its run)
 --          3 result   an executor's result for a routed call
 --          4 release  a parked call its approvers released
--- ARGV[3]  how long a run's counters live (ms)
+-- ARGV[3]  how long a run's counters live after the day of their last use (ms)
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
 -- "hit|<state>|<call>|<cached answer>", or a result's "settled[|tok|<token>]",
 -- "settled|compensated|<key>", "duplicate", "stale|<state>", "unknown". Short strings,
 -- not JSON: decoding and encoding are most of a script's cost per item.
+--
+-- Storage: an idempotency record is JSON (s state, h payload hash, c call, d deadline,
+-- w awaiting approval, a attempt, r run, t token, x result id, k compensation key,
+-- v cached answer); a run's counters are JSON too. Every record and run the batch names
+-- is read before anything is decided, kept in this script while the batch is decided,
+-- and written once at the end, a hash at a time (see idem_bucket): a Redis command
+-- costs a few microseconds from Lua, and this makes the commands per batch a handful,
+-- not a few per item.
 --
 -- Replay safety: every verdict is kept in the tenant's 'done' hash under its input
 -- record's position (topic/partition/offset) until the batch's Kafka transaction
@@ -82,21 +90,87 @@ end
 local FINAL = {COMPLETED = true, FAILED_FINAL = true, COMPENSATED = true}
 local RETRYABLE = {FAILED_RETRYABLE = true, EXPIRED = true}
 
--- A run's counters (steps, class:<group>, cost, sig:<signature>, repairs, bad:<signature>),
--- a tool's GCRA arrival time and a day's cost are read once per script call, kept here
--- while the batch is decided, and written back once at the end.
-local runs, run_dirty = {}, {}
-local tats, tat_ttl = {}, {}
-local days, day_dirty = {}, {}
+local DAY = 86400000
+local today = math.floor(H.now / DAY)
+local HORIZON = H.horizon_days
+-- Idempotency records live in one hash per tenant and expiry day (field: the key), a
+-- run's counters in one hash per tenant and day of last use (field: the run): a batch
+-- reads each hash once with HMGET and writes each once with HSET, whatever its size,
+-- and a whole day's hash expires at once. A record is kept at least its TTL, at most a
+-- day longer; a run's counters at least a day after its last proposal.
+local function idem_bucket(day) return base .. ':idem:' .. day end
+local function run_bucket(day) return base .. ':runs:' .. day end
 
+-- HMGET `fields` of `key` into `into` (field -> decoded value) where not found yet;
+-- `where` records the day a value was found under.
+local function gather(key, day, fields, into, where)
+  for first = 1, #fields, CHUNK do
+    local last = math.min(first + CHUNK - 1, #fields)
+    local values = redis.call('HMGET', key, unpack(fields, first, last))
+    for k = first, last do
+      local v = values[k - first + 1]
+      if v and not into[fields[k]] then
+        into[fields[k]] = cjson.decode(v)
+        where[fields[k]] = day
+      end
+    end
+  end
+end
+
+-- The idempotency key a positional item names (see unwire), if any.
+local function ikey_of(a)
+  local kind = a[1]
+  if kind == 1 then return a[7] end
+  if kind == 2 then return opt(a[6]) end
+  if kind == 3 then return a[3] end
+  return a[4]
+end
+
+local ikeys, run_ids, seen = {}, {}, {}
+for i, a in ipairs(items) do
+  if not earlier[i] then
+    local ikey = ikey_of(a)
+    if ikey and not seen['i' .. ikey] then
+      seen['i' .. ikey] = true
+      ikeys[#ikeys + 1] = ikey
+    end
+    if (a[1] == 1 or a[1] == 2) and not seen['r' .. a[3]] then
+      seen['r' .. a[3]] = true
+      run_ids[#run_ids + 1] = a[3]
+    end
+  end
+end
+local records, record_day = {}, {}
+if #ikeys > 0 then
+  for day = today, today + HORIZON do gather(idem_bucket(day), day, ikeys, records, record_day) end
+end
+local runs, run_day = {}, {}
+if #run_ids > 0 then
+  for day = today, today - 1, -1 do gather(run_bucket(day), day, run_ids, runs, run_day) end
+end
+for _, ikey in ipairs(ikeys) do records[ikey] = records[ikey] or false end
+local record_dirty, run_dirty = {}, {}
+
+local function record_of(ikey)
+  if records[ikey] == nil then  -- not named by the batch (a compensated original)
+    for day = today, today + HORIZON do gather(idem_bucket(day), day, {ikey}, records, record_day) end
+    records[ikey] = records[ikey] or false
+  end
+  return records[ikey]
+end
+
+local function put_record(ikey, rec, ttl)
+  records[ikey] = rec
+  record_dirty[ikey] = math.min(today + HORIZON, math.floor((H.now + ttl) / DAY))
+end
+
+-- A run's counters (steps, class:<group>, cost, sig:<signature>, repairs, bad:<signature>),
+-- a tool's GCRA arrival time and a day's cost live here while the batch is decided.
 local function run_of(id)
   local counters = runs[id]
   if not counters then
     counters = {}
-    local flat = redis.call('HGETALL', base .. ':run:' .. id)
-    for i = 1, #flat, 2 do counters[flat[i]] = tonumber(flat[i + 1]) end
     runs[id] = counters
-    run_dirty[id] = {}
   end
   return counters
 end
@@ -104,8 +178,11 @@ end
 local function bump(id, field, by)
   local counters = run_of(id)
   counters[field] = (counters[field] or 0) + by
-  run_dirty[id][field] = true
+  run_dirty[id] = true
 end
+
+local tats, tat_ttl = {}, {}
+local days, day_dirty = {}, {}
 
 local function day_cost(day)
   if days[day] == nil then
@@ -159,32 +236,34 @@ local function charge(c)
   end
 end
 
+local function hit(rec)
+  return {ok = false, why = 'idempotent_hit', state = rec.s, call = rec.c, cached = rec.v}
+end
+
 local function admit_call(c)
   local counters = run_of(c.run)
-  local idem_key = base .. ':idem:' .. c.ikey
-  local rec = redis.call('HMGET', idem_key, 'state', 'hash', 'call', 'deadline', 'awaiting',
-                         'attempt', 'cached')
-  local state, attempt, charged = rec[1], tonumber(rec[6] or '0'), false
-  if state then
-    if rec[2] ~= c.hash then
+  local rec = record_of(c.ikey)
+  local attempt, charged = 0, false
+  if rec then
+    attempt = rec.a or 0
+    if rec.h ~= c.hash then
       bump(c.run, 'steps', 1)
       return refuse('signature_mismatch')
     end
-    if FINAL[state] then
+    if FINAL[rec.s] then
       bump(c.run, 'steps', 1)
-      return {ok = false, why = 'idempotent_hit', state = state, call = rec[3], cached = rec[7]}
+      return hit(rec)
     end
-    if state == 'PENDING' then
-      local deadline = tonumber(rec[4])
-      if rec[5] == '1' and not c.park then
+    if rec.s == 'PENDING' then
+      if rec.w == 1 and not c.park then
         charged = true             -- the parked call, now resubmitted with its approvals
-      elseif c.now < deadline + c.grace then
+      elseif c.now < rec.d + c.grace then
         bump(c.run, 'steps', 1)
-        return refuse('in_flight', deadline + c.grace - c.now)
+        return refuse('in_flight', rec.d + c.grace - c.now)
       end
       -- else: the deadline and the grace period passed with no result; by rule the
       -- key is retryable, as if the call had expired
-    elseif not RETRYABLE[state] then
+    elseif not RETRYABLE[rec.s] then
       bump(c.run, 'steps', 1)
       return refuse('signature_mismatch')
     end
@@ -195,11 +274,8 @@ local function admit_call(c)
   bump(c.run, 'sig:' .. c.sig, 1)
   if not charged then charge(c) end
   local next_attempt = charged and math.max(attempt, 1) or attempt + 1
-  redis.call('HSET', idem_key, 'state', 'PENDING', 'hash', c.hash, 'call', c.call,
-             'deadline', c.deadline, 'awaiting', c.park and '1' or '0',
-             'attempt', next_attempt, 'run', c.run, 'tok', c.tok)
-  if state then redis.call('HDEL', idem_key, 'cached', 'result') end
-  redis.call('PEXPIRE', idem_key, c.ttl)
+  put_record(c.ikey, {s = 'PENDING', h = c.hash, c = c.call, d = c.deadline,
+                      w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.tok}, c.ttl)
   return {ok = true, attempt = next_attempt}
 end
 
@@ -207,10 +283,10 @@ local function admit_step(c)
   local counters = run_of(c.run)
   if c.ikey then
     -- Refused on the world's state, but maybe because this very call already ran.
-    local rec = redis.call('HMGET', base .. ':idem:' .. c.ikey, 'state', 'hash', 'call', 'cached')
-    if rec[1] and FINAL[rec[1]] and rec[2] == c.hash then
+    local rec = record_of(c.ikey)
+    if rec and FINAL[rec.s] and rec.h == c.hash then
       bump(c.run, 'steps', 1)
-      return {ok = false, why = 'idempotent_hit', state = rec[1], call = rec[3], cached = rec[4]}
+      return hit(rec)
     end
   end
   local steps = counters.steps or 0
@@ -233,26 +309,25 @@ end
 -- waiting for settles it; a result for an older attempt (the key was retried since)
 -- or a second copy of the same result changes nothing.
 local function settle(c)
-  local idem_key = base .. ':idem:' .. c.ikey
-  local rec = redis.call('HMGET', idem_key, 'state', 'call', 'result', 'tok')
-  if not rec[1] then return {status = 'unknown'} end
-  if rec[3] == c.result_id then return {status = 'duplicate'} end
-  if rec[2] ~= c.call or rec[1] ~= 'PENDING' then return {status = 'stale', state = rec[1]} end
-  redis.call('HSET', idem_key, 'state', c.state, 'result', c.result_id, 'cached', c.cached,
-             'awaiting', '0')
-  redis.call('HDEL', idem_key, 'tok')
-  redis.call('PEXPIRE', idem_key, c.ttl)
+  local rec = record_of(c.ikey)
+  if not rec then return {status = 'unknown'} end
+  if rec.x == c.result_id then return {status = 'duplicate'} end
+  if rec.c ~= c.call or rec.s ~= 'PENDING' then return {status = 'stale', state = rec.s} end
+  local tok = rec.t
+  rec.s, rec.x, rec.v, rec.w, rec.t = c.state, c.result_id, c.cached, 0, nil
   local verdict = {status = 'settled'}
   if c.compensation_key then
     -- The compensating call is proposed under this key; the original is compensated
     -- once that call completes.
-    redis.call('HSET', idem_key, 'compensation', c.compensation_key)
-    verdict.tok = rec[4]
+    rec.k = c.compensation_key
+    if tok and tok ~= '' then verdict.tok = tok end
   end
+  put_record(c.ikey, rec, c.ttl)
   if c.compensates and c.state == 'COMPLETED' then
-    local orig_key = base .. ':idem:' .. c.compensates
-    if redis.call('HGET', orig_key, 'compensation') == c.ikey then
-      redis.call('HSET', orig_key, 'state', 'COMPENSATED')
+    local orig = record_of(c.compensates)
+    if orig and orig.k == c.ikey then
+      orig.s = 'COMPENSATED'
+      put_record(c.compensates, orig, c.ttl)
       verdict.compensated = c.compensates
     end
   end
@@ -262,17 +337,13 @@ end
 -- A parked call released by its approvers. It goes only if its record still waits for
 -- approval: a resubmission that carried approvals may have taken the key over already.
 local function release(c)
-  local idem_key = base .. ':idem:' .. c.ikey
-  local rec = redis.call('HMGET', idem_key, 'state', 'hash', 'awaiting')
-  if rec[1] and not (rec[1] == 'PENDING' and rec[3] == '1' and rec[2] == c.hash) then
+  local rec = record_of(c.ikey)
+  if rec and not (rec.s == 'PENDING' and rec.w == 1 and rec.h == c.hash) then
     return refuse('superseded')
   end
-  if not rec[1] then
-    redis.call('HSET', idem_key, 'hash', c.hash, 'attempt', 1, 'run', c.run)
-    redis.call('PEXPIRE', idem_key, c.ttl)
-  end
-  redis.call('HSET', idem_key, 'state', 'PENDING', 'awaiting', '0', 'call', c.call,
-             'deadline', c.deadline)
+  rec = rec or {h = c.hash, a = 1, r = c.run}
+  rec.s, rec.w, rec.c, rec.d = 'PENDING', 0, c.call, c.deadline
+  put_record(c.ikey, rec, c.ttl)
   return {ok = true}
 end
 
@@ -301,16 +372,35 @@ end
 for first = 1, #fresh, 2 * CHUNK do
   redis.call('HSET', done_key, unpack(fresh, first, math.min(first + 2 * CHUNK - 1, #fresh)))
 end
-for id, fields in pairs(run_dirty) do
-  local flat = {}
-  for field in pairs(fields) do
-    flat[#flat + 1] = field
-    flat[#flat + 1] = runs[id][field]
+-- Each written record or run goes to its day's hash, and leaves the one it came from.
+local function write_back(dirty, values, found_in, bucket, expire_at)
+  local puts, drops = {}, {}
+  for id, day in pairs(dirty) do
+    puts[day] = puts[day] or {}
+    local flat = puts[day]
+    flat[#flat + 1] = id
+    flat[#flat + 1] = cjson.encode(values[id])
+    local was = found_in[id]
+    if was and was ~= day then
+      drops[was] = drops[was] or {}
+      drops[was][#drops[was] + 1] = id
+    end
   end
-  local run_key = base .. ':run:' .. id
-  if #flat > 0 then redis.call('HSET', run_key, unpack(flat)) end
-  redis.call('PEXPIRE', run_key, run_ttl)
+  for day, flat in pairs(puts) do
+    for first = 1, #flat, 2 * CHUNK do
+      redis.call('HSET', bucket(day), unpack(flat, first, math.min(first + 2 * CHUNK - 1, #flat)))
+    end
+    redis.call('PEXPIREAT', bucket(day), expire_at(day))
+  end
+  for day, ids in pairs(drops) do
+    for first = 1, #ids, CHUNK do
+      redis.call('HDEL', bucket(day), unpack(ids, first, math.min(first + CHUNK - 1, #ids)))
+    end
+  end
 end
+for id in pairs(run_dirty) do run_dirty[id] = today end
+write_back(record_dirty, records, record_day, idem_bucket, function(day) return (day + 1) * DAY end)
+write_back(run_dirty, runs, run_day, run_bucket, function(day) return (day + 1) * DAY + run_ttl end)
 for tool, ttl in pairs(tat_ttl) do
   redis.call('SET', base .. ':rl:' .. tool, tats[tool], 'PX', ttl)
 end

@@ -29,6 +29,7 @@ transaction gets the same verdicts and nothing moves twice.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,10 @@ class AdmissionStore:
                 self.forget(forget)
             return []
         segments = _segments(items)
+        now_ms = int(time.time() * 1000)
+        for _, header, _ in segments:
+            header.setdefault("now", now_ms)  # a segment of results only
+            header["horizon_days"] = HORIZON_DAYS
         pipe = self.client.pipeline(transaction=False)
         n_forget = self._queue_forget(pipe, forget or [])
         calls = [
@@ -123,19 +128,42 @@ class AdmissionStore:
             pipe.hdel(f"{self._base(tenant)}:done", *positions)
         return len(by_tenant)
 
-    def run_counters(self, tenant: str, run: str) -> dict[str, float]:
+    def run_counters(self, tenant: str, run: str, now_ms: int | None = None) -> dict[str, float]:
         """steps, class:<group>, cost, sig:<signature>, repairs, bad:<signature> of a run."""
-        raw = self.client.hgetall(f"{self._base(tenant)}:run:{run}")
-        return {k.decode(): float(v) for k, v in raw.items()}
+        today = _day(now_ms)
+        for day in (today, today - 1):
+            raw = self.client.hget(f"{self._base(tenant)}:runs:{day}", run)
+            if raw:
+                return {k: float(v) for k, v in orjson.loads(raw).items()}
+        return {}
 
-    def record(self, tenant: str, key: str) -> dict[str, str]:
-        """An idempotency record's fields (empty when there is none)."""
-        raw = self.client.hgetall(f"{self._base(tenant)}:idem:{key}")
-        return {k.decode(): v.decode() for k, v in raw.items()}
+    def record(self, tenant: str, key: str, now_ms: int | None = None) -> dict[str, str]:
+        """An idempotency record's fields (empty when there is none), values as text."""
+        today = _day(now_ms)
+        for day in range(today, today + HORIZON_DAYS + 1):
+            raw = self.client.hget(f"{self._base(tenant)}:idem:{day}", key)
+            if raw:
+                fields = orjson.loads(raw).items()
+                return {_RECORD_FIELDS[k]: str(v) for k, v in fields if v != ""}
+        return {}
 
     def day_cost(self, tenant: str, day: str) -> float:
         return float(self.client.hget(f"{self._base(tenant)}:day:{day}", "cost") or 0)
 
+
+HORIZON_DAYS = 8
+"""Idempotency records are kept at most this many days (contracts' TTLs are clamped)."""
+
+
+def _day(now_ms: int | None) -> int:
+    return int((time.time() * 1000 if now_ms is None else now_ms) // 86_400_000)
+
+
+_RECORD_FIELDS = {
+    "s": "state", "h": "hash", "c": "call", "d": "deadline", "w": "awaiting", "a": "attempt",
+    "r": "run", "t": "tok", "x": "result", "k": "compensation", "v": "cached",
+}  # fmt: skip
+"""An idempotency record's JSON keys (short: one is written per call) and their names."""
 
 _CONSTANTS = ("now", "day", "steps", "repeats", "grace", "cost_cap", "day_cap")
 """What every call of a tenant's batch shares (one policy, one clock): sent once."""
@@ -169,9 +197,11 @@ def _fits(header: dict[str, Any], item: Item) -> bool:
             return False
         tool = header["tools"].get(item["tool"])
         return tool is None or tool == _tool(item)
-    if kind == "step":
-        return all(header.get(k, item[k]) == item[k] for k in ("steps", "max_repairs"))
-    return True
+    if kind == "step" and not all(
+        header.get(k, item[k]) == item[k] for k in ("steps", "max_repairs")
+    ):
+        return False
+    return "now" not in item or header.get("now", item["now"]) == item["now"]
 
 
 def _tool(item: Item) -> list[Any]:
@@ -191,6 +221,8 @@ def _absorb(header: dict[str, Any], item: Item) -> None:
     elif kind == "step":
         header["steps"] = item["steps"]
         header["max_repairs"] = item["max_repairs"]
+    if "now" in item:
+        header["now"] = item["now"]
     header.setdefault("max_repairs", 0)
 
 

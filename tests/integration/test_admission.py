@@ -45,7 +45,7 @@ def call(**kw: Any) -> tuple[str, Item]:
 
 
 def step(sig: str = "bad", repair: bool = True, **kw: Any) -> tuple[str, Item]:
-    item = {"kind": "step", "pos": f"t/0/{next(_pos)}", "run": "run-1", "sig": sig,
+    item = {"kind": "step", "pos": f"t/0/{next(_pos)}", "now": NOW, "run": "run-1", "sig": sig,
             "steps": 1000, "repair": repair, "max_repairs": 3}  # fmt: skip
     item.update(kw)
     return TENANT, item
@@ -55,7 +55,8 @@ def result(
     of: tuple[str, Item], state: str = "COMPLETED", result_id: str | None = None, **kw: Any
 ) -> tuple[str, Item]:
     tenant, c = of
-    item = {"kind": "result", "pos": f"r/0/{next(_pos)}", "ikey": c["ikey"], "call": c["call"],
+    item = {"kind": "result", "pos": f"r/0/{next(_pos)}", "now": NOW, "ikey": c["ikey"],
+            "call": c["call"],
             "result_id": result_id or uuid.uuid4().hex, "state": state,
             "cached": orjson.dumps({"class": "SUCCESS", "data": '{"n":1}'}).decode(),
             "ttl": 3_600_000, "compensation_key": None, "compensates": None}  # fmt: skip
@@ -73,7 +74,7 @@ def whys(verdicts: list[Verdict]) -> list[str | None]:
 def test_the_nth_step_is_allowed_and_the_next_refused(store: AdmissionStore) -> None:
     verdicts = store.apply([call(steps=12) for _ in range(13)])
     assert whys(verdicts) == [None] * 12 + ["step_cap"]
-    assert store.run_counters(TENANT, "run-1")["steps"] == 13  # refused proposals count too
+    assert store.run_counters(TENANT, "run-1", NOW)["steps"] == 13  # refused proposals count too
     # A refused proposal of the same run is a step as well, and is stopped at the cap.
     assert whys(store.apply([step(repair=False, steps=12)])) == ["step_cap"]
 
@@ -97,7 +98,7 @@ def test_class_budgets_and_a_zero_budget(store: AdmissionStore) -> None:
 def test_the_cost_caps_count_what_was_allowed(store: AdmissionStore) -> None:
     verdicts = store.apply([call(cost=4.0, cost_cap=10.0) for _ in range(3)])
     assert whys(verdicts) == [None, None, "cost_cap"]
-    assert store.run_counters(TENANT, "run-1")["cost"] == 8.0
+    assert store.run_counters(TENANT, "run-1", NOW)["cost"] == 8.0
     # The tenant's day: across runs, per tenant, per day.
     day = [call(run=f"d{i}", cost=3.0, day_cap=10.0, day="20270116") for i in range(4)]
     assert whys(store.apply(day)) == [None, None, None, "day_cost_cap"]
@@ -121,7 +122,7 @@ def test_a_repair_loop_and_the_repair_cap(store: AdmissionStore) -> None:
         None, None, None, "repair_cap"]  # fmt: skip
     # Refusals that are not repairs (policy, identity) only count as steps.
     assert whys(store.apply([step("p", repair=False, run="r3") for _ in range(5)])) == [None] * 5
-    assert store.run_counters(TENANT, "r3") == {"steps": 5.0}
+    assert store.run_counters(TENANT, "r3", NOW) == {"steps": 5.0}
 
 
 def test_gcra_allows_a_burst_then_one_per_interval(store: AdmissionStore) -> None:
@@ -142,12 +143,12 @@ def test_a_replayed_batch_gets_the_same_verdicts_and_counts_nothing_twice(
     key = call()[1]["ikey"]
     batch = [call(steps=3, sig="same", ikey=key) for _ in range(2)] + [call(steps=3), call(steps=3)]
     first = store.apply(batch)
-    counters = store.run_counters(TENANT, "run-1")
-    record = store.record(TENANT, key)
+    counters = store.run_counters(TENANT, "run-1", NOW)
+    record = store.record(TENANT, key, NOW)
     assert store.apply(batch) == first  # the transaction aborted; the batch comes again
     assert store.apply(list(reversed(batch))) == list(reversed(first))
-    assert store.run_counters(TENANT, "run-1") == counters
-    assert store.record(TENANT, key) == record
+    assert store.run_counters(TENANT, "run-1", NOW) == counters
+    assert store.record(TENANT, key, NOW) == record
     done = f"{store.ns}:{{{TENANT}}}:done"
     assert store.client.hlen(done) == len(batch)
     # Committed: the markers go with the next batch's round trip, so memory stays flat.
@@ -198,7 +199,7 @@ def test_a_key_in_flight_conflicts_until_its_deadline_and_grace_pass(store: Admi
     first = call()
     key = first[1]["ikey"]
     assert store.apply([first]) == [{"ok": True, "attempt": 1}]
-    assert store.record(TENANT, key)["state"] == "PENDING"
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
     busy = store.apply([call(ikey=key, now=NOW + 500)])
     assert whys(busy) == ["in_flight"] and busy[0]["retry_after_ms"] == 8000 + 1000 - 500
     # Another payload under the same key: refused, whatever the state.
@@ -214,7 +215,7 @@ def test_a_completed_key_answers_with_its_cached_result(store: AdmissionStore) -
     store.apply([first])
     settled = result(first, result_id="res-1")
     assert store.apply([settled]) == [{"status": "settled"}]
-    assert store.record(TENANT, key)["state"] == "COMPLETED"
+    assert store.record(TENANT, key, NOW)["state"] == "COMPLETED"
     [hit] = store.apply([call(ikey=key)])
     assert hit["why"] == "idempotent_hit" and hit["state"] == "COMPLETED"
     assert orjson.loads(hit["cached"])["data"] == '{"n":1}'
@@ -236,7 +237,7 @@ def test_failed_keys_retry_or_answer(store: AdmissionStore, state: str, retry: b
     [again] = store.apply([call(ikey=key)])
     if retry:
         assert again == {"ok": True, "attempt": 2}
-        assert store.record(TENANT, key)["state"] == "PENDING"
+        assert store.record(TENANT, key, NOW)["state"] == "PENDING"
     else:
         assert again["why"] == "idempotent_hit" and again["state"] == "FAILED_FINAL"
 
@@ -248,7 +249,7 @@ def test_a_result_for_an_older_attempt_settles_nothing(store: AdmissionStore) ->
     retry = call(ikey=key, now=NOW + 9000)
     store.apply([retry])  # the first attempt was given up; the retry holds the key
     assert store.apply([result(first)]) == [{"status": "stale", "state": "PENDING"}]
-    assert store.record(TENANT, key)["state"] == "PENDING"
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
     assert store.apply([result(retry)]) == [{"status": "settled"}]
     assert store.apply([result(call())]) == [{"status": "unknown"}]
 
@@ -257,7 +258,7 @@ def test_a_parked_call_is_released_once_whichever_path_comes_first(store: Admiss
     parked = call(park=True, group="critical", class_budget=1, deadline=NOW + 600_000)
     key = parked[1]["ikey"]
     assert whys(store.apply([parked])) == [None]
-    assert store.record(TENANT, key)["awaiting"] == "1"
+    assert store.record(TENANT, key, NOW)["awaiting"] == "1"
     # The same call parked again while it waits: in flight.
     assert whys(store.apply([call(ikey=key, park=True, group="critical", class_budget=1)])) == [
         "in_flight"
@@ -265,9 +266,10 @@ def test_a_parked_call_is_released_once_whichever_path_comes_first(store: Admiss
     # Resubmitted with its approvals attached: it goes, without a second charge.
     resubmitted = call(ikey=key, group="critical", class_budget=1)
     assert whys(store.apply([resubmitted])) == [None]
-    assert store.run_counters(TENANT, "run-1")["class:critical"] == 1
+    assert store.run_counters(TENANT, "run-1", NOW)["class:critical"] == 1
     # A release by the approvers afterwards finds the key taken: not routed again.
-    release = {"kind": "release", "pos": f"a/0/{next(_pos)}", "run": "run-1", "ikey": key,
+    release = {"kind": "release", "pos": f"a/0/{next(_pos)}", "now": NOW, "run": "run-1",
+               "ikey": key,
                "hash": "h1", "call": "released", "deadline": NOW + 8000,
                "ttl": 3_600_000}  # fmt: skip
     assert whys(store.apply([(TENANT, release)])) == ["superseded"]
@@ -276,7 +278,7 @@ def test_a_parked_call_is_released_once_whichever_path_comes_first(store: Admiss
     store.apply([other])
     release2 = {**release, "pos": f"a/0/{next(_pos)}", "ikey": other[1]["ikey"]}
     assert whys(store.apply([(TENANT, release2)])) == [None]
-    assert store.record(TENANT, other[1]["ikey"])["awaiting"] == "0"
+    assert store.record(TENANT, other[1]["ikey"], NOW)["awaiting"] == "0"
 
 
 def test_a_compensated_call_is_marked_once_its_compensation_completes(
@@ -288,12 +290,12 @@ def test_a_compensated_call_is_marked_once_its_compensation_completes(
     comp_key = "compensate:" + key
     verdict = store.apply([result(original, state="FAILED_FINAL", compensation_key=comp_key)])
     assert verdict == [{"status": "settled", "tok": "token-of-the-caller"}]
-    assert "tok" not in store.record(TENANT, key)  # the token is not kept after settling
+    assert "tok" not in store.record(TENANT, key, NOW)  # the token is not kept after settling
     compensation = call(ikey=comp_key)
     store.apply([compensation])
     done = store.apply([result(compensation, compensates=key)])
     assert done == [{"status": "settled", "compensated": key}]
-    assert store.record(TENANT, key)["state"] == "COMPENSATED"
+    assert store.record(TENANT, key, NOW)["state"] == "COMPENSATED"
     [hit] = store.apply([call(ikey=key)])
     assert hit["why"] == "idempotent_hit" and hit["state"] == "COMPENSATED"
 
@@ -306,4 +308,4 @@ def test_a_forged_compensation_key_compensates_nothing(store: AdmissionStore) ->
     forged = call(ikey="compensate:" + key)
     store.apply([forged])
     assert store.apply([result(forged, compensates=key)]) == [{"status": "settled"}]
-    assert store.record(TENANT, key)["state"] == "FAILED_FINAL"
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_FINAL"
