@@ -14,12 +14,18 @@ the tenant's ``{tenant}`` hash tag, so a Redis Cluster can serve it.
 - **The loop guard**: the same signature (tool and canonical arguments) may be
   allowed ``repeats`` times per run. **The repair guard**: a run that proposes the
   same invalid call twice, or needs more than ``repairs`` repairs, is stopped.
-- **Idempotency records** ``<ns>:{T}:idem:<key>``: PENDING → COMPLETED,
-  FAILED_RETRYABLE, FAILED_FINAL, EXPIRED, COMPENSATED. The same key with another
-  payload is a signature mismatch (fail closed); a PENDING key is in flight until
-  its deadline plus a grace period, after which it may be retried (the executor
-  never starts a call past its deadline, so by then nothing can still be running
-  it); a final key answers with its cached result and nothing is routed again.
+- **Idempotency records**: PENDING → COMPLETED, FAILED_RETRYABLE, FAILED_FINAL,
+  EXPIRED, COMPENSATED. The same key with another payload is a signature mismatch
+  (fail closed); a PENDING key is in flight until its deadline plus a grace period,
+  after which it may be retried (the executor never starts a call past its
+  deadline, so by then nothing can still be running it); a final key answers with
+  its cached result and nothing is routed again.
+
+Storage: records live in one hash per tenant and expiry day
+(``<ns>:{T}:idem:<day>``, field: the key), a run's counters in one hash per tenant
+and day of last use (``<ns>:{T}:runs:<day>``), so a batch costs a handful of Redis
+commands, not a few per call. A record is kept at least its TTL (at most
+``HORIZON_DAYS``) and at most a day longer.
 
 Replay safety: each verdict is stored under its input record's position, in one
 hash per tenant, until the batch's Kafka transaction commits (``forget`` then
