@@ -238,6 +238,7 @@ def _naive_observation(env: dict[str, Any], errors: list[str]) -> dict[str, Any]
         "allowed_tools": [],
         "contract_set": None,
         "approval_request_id": None,
+        "retry_after_ms": None,
     }
 
 
