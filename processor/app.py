@@ -707,6 +707,22 @@ class Processor:
         self._assigned |= {(tp.topic, tp.partition) for tp in partitions}
         self.metrics.assigned_partitions.set(len(self._assigned))
         logger.info("assigned %s", sorted(p for _, p in self._assigned))
+        self._forget_committed(consumer, partitions)
+
+    def _forget_committed(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Replay markers a crashed predecessor left for batches it had committed."""
+        try:
+            committed = {
+                (tp.topic, tp.partition): tp.offset
+                for tp in consumer.committed(partitions, 10)
+                if tp.offset >= 0
+            }
+            removed = self.admission.forget_committed(committed)
+        except _DEPENDENCY_ERRORS as exc:
+            logger.warning("stale replay markers not cleared (next assignment retries): %s", exc)
+            return
+        if removed:
+            logger.info("cleared %d replay markers of committed batches", removed)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned -= {(tp.topic, tp.partition) for tp in partitions}
@@ -796,7 +812,7 @@ def _reused(d: Decision, approval_id: str | None) -> Decision:
     return d
 
 
-_SWEEP_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, KafkaException, BufferError)
+_DEPENDENCY_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, KafkaException, BufferError)
 
 
 class ExpirySweeper(threading.Thread):
@@ -836,7 +852,7 @@ class ExpirySweeper(threading.Thread):
                     )
                 producer.flush(10)
                 self.store.postpone(due, int(time.time() * 1000) + 30_000)
-            except _SWEEP_ERRORS as exc:
+            except _DEPENDENCY_ERRORS as exc:
                 which = "redis" if isinstance(exc, REDIS_ERRORS) else "kafka"
                 self.metrics.dependency_errors.labels(which).inc()
                 logger.warning("expiry sweep failed: %s", exc)

@@ -126,6 +126,25 @@ class AdmissionStore:
         self._queue_forget(pipe, items)
         pipe.execute()
 
+    def forget_committed(self, committed: dict[tuple[str, int], int]) -> int:
+        """Drop every replay marker of a position below its partition's committed offset.
+
+        Markers normally go with the round trip after their batch commits; a processor
+        that dies between its commit and its next batch leaves them behind. Whoever is
+        assigned the partition next calls this: those batches have committed and will
+        never be decided again. Returns how many markers went."""
+        removed = 0
+        for key in self.client.scan_iter(match=f"{self.ns}:{{*}}:done", count=1000):
+            stale = []
+            for field in self.client.hkeys(key):
+                topic, partition, offset = field.decode().rsplit("/", 2)
+                upto = committed.get((topic, int(partition)))
+                if upto is not None and int(offset) < upto:
+                    stale.append(field)
+            for first in range(0, len(stale), 1000):
+                removed += int(self.client.hdel(key, *stale[first : first + 1000]))
+        return removed
+
     def _queue_forget(self, pipe: Any, items: list[tuple[str, Item]]) -> int:
         by_tenant: dict[str, list[str]] = defaultdict(list)
         for tenant, item in items:

@@ -56,9 +56,11 @@ def test_contract_sets_swap_whole_between_batches(stack_settings: Settings, tmp_
             env = {
                 "proposal_id": f"hr-{n}",
                 "tenant_id": "acme",
-                "run_id": f"run-{n % 17}",
+                # One run per proposal, each its own call: budgets, guards and idempotency
+                # keys stay out of a test about contract sets.
+                "run_id": f"run-{n}",
                 "tool": {"name": "search_kb"},
-                "arguments": {"query": "returns", "limit": 60},
+                "arguments": {"query": f"returns {n}", "limit": 60},
                 "principal_token": principal,
             }
             client.send_raw(orjson.dumps(env), env["run_id"].encode())  # type: ignore[union-attr]
