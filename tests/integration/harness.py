@@ -14,7 +14,7 @@ from typing import Any
 import redis
 import yaml
 from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, TopicPartition
-from confluent_kafka.admin import AdminClient, OffsetSpec
+from confluent_kafka.admin import AdminClient
 
 from processor.approvals import load_private_key, sign_for_request
 from processor.client import ToolsentryClient
@@ -218,11 +218,12 @@ class GroupLag:
         request = [ConsumerGroupTopicPartitions(self.settings.group_id, parts)]
         [offsets] = self.admin.list_consumer_group_offsets(request).values()
         committed = {tp.partition: tp.offset for tp in offsets.result(10).topic_partitions}
-        ends = self.admin.list_offsets({tp: OffsetSpec.latest() for tp in parts})
-        return sum(
-            end.result(10).offset - max(committed.get(tp.partition, 0), 0)
-            for tp, end in ends.items()
-        )
+        probe = Consumer(self.settings.client_config(**{"group.id": "toolsentry-lag-probe"}))
+        try:
+            ends = {tp.partition: probe.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
+        finally:
+            probe.close()
+        return sum(end - max(committed.get(p, 0), 0) for p, end in ends.items())
 
 
 class RedisServer:
@@ -243,7 +244,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def client(self) -> redis.Redis:
+    def client(self) -> redis.Redis[bytes]:
         return redis.Redis.from_url(self.url)
 
     def start(self, timeout: float = 20) -> RedisServer:
