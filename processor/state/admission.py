@@ -89,6 +89,9 @@ class AdmissionStore:
         now_ms = int(time.time() * 1000)
         for _, header, _ in segments:
             header.setdefault("now", now_ms)  # a segment of results only
+            header.setdefault("max_repairs", 0)  # a segment without refused proposals
+            if header.get("day_cap") is None:
+                header["day_cap"] = -1  # JSON null would read as a table in Lua
             header["horizon_days"] = HORIZON_DAYS
         pipe = self.client.pipeline(transaction=False)
         n_forget = self._queue_forget(pipe, forget or [])
@@ -239,8 +242,6 @@ def _absorb(header: dict[str, Any], item: Item) -> None:
     if kind == "call":
         for k in _CONSTANTS:
             header[k] = item[k]
-        if header["day_cap"] is None:
-            header["day_cap"] = -1
         header["classes"][item["group"]] = item["class_budget"]
         header["tools"][item["tool"]] = _tool(item)
     elif kind == "step":
@@ -248,7 +249,6 @@ def _absorb(header: dict[str, Any], item: Item) -> None:
         header["max_repairs"] = item["max_repairs"]
     if "now" in item:
         header["now"] = item["now"]
-    header.setdefault("max_repairs", 0)
 
 
 def _wire(item: Item) -> list[Any]:

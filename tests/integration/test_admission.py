@@ -12,7 +12,14 @@ from typing import Any
 import orjson
 import pytest
 
-from processor.state.admission import AdmissionStore, Item, Verdict, call_item, rate_of
+from processor.state.admission import (
+    AdmissionStore,
+    Item,
+    Verdict,
+    _segments,
+    call_item,
+    rate_of,
+)
 from processor.state.connection import connect
 
 pytestmark = pytest.mark.integration
@@ -309,3 +316,12 @@ def test_a_forged_compensation_key_compensates_nothing(store: AdmissionStore) ->
     store.apply([forged])
     assert store.apply([result(forged, compensates=key)]) == [{"status": "settled"}]
     assert store.record(TENANT, key, NOW)["state"] == "FAILED_FINAL"
+
+
+def test_a_batch_of_calls_and_refusals_is_one_script_call() -> None:
+    """A tenant's batch shares one header (one policy, one clock), so mixing calls and
+    refused proposals must not split it into many script calls."""
+    batch = [call() if i % 2 else step(f"s{i}", run=f"r{i}") for i in range(200)]
+    assert len(_segments(batch)) == 1
+    assert len(_segments([*batch, call(tenant="globex")])) == 2
+    assert len(_segments([*batch, call(steps=5)])) == 2  # another limit: its own call
