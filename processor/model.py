@@ -257,6 +257,9 @@ class Proposal:
     active_tools: tuple[str, ...] | None = None
     traceparent: str | None = None
     trace_id: str = ""
+    arguments_text: str | None = None
+    """The model's ``arguments_raw`` when it did not parse into an object: what a repeat
+    of the same broken call is recognised by."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,11 +139,14 @@ def admission_item(
         return tenant, item
     if d.outcome is Outcome.REJECTED and d.rejection is not None:
         repair = d.rejection.taxonomy in _REPAIRS
-        args = p.arguments if p.arguments is not None else p.tool_name
-        try:
-            body = orjson.dumps(args, option=orjson.OPT_SORT_KEYS)
-        except TypeError:
-            body = repr(args).encode()
+        if p.arguments is None:  # broken model JSON: the text itself, if there was any
+            text = p.arguments_text
+            body = b"\x00" if text is None else text.encode("utf-8", "surrogatepass")
+        else:
+            try:
+                body = orjson.dumps(p.arguments, option=orjson.OPT_SORT_KEYS)
+            except TypeError:
+                body = repr(p.arguments).encode()
         step = {
             "kind": "step",
             "pos": pos,

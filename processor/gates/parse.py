@@ -307,6 +307,7 @@ def parse_proposal(
         )
 
     arguments: Any = None
+    raw_text: str | None = None
     has_args, has_raw = "arguments" in env, "arguments_raw" in env
     if strict_error is not None:
         pass  # the arguments were not read strictly; nothing of them is used
@@ -354,6 +355,7 @@ def parse_proposal(
             arguments = None
     else:
         raw = env["arguments_raw"]
+        raw_text = raw[: limits.max_arguments_bytes] if type(raw) is str else None
         if type(raw) is not str:
             errors.append(
                 _err(
@@ -469,6 +471,7 @@ def parse_proposal(
         active_tools=active,
         traceparent=traceparent,
         trace_id=trace_id_for(pid, traceparent),
+        arguments_text=raw_text if arguments is None else None,
     )
     if not errors:
         return proposal, None, tuple(warnings)

@@ -30,7 +30,7 @@ from processor.config import SIDE_EFFECT_TOPIC_SUFFIXES, Settings
 from processor.contracts.registry import ContractSet, load_contracts
 from processor.gates.parse import Limits
 from processor.gates.semantic import FOREIGN, RefEntry, RefKey
-from processor.model import SourceRecord, TaxonomyClass
+from processor.model import Decision, SourceRecord, TaxonomyClass
 from processor.pipeline import Gates, decide
 from processor.reference_data import publish_references, wait_until_loaded
 from tests.integration.harness import ROOT, ProcessorProcess, isolated, read_all
@@ -220,17 +220,30 @@ def test_every_hostile_record_gets_exactly_one_observation_or_dlq_entry(
             f"unknown sources: {sorted(set(sources) - set(produced))[:10]}"
         )
 
-        # Each answer is the one the decision core gives, and the one the case expects.
+        # Each answer is the one the decision core gives, and the one the case expects,
+        # unless admission (Redis state, which decide() does not see) explains the
+        # difference: a run proposing the same invalid call twice is stopped (repair
+        # loop), and a routed call's key may be in flight or reused. The fuzz corpus has
+        # a hundred records per run, many alike; which copy is first depends on how the
+        # partitions interleave, so each such answer must have a twin that justifies it.
         wrong = []
+        local_decisions = {}
         for where, m in produced.items():
-            case = case_at[where]
             src = SourceRecord(m.topic(), where[0], where[1], m.key(), m.value(), 0)
-            local = Verdict.of(decide(src, gates, answers=world))
-            got = verdicts[where]
+            local_decisions[where] = decide(src, gates, answers=world)
+        twins = Counter(_signature(d) for d in local_decisions.values())
+        admitted_otherwise = 0
+        for where, d in local_decisions.items():
+            case = case_at[where]
+            local, got = Verdict.of(d), verdicts[where]
             if got.key() != local.key():
-                wrong.append(f"{case.kind} {case.note}: processor {got}, decide() {local}")
+                if not _admission_explains(got, local) or twins[_signature(d)] < 2:
+                    wrong.append(f"{case.kind} {case.note}: processor {got}, decide() {local}")
+                admitted_otherwise += 1
+                got = local
             wrong += case.problems(got, limits)
         assert not wrong, f"{len(wrong)} records decided wrongly, e.g. {wrong[:5]}"
+        print(f"{admitted_otherwise} of {len(cases)} answers changed by admission")
 
         # Every valid proposal mixed in went through every gate (routed, or parked for an
         # approval), and every route has its approved call.
@@ -256,6 +269,40 @@ def test_every_hostile_record_gets_exactly_one_observation_or_dlq_entry(
     finally:
         code = proc.terminate(60)
     assert code == 0, proc.log()[-4000:]
+
+
+_REPAIRS = {"SYNTACTIC_PARSE_FAIL", "STRUCTURAL_VIOLATION", "TYPE_MISMATCH", "OUT_OF_BOUNDS",
+            "SEMANTIC_INVALIDITY"}  # fmt: skip
+
+
+def _signature(d: Decision) -> tuple[Any, ...] | None:
+    """What makes two proposals the same call to admission: tenant, run, tool, arguments
+    (the idempotency key too, when the proposal names one)."""
+    p = d.proposal
+    if p is None:
+        return None
+    try:
+        args = orjson.dumps(p.arguments, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        args = repr(p.arguments).encode()
+    return (p.tenant_id, p.run_id, p.tool_name, args, p.arguments_text)
+
+
+def _admission_explains(got: Verdict, local: Verdict) -> bool:
+    """The processor's answer is decide()'s, changed the way admission changes it."""
+    if local.outcome == "REJECTED" and local.taxonomy in _REPAIRS:
+        return (
+            (got.outcome, got.gate, got.taxonomy) == ("REJECTED", "budget", "BUDGET_EXHAUSTED")
+            and got.errors[: len(local.errors)] == local.errors
+            and got.errors[len(local.errors) :] in (((None, "repair_loop"),),
+                                                     ((None, "repair_cap"),))
+        )  # fmt: skip
+    if local.outcome in ("ROUTED", "PARKED"):
+        return (got.outcome, got.gate, got.taxonomy) in (
+            ("REJECTED", "idempotency", "IDEMPOTENCY_CONFLICT"),
+            ("REJECTED", "idempotency", "SIGNATURE_MISMATCH"),
+        )
+    return False
 
 
 def _minimal_routed_record(size: int) -> bytes:
