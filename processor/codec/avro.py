@@ -128,11 +128,15 @@ class _EncoderSource:
             raise NotImplementedError(f"Avro type {t!r}")
 
     def varint(self, expr: str, pad: str) -> None:
-        """Inline the common one-byte case (0 <= n < 64) instead of calling ``_v``."""
+        """Inline the common one- and two-byte cases (0 <= n < 8192: lengths of ids,
+        hashes and messages) instead of calling ``_v``."""
         n = self.var()
         self.lines.append(f"{pad}{n} = {expr}")
         self.lines.append(f"{pad}if 0 <= {n} < 64:")
         self.lines.append(f"{pad}    b.append({n} << 1)")
+        self.lines.append(f"{pad}elif 0 <= {n} < 8192:")
+        self.lines.append(f"{pad}    b.append(({n} << 1) & 0x7F | 0x80)")
+        self.lines.append(f"{pad}    b.append({n} >> 6)")
         self.lines.append(f"{pad}else:")
         self.lines.append(f"{pad}    b += _v({n})")
 

@@ -377,3 +377,23 @@ def test_dead_letters_keep_a_bounded_copy_with_size_and_digest() -> None:
     assert "toolsentry.value.truncated_from" not in dict(
         dlq_headers(decide(SourceRecord("t", 0, 0, None, b"small", 0), _NO_CONTRACTS))
     )
+
+
+@pytest.mark.parametrize("size", [0, 63, 64, 127, 128, 8191, 8192, 70_000])
+def test_lengths_and_numbers_at_the_varint_boundaries_match_fastavro(size: int) -> None:
+    """The generated encoder writes one- and two-byte varints inline and calls the general
+    one beyond: every boundary must decode, with fastavro, to what was written."""
+    c = codec("tool_result")
+    datum = {
+        "result_id": "r" * size, "call_id": "c", "proposal_id": "p", "run_id": "x" * size,
+        "tenant_id": "t", "trace_id": "tr", "tool_name": "lookup_order", "tool_version": "1.0.0",
+        "side_effect_class": "READ_ONLY", "idempotency_key": "k", "payload_hash": "h",
+        "attempt": size, "outcome": "SUCCEEDED", "retryable": False, "error_code": None,
+        "error_message": None, "taxonomy_class": None, "committed_steps": ["s"] * (size % 70),
+        "data": "d" * size, "compensation_arguments": None, "started_at": size,
+        "finished_at": -size - 1, "executor_id": "e", "contract_set": None,
+    }  # fmt: skip
+    decoded = fastavro.schemaless_reader(io.BytesIO(c.encode(datum)[10:]), c.parsed, None)
+    assert decoded["result_id"] == datum["result_id"] and decoded["data"] == datum["data"]
+    assert decoded["attempt"] == size and len(decoded["committed_steps"]) == size % 70
+    assert decoded["finished_at"].timestamp() * 1000 == pytest.approx(-size - 1)
