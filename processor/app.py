@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
@@ -133,7 +134,8 @@ def _enforce(conf: dict[str, Any], fixed: dict[str, Any], where: str) -> dict[st
     return conf
 
 
-def consumer_config(settings: Settings) -> dict[str, Any]:
+def consumer_config(settings: Settings, subscription: Sequence[str] = ()) -> dict[str, Any]:
+    """The consumer's settings; ``subscription`` is the topics it will subscribe to."""
     conf = settings.client_config(
         **{
             "auto.offset.reset": "earliest",
@@ -147,8 +149,13 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         }
     )
     if settings.static_membership:
-        # A restarted instance reclaims its partitions at once, without a rebalance.
-        conf["group.instance.id"] = settings.instance_id
+        # A restarted instance reclaims its partitions at once, without a rebalance. The
+        # broker hands a returning static member its previous assignment, even when it
+        # now subscribes to more topics (a new release): the id carries a digest of the
+        # subscription, so a changed one joins as a new member and is assigned afresh
+        # (the old member's partitions move once its session times out).
+        digest = hashlib.sha256(",".join(sorted(subscription)).encode()).hexdigest()[:8]
+        conf["group.instance.id"] = f"{settings.instance_id}.{digest}"
     conf.update(settings.consumer)
     fixed = {
         "group.id": settings.group_id,
@@ -312,10 +319,11 @@ class Processor:
             producer = Producer(producer_config(s))
             stack.callback(producer.flush, 5)
             self._retry_kafka("init_transactions", lambda: producer.init_transactions(30))
-            consumer = Consumer({**consumer_config(s), "stats_cb": self._on_stats})
+            topics = [s.topics.proposals, s.topics.approvals, s.topics.results]
+            consumer = Consumer({**consumer_config(s, topics), "stats_cb": self._on_stats})
             stack.callback(consumer.close)
             consumer.subscribe(
-                [s.topics.proposals, s.topics.approvals, s.topics.results],
+                topics,
                 on_assign=self._on_assign,
                 on_revoke=self._on_revoke,
                 on_lost=self._on_revoke,

@@ -154,8 +154,8 @@ class Settings(BaseSettings):
     restarted instance fences its predecessor's open transaction at once instead of
     waiting for transaction.timeout.ms."""
     static_membership: bool = True
-    """Use ``group.instance.id`` = instance_id, so a restarted instance gets its
-    partitions back without a rebalance."""
+    """Use ``group.instance.id`` = instance_id (plus a digest of the subscribed topics),
+    so a restarted instance gets its partitions back without a rebalance."""
     transaction_timeout_ms: int = 15000
     """Upper bound on how long a crashed instance's open transaction blocks readers."""
     processing_guarantee: Literal["exactly-once"] = "exactly-once"

@@ -346,7 +346,7 @@ class Executor:
         except KafkaException:
             producer.flush(0)
             raise
-        conf = consumer_config(self.settings)
+        conf = consumer_config(self.settings, self.topics)
         if "statistics.interval.ms" not in self.settings.consumer:
             conf.pop("statistics.interval.ms", None)  # nothing here reads librdkafka stats
         consumer = Consumer(conf)

@@ -173,8 +173,19 @@ def test_consumer_config() -> None:
     assert conf["isolation.level"] == "read_committed"
     assert conf["enable.auto.commit"] is False
     assert conf["enable.auto.offset.store"] is False
-    assert conf["group.instance.id"] == "inst-1"
+    assert conf["group.instance.id"].startswith("inst-1.")
     assert "transactional.id" not in conf
+
+
+def test_a_changed_subscription_is_a_new_static_member() -> None:
+    """The broker would hand a returning static member its old assignment, new topics
+    left out: the instance's group member id follows what it subscribes to."""
+    s = Settings(instance_id="inst-1")
+    before = consumer_config(s, ["tool.proposals", "tool.approvals"])["group.instance.id"]
+    after = consumer_config(s, ["tool.proposals", "tool.approvals", "tool.results"])
+    assert before != after["group.instance.id"]
+    again = consumer_config(s, ["tool.approvals", "tool.proposals"])["group.instance.id"]
+    assert again == before
 
 
 def test_consumer_without_static_membership() -> None:
