@@ -10,7 +10,9 @@ contract names a compensation tool the compensating call is proposed on
 ``tool.proposals``, under the original caller's token and a key derived from the
 original's, so it passes through every gate like any other call. When that call
 completes, the original's record becomes COMPENSATED; when it fails,
-``COMPENSATION_FAILED`` and an operator must reconcile.
+``COMPENSATION_FAILED`` and an operator must reconcile. A result whose data does not
+match the contract's ``output_schema`` is not shown to the model at all:
+``OBSERVATION_NORMALIZATION_FAIL``, and the call is not run again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import orjson
 
 from processor.codec.records import decode_result
 from processor.contracts.registry import Contract, ContractSet
+from processor.contracts.validation import ArgumentValidator
 from processor.model import (
     Decision,
     FieldError,
@@ -118,7 +121,19 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
     tool = r["tool_name"]
     compensating = r["idempotency_key"].startswith(COMPENSATION_PREFIX)
     if r["outcome"] == "SUCCEEDED":
-        return "COMPLETED", None, Final(True, r.get("data"), attempt=attempt)
+        problem = _unreadable(r.get("data"), contract)
+        if problem is None:
+            return "COMPLETED", None, Final(True, r.get("data"), attempt=attempt)
+        # The call ran (its record is final: it must not run again), but what it returned
+        # is not what its contract promises: the model gets no part of it.
+        action = (
+            f"{tool} ran, but its result does not match the tool's contract, so it is not "
+            "shown. Do not call it again; check the outcome with the lookup tool, or call "
+            "handoff_to_human."
+        )
+        rej = Rejection(_T.OBSERVATION_NORMALIZATION_FAIL, Gate.RESULT, (problem,), action,
+                        ("handoff_to_human",))  # fmt: skip
+        return "FAILED_FINAL", rej, Final(False, None, attempt=attempt)
     final = Final(False, r.get("data"), attempt=attempt)
     detail = FieldError(None, r.get("error_message") or "the call failed", r.get("error_code")
                         or "failed")  # fmt: skip
@@ -171,6 +186,39 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         cls = _T(claimed)
         action = f"{tool} refused the call: {detail.message}. " + _NEXT.get(cls, action)
     return state, Rejection(cls, Gate.RESULT, (detail,), action), final
+
+
+_output_validators: dict[int, tuple[Contract, ArgumentValidator | None]] = {}
+
+
+def _output_validator(contract: Contract) -> ArgumentValidator | None:
+    hit = _output_validators.get(id(contract))
+    if hit is None or hit[0] is not contract:
+        schema = contract.raw["affordance"].get("output_schema")
+        hit = (contract, ArgumentValidator(schema) if isinstance(schema, dict) else None)
+        _output_validators[id(contract)] = hit
+    return hit[1]
+
+
+def _unreadable(data: str | None, contract: Contract | None) -> FieldError | None:
+    """Why a successful call's result cannot be shown to the model (None: it can)."""
+    if data is None:
+        return None
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return FieldError("data", "the result is not JSON", "result_not_json")
+    validator = _output_validator(contract) if contract is not None else None
+    if validator is None or validator.is_valid(value):
+        return None
+    first = next(iter(validator.errors(value)), None)
+    where = "/".join(str(p) for p in first.absolute_path) if first is not None else ""
+    detail = first.message[:200] if first is not None else "does not match"
+    return FieldError(
+        "data" + (f"/{where}" if where else ""),
+        f"the result does not match the contract's output_schema: {detail}",
+        "result_schema_mismatch",
+    )
 
 
 _NEXT = {

@@ -29,6 +29,7 @@ RAISED_BY: dict[TaxonomyClass, str] = {
     _T.DEPENDENCY_UNAVAILABLE: "result (retryable failure)",
     _T.COMPENSATION_REQUIRED: "result (failed after committing steps)",
     _T.COMPENSATION_FAILED: "result (the compensating call failed)",
+    _T.OBSERVATION_NORMALIZATION_FAIL: "result (data not matching the contract's output_schema)",
     _T.UNKNOWN_ERROR: "internal (a bug; fails closed); result (a failure its executor did not "
     "classify)",
 }
@@ -40,7 +41,13 @@ a class of its own. Classes not listed are defined, with their response vectors,
 stages that do not exist yet; nothing raises them."""
 
 RAISED_BY_RESULTS: frozenset[TaxonomyClass] = frozenset(
-    {_T.TIMEOUT, _T.DEPENDENCY_UNAVAILABLE, _T.COMPENSATION_REQUIRED, _T.COMPENSATION_FAILED}
+    {
+        _T.TIMEOUT,
+        _T.DEPENDENCY_UNAVAILABLE,
+        _T.COMPENSATION_REQUIRED,
+        _T.COMPENSATION_FAILED,
+        _T.OBSERVATION_NORMALIZATION_FAIL,
+    }
 )
 """Raised only from an executor's result: exercised end to end by
 ``tests/integration/test_results_e2e.py``, not by the conformance suite."""
