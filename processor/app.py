@@ -63,6 +63,7 @@ from processor.contracts.watch import ContractWatcher
 from processor.gates.budget import admission_item, apply_verdict, release_item
 from processor.gates.parse import Limits
 from processor.identity import Verifier
+from processor.kafka.offsets import next_offsets, rewind, where
 from processor.metrics import Metrics
 from processor.model import (
     Decision,
@@ -80,7 +81,6 @@ from processor.results import (
     compensation_key,
     compensation_proposal,
     parse_result,
-    result_dead_letter,
     settle_item,
     wants_compensation,
 )
@@ -373,7 +373,7 @@ class Processor:
             # AddPartitionsToTxn of a produce would wait far longer. Where in the
             # transaction they go does not matter: all of it commits or none.
             producer.send_offsets_to_transaction(
-                _next_offsets(records), consumer.consumer_group_metadata(), 30
+                next_offsets(records), consumer.consumer_group_metadata(), 30
             )
             self.produce_batch(producer, records, decisions)
             self._park_deferred()
@@ -416,7 +416,11 @@ class Processor:
                     slots.append(dead_letter(src, item) if isinstance(item, str) else item)
                 elif src.topic == topics.results:
                     res = parse_result(src, self.contracts)
-                    slots.append(result_dead_letter(src, res) if isinstance(res, str) else res)
+                    slots.append(
+                        dead_letter(src, "result_invalid", res, Gate.RESULT)
+                        if isinstance(res, str)
+                        else res
+                    )
                 else:
                     slots.append(next(decided))
             decisions = self._settle(self._admit(slots, now_ms), now_ms)
@@ -689,10 +693,7 @@ class Processor:
         self._rewind(consumer, records)
 
     def _rewind(self, consumer: Consumer, records: list[Message]) -> None:
-        for tp in _first_offsets(records):
-            if (tp.topic, tp.partition) in self._assigned:
-                with contextlib.suppress(KafkaException):
-                    consumer.seek(tp)
+        rewind(consumer, records, self._assigned)
 
     def _retry_kafka(self, what: str, call: Callable[[], None]) -> None:
         delay = 0.2
@@ -868,28 +869,7 @@ class ExpirySweeper(threading.Thread):
             producer.flush(5)
 
 
-def _where(m: Message) -> tuple[str, int, int]:
-    """(topic, partition, offset) of a consumed record (never None for one without error)."""
-    return cast(str, m.topic()), cast(int, m.partition()), cast(int, m.offset())
-
-
 def _source(m: Message) -> SourceRecord:
-    topic, partition, offset = _where(m)
+    topic, partition, offset = where(m)
     ts = m.timestamp()
     return SourceRecord(topic, partition, offset, m.key(), m.value(), ts[1] if ts else 0)
-
-
-def _next_offsets(records: list[Message]) -> list[TopicPartition]:
-    last: dict[tuple[str, int], int] = {}
-    for m in records:
-        topic, partition, offset = _where(m)
-        last[(topic, partition)] = offset
-    return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
-
-
-def _first_offsets(records: list[Message]) -> list[TopicPartition]:
-    first: dict[tuple[str, int], int] = {}
-    for m in records:
-        topic, partition, offset = _where(m)
-        first.setdefault((topic, partition), offset)
-    return [TopicPartition(t, p, o) for (t, p), o in first.items()]

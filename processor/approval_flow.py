@@ -196,10 +196,12 @@ def outcome_decision(item: ApprovalInput, result: OpResult, now_ms: int) -> Deci
     return Decision(src, Outcome.REJECTED, Gate.APPROVAL, p, rejection=rejection, **common)
 
 
-def dead_letter(src: SourceRecord, reason: str, detail: str = "") -> Decision:
-    return Decision(
-        src, Outcome.DEAD_LETTER, Gate.APPROVAL, None, dlq_reason=reason, dlq_detail=detail
-    )
+def dead_letter(
+    src: SourceRecord, reason: str, detail: str = "", gate: Gate = Gate.APPROVAL
+) -> Decision:
+    """A record of tool.approvals (or, with its gate, tool.results) that changes nothing:
+    it goes to the DLQ with the reason."""
+    return Decision(src, Outcome.DEAD_LETTER, gate, None, dlq_reason=reason, dlq_detail=detail)
 
 
 def ignored(src: SourceRecord, why: str) -> Decision:

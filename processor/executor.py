@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter
 from processor.app import consumer_config, producer_config
 from processor.codec.records import decode_approved_call, encode_result
 from processor.config import Settings
+from processor.kafka.offsets import next_offsets, rewind
 from processor.model import SideEffectClass, TaxonomyClass
 
 logger = logging.getLogger(__name__)
@@ -255,7 +256,7 @@ class Executor:
         try:
             producer.begin_transaction()
             producer.send_offsets_to_transaction(
-                _next_offsets(records), consumer.consumer_group_metadata(), 30
+                next_offsets(records), consumer.consumer_group_metadata(), 30
             )
             for out in outputs:
                 for key, value in out.references:
@@ -402,10 +403,7 @@ class Executor:
         logger.warning("transaction failed (%s); aborting and rewinding the batch", err)
         with contextlib.suppress(KafkaException):
             producer.abort_transaction(30)
-        for tp in _first_offsets(records):
-            if (tp.topic, tp.partition) in self._assigned:
-                with contextlib.suppress(KafkaException):
-                    consumer.seek(tp)
+        rewind(consumer, records, self._assigned)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned |= {(tp.topic, tp.partition) for tp in partitions}
@@ -494,23 +492,3 @@ def _result(
         "executor_id": executor_id,
         "contract_set": call.contract_set,
     }
-
-
-def _where(m: Message) -> tuple[str, int, int]:
-    return cast(str, m.topic()), cast(int, m.partition()), cast(int, m.offset())
-
-
-def _next_offsets(records: list[Message]) -> list[TopicPartition]:
-    last: dict[tuple[str, int], int] = {}
-    for m in records:
-        topic, partition, offset = _where(m)
-        last[(topic, partition)] = offset
-    return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
-
-
-def _first_offsets(records: list[Message]) -> list[TopicPartition]:
-    first: dict[tuple[str, int], int] = {}
-    for m in records:
-        topic, partition, offset = _where(m)
-        first.setdefault((topic, partition), offset)
-    return [TopicPartition(t, p, o) for (t, p), o in first.items()]

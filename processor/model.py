@@ -326,6 +326,9 @@ class Decision:
     """When the same call may be proposed again (RATE_LIMITED, IDEMPOTENCY_CONFLICT)."""
     final: Final | None = None
     """A call's final answer (``Outcome.SETTLED``)."""
+    idempotency: tuple[str, str] | None = None
+    """(key, payload hash) of a call refused on the world's state: a retry of a call that
+    already ran, and changed that state itself, is answered from its record instead."""
 
     @property
     def taxonomy(self) -> TaxonomyClass:

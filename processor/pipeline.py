@@ -33,7 +33,7 @@ from processor.approvals import Approver
 from processor.config import IdentitySettings
 from processor.contracts.registry import Contract, ContractSet
 from processor.gates.confirmation import Approved, Park, check_confirmation
-from processor.gates.identity import check_identity, verified_principal
+from processor.gates.identity import check_scopes, identify
 from processor.gates.parse import DeadLetter, Limits, parse_proposal
 from processor.gates.policy import check_policy, check_secrets
 from processor.gates.resolve import resolve_tool
@@ -226,23 +226,29 @@ def _prepare(src: SourceRecord, gates: Gates, now_ms: int, started: float) -> De
     p, rejection, warnings = parsed
     if gates.verifier.development:
         warnings = (DEVELOPMENT_WARNING, *warnings)
+    # Identity is worked out once, here; it decides nothing until the identity gate, but a
+    # proposal refused before it still counts as a step of a run its token proves.
+    who = identify(p, gates.verifier, now_ms / 1000)
+    principal = who if isinstance(who, Principal) else None
     if rejection is not None:
-        return _early(src, p, rejection, warnings, now_ms, gates)
+        return _rejected(src, p, rejection, warnings, now_ms, None, principal)
 
     resolved = resolve_tool(p, gates.contracts)
     if isinstance(resolved, Rejection):
-        return _early(src, p, resolved, warnings, now_ms, gates)
+        return _rejected(src, p, resolved, warnings, now_ms, None, principal)
     contract = resolved
     warnings += _lifecycle_warnings(contract)
 
     refusal = check_secrets(p, gates.policy) or check_arguments(p.arguments, contract)
     if refusal is not None:
-        return _early(src, p, refusal, warnings, now_ms, gates, contract)
+        return _rejected(src, p, refusal, warnings, now_ms, contract, principal)
 
-    principal = check_identity(p, contract, gates.verifier, now_ms / 1000)
-    if isinstance(principal, Rejection):
-        # A missing scope comes with a token that verified: that run's step still counts.
-        return _early(src, p, principal, warnings, now_ms, gates, contract)
+    if isinstance(who, Rejection):
+        return _rejected(src, p, who, warnings, now_ms, contract)
+    principal = who
+    refusal = check_scopes(p, contract, principal)
+    if refusal is not None:
+        return _rejected(src, p, refusal, warnings, now_ms, contract, principal)
     keys = reference_keys(p, contract, principal.tenant_id)
     return Pending(src, p, contract, principal, warnings, keys, started)
 
@@ -262,7 +268,8 @@ def _finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) ->
         # (the order it cancelled is cancelled): its key is kept, so admission can answer
         # from the call's record instead.
         d = _rejected(src, p, refusal, warnings, now_ms, contract, principal)
-        d.call = _route(p, contract, now_ms, principal)
+        would_be = _route(p, contract, now_ms, principal)
+        d.idempotency = (would_be.idempotency_key, would_be.payload_hash)
         return d
 
     call = _route(p, contract, now_ms, principal)
@@ -301,22 +308,6 @@ def _finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) ->
         post_action_verification=contract.post_action_verification_required,
         principal=principal,
     )
-
-
-def _early(
-    src: SourceRecord,
-    p: Proposal,
-    rejection: Rejection,
-    warnings: tuple[str, ...],
-    now_ms: int,
-    gates: Gates,
-    contract: Contract | None = None,
-) -> Decision:
-    """A refusal before the identity gate. The principal is still worked out (it does
-    not change the answer): the refused proposal is a step, and maybe a repair, of a
-    run whose budgets only a verified principal's proposals may spend."""
-    principal = verified_principal(p, gates.verifier, now_ms / 1000)
-    return _rejected(src, p, rejection, warnings, now_ms, contract, principal)
 
 
 def _rejected(

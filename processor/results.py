@@ -71,13 +71,6 @@ def compensation_proposal_id(idempotency_key: str) -> str:
     return "comp_" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def result_dead_letter(src: SourceRecord, reason: str) -> Decision:
-    return Decision(
-        src, Outcome.DEAD_LETTER, Gate.RESULT, None, dlq_reason="result_invalid",
-        dlq_detail=reason,
-    )  # fmt: skip
-
-
 def parse_result(src: SourceRecord, contracts: ContractSet) -> ResultInput | str:
     """A result record, or the reason it cannot be one (it then goes to the DLQ)."""
     try:
@@ -188,16 +181,9 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
     return state, Rejection(cls, Gate.RESULT, (detail,), action), final
 
 
-_output_validators: dict[int, tuple[Contract, ArgumentValidator | None]] = {}
-
-
 def _output_validator(contract: Contract) -> ArgumentValidator | None:
-    hit = _output_validators.get(id(contract))
-    if hit is None or hit[0] is not contract:
-        schema = contract.raw["affordance"].get("output_schema")
-        hit = (contract, ArgumentValidator(schema) if isinstance(schema, dict) else None)
-        _output_validators[id(contract)] = hit
-    return hit[1]
+    schema = contract.raw["affordance"].get("output_schema")
+    return ArgumentValidator(schema) if isinstance(schema, dict) else None
 
 
 def _unreadable(data: str | None, contract: Contract | None) -> FieldError | None:
@@ -208,7 +194,7 @@ def _unreadable(data: str | None, contract: Contract | None) -> FieldError | Non
         value = orjson.loads(data)
     except orjson.JSONDecodeError:
         return FieldError("data", "the result is not JSON", "result_not_json")
-    validator = _output_validator(contract) if contract is not None else None
+    validator = contract.once("results.output_validator", _output_validator) if contract else None
     if validator is None or validator.is_valid(value):
         return None
     first = next(iter(validator.errors(value)), None)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import cel
 import orjson
@@ -22,6 +23,8 @@ from jsonschema import SchemaError
 from processor.codec.avro import SCHEMAS_DIR
 from processor.contracts.validation import ArgumentValidator, check_schema
 from processor.model import Lifecycle, SideEffectClass
+
+T = TypeVar("T")
 
 CONTRACT_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -82,6 +85,17 @@ class Contract:
     source: str
     rules: tuple[SemanticRule, ...] = ()
     references: tuple[Reference, ...] = ()
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What later stages compute from this version once (see ``once``); it goes with the
+    version when a reload replaces the set."""
+
+    def once(self, key: str, compute: Callable[[Contract], T]) -> T:
+        """``compute(self)``, computed on first use and kept with this version."""
+        try:
+            return cast(T, self.derived[key])
+        except KeyError:
+            value = self.derived[key] = compute(self)
+            return value
 
     @property
     def version_key(self) -> tuple[int, ...]:

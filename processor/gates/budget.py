@@ -54,24 +54,20 @@ class Runtime:
     ttl_ms: int
 
 
-_runtime: dict[int, tuple[Contract, Runtime]] = {}
-
-
 def runtime_of(c: Contract) -> Runtime:
-    hit = _runtime.get(id(c))
-    if hit is not None and hit[0] is c:
-        return hit[1]
+    return c.once("admission.runtime", _runtime)
+
+
+def _runtime(c: Contract) -> Runtime:
     raw = c.raw
     limits = raw["runtime"].get("rate_limits") or {}
     cost = (raw["runtime"].get("cost_profile") or {}).get("cost_per_call", 0) or 0
     ttl_s = (raw.get("idempotency") or {}).get("ttl_seconds") or 86_400
-    rt = Runtime(
+    return Runtime(
         rate_of(int(limits.get("window_sec", 0)), int(limits.get("max_requests", 0))),
         float(cost),
         int(ttl_s) * 1000,
     )
-    _runtime[id(c)] = (c, rt)
-    return rt
 
 
 def _signature(tool: str, args: bytes) -> str:
@@ -158,8 +154,8 @@ def admission_item(
             "max_repairs": budgets.repairs,
             # A state refusal keeps its call's key: a retry of a call that already ran
             # is answered from that call's record (see pipeline._finish).
-            "ikey": d.call.idempotency_key if d.call else "",
-            "hash": d.call.payload_hash if d.call else "",
+            "ikey": d.idempotency[0] if d.idempotency else "",
+            "hash": d.idempotency[1] if d.idempotency else "",
         }
         return tenant, step
     return None

@@ -1,7 +1,9 @@
 """Gate: identity and scope. ``PERMISSION_DENIED``, fail closed.
 
-Runs right after the schema gate, before anything that reads reference data:
-a caller whose identity is not proven learns nothing about which ids exist.
+Decides right after the schema gate, before anything that reads reference data: a
+caller whose identity is not proven learns nothing about which ids exist. ``identify``
+verifies the token once per proposal, as soon as it parses; ``check_scopes`` then holds
+it against the contract.
 """
 
 from __future__ import annotations
@@ -20,22 +22,12 @@ def _deny(error: FieldError, next_action: str) -> Rejection:
     return Rejection(TaxonomyClass.PERMISSION_DENIED, Gate.IDENTITY, (error,), next_action)
 
 
-def verified_principal(p: Proposal, verifier: Verifier, now_s: float) -> Principal | None:
-    """The proposal's principal when its token verifies for its tenant, else None.
+def identify(p: Proposal, verifier: Verifier, now_s: float) -> Principal | Rejection:
+    """Who is asking: the token's principal, which must be of the proposal's tenant.
 
-    For proposals refused before the identity gate: their run's budgets count them,
-    but only under a tenant their token proves."""
-    if verifier.development:
-        return verifier.development_principal(p.tenant_id)
-    verified = verifier.verify(p.principal_token, now_s)
-    if isinstance(verified, FieldError) or verified.tenant_id != p.tenant_id:
-        return None
-    return verified
-
-
-def check_identity(
-    p: Proposal, contract: Contract, verifier: Verifier, now_s: float
-) -> Principal | Rejection:
+    Worked out once per proposal, as soon as it parses: the identity gate uses it, and
+    a proposal refused before that gate is still a step of its run, counted only under
+    a tenant its token proves."""
     if verifier.development:
         principal = verifier.development_principal(p.tenant_id)
     else:
@@ -54,19 +46,25 @@ def check_identity(
             ),
             "Do not retry: a proposal may only act for the tenant its token names.",
         )
-    if "*" not in principal.scopes:
-        missing = [s for s in contract.required_scopes if s not in principal.scopes]
-        if missing:
-            return _deny(
-                FieldError(
-                    "principal_token",
-                    f"{contract.name} needs scope(s) {', '.join(missing)}",
-                    "scope_missing",
-                    expected=" ".join(contract.required_scopes),
-                    actual=" ".join(sorted(principal.scopes)),
-                ),
-                f"This agent may not call {contract.name} (missing {', '.join(missing)}). "
-                "Do not retry; tell the user this action is not available here, or call "
-                "handoff_to_human.",
-            )
     return principal
+
+
+def check_scopes(p: Proposal, contract: Contract, principal: Principal) -> Rejection | None:
+    """The contract's ``required_scopes`` against the verified principal's."""
+    if "*" in principal.scopes:
+        return None
+    missing = [s for s in contract.required_scopes if s not in principal.scopes]
+    if not missing:
+        return None
+    return _deny(
+        FieldError(
+            "principal_token",
+            f"{contract.name} needs scope(s) {', '.join(missing)}",
+            "scope_missing",
+            expected=" ".join(contract.required_scopes),
+            actual=" ".join(sorted(principal.scopes)),
+        ),
+        f"This agent may not call {contract.name} (missing {', '.join(missing)}). "
+        "Do not retry; tell the user this action is not available here, or call "
+        "handoff_to_human.",
+    )

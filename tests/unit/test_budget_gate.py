@@ -11,9 +11,10 @@ import pytest
 
 from processor.contracts.registry import ContractSet
 from processor.gates.budget import admission_item, apply_verdict, cached_answer, runtime_of
+from processor.gates.semantic import RefEntry
 from processor.model import Decision, Gate, Outcome, TaxonomyClass
 from processor.policy import Budgets, PolicyError, parse_policy
-from tests.unit.helpers import NOW_MS, decide_envelope, envelope
+from tests.unit.helpers import NOW_MS, decide_envelope, envelope, existing_references
 
 BUDGETS = Budgets(financial_tools=frozenset({"refund_order"}))
 
@@ -203,3 +204,17 @@ def test_the_shipped_policy_grants_what_its_comments_say() -> None:
     b = load_policy(ROOT / "policy" / "policy.yaml").budgets
     assert (b.steps, b.repeats, b.repairs) == (12, 2, 3)
     assert b.classes == {"read": 30, "write": 5, "external": 3, "financial": 1, "critical": 1}
+
+
+def test_a_state_refusal_routes_nothing_but_keeps_its_key(contracts: ContractSet) -> None:
+    env = envelope("cancel_order")
+    refs = existing_references(env, contracts)
+    answers = {k: RefEntry(k[0], "shipped", "owner-1", {}) for k in refs}
+    d = decide_envelope(env, contracts, answers=answers)
+    assert d.rejection and d.rejection.taxonomy is TaxonomyClass.STALE_STATE
+    assert d.call is None and d.idempotency is not None
+    routed = decide_envelope(env, contracts)
+    assert routed.call is not None
+    assert d.idempotency == (routed.call.idempotency_key, routed.call.payload_hash)
+    _, item = admission_item(d, None, BUDGETS, NOW_MS) or ("", {})
+    assert (item["kind"], item["ikey"], item["hash"]) == ("step", *d.idempotency)

@@ -1,0 +1,44 @@
+"""Where a batch of consumed records starts and ends, per partition: what a transactional
+consume-produce loop sends with its transaction, and where it rewinds to on abort."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection
+from typing import cast
+
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+
+
+def where(m: Message) -> tuple[str, int, int]:
+    """(topic, partition, offset) of a consumed record (never None for one without error)."""
+    return cast(str, m.topic()), cast(int, m.partition()), cast(int, m.offset())
+
+
+def next_offsets(records: list[Message]) -> list[TopicPartition]:
+    """The offsets to commit once ``records`` are done: one past each partition's last."""
+    last: dict[tuple[str, int], int] = {}
+    for m in records:
+        topic, partition, offset = where(m)
+        last[(topic, partition)] = offset
+    return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
+
+
+def first_offsets(records: list[Message]) -> list[TopicPartition]:
+    """Each partition's first offset in ``records``: where to rewind to."""
+    first: dict[tuple[str, int], int] = {}
+    for m in records:
+        topic, partition, offset = where(m)
+        first.setdefault((topic, partition), offset)
+    return [TopicPartition(t, p, o) for (t, p), o in first.items()]
+
+
+def rewind(
+    consumer: Consumer, records: list[Message], assigned: Collection[tuple[str, int]]
+) -> None:
+    """Seek back to the batch's first records, on the partitions still assigned (a revoked
+    one is read again by its next owner from the committed offsets)."""
+    for tp in first_offsets(records):
+        if (tp.topic, tp.partition) in assigned:
+            with contextlib.suppress(KafkaException):
+                consumer.seek(tp)
