@@ -63,7 +63,7 @@ from processor.contracts.watch import ContractWatcher
 from processor.gates.budget import admission_item, apply_verdict, release_item
 from processor.gates.parse import Limits
 from processor.identity import Verifier
-from processor.kafka.offsets import next_offsets, rewind, where
+from processor.kafka.offsets import next_offsets, records_of, rewind, where
 from processor.metrics import Metrics
 from processor.model import (
     Decision,
@@ -350,14 +350,7 @@ class Processor:
         self, consumer: Consumer, producer: Producer, messages: list[Message]
     ) -> None:
         started = time.perf_counter()
-        records: list[Message] = []
-        for m in messages:
-            err = m.error()
-            if err is None:
-                records.append(m)
-            elif err.code() != KafkaError._PARTITION_EOF:
-                self.metrics.dependency_errors.labels("kafka").inc()
-                logger.warning("consumer error: %s", err)
+        records = records_of(messages, self._consumer_error)
         if not records:
             return
         try:
@@ -395,6 +388,10 @@ class Processor:
         self.records_committed += len(records)
         self.metrics.transactions.labels("committed").inc()
         self.metrics.record_batch(decisions, time.perf_counter() - started)
+
+    def _consumer_error(self, err: KafkaError) -> None:
+        self.metrics.dependency_errors.labels("kafka").inc()
+        logger.warning("consumer error: %s", err)
 
     def decide_batch(self, records: list[Message]) -> list[Decision]:
         """Decide every record of a batch: proposals through the gates, executors' results

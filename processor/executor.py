@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry, Counter
 from processor.app import consumer_config, producer_config
 from processor.codec.records import decode_approved_call, encode_result
 from processor.config import Settings
-from processor.kafka.offsets import next_offsets, rewind
+from processor.kafka.offsets import next_offsets, records_of, rewind
 from processor.model import SideEffectClass, TaxonomyClass
 
 logger = logging.getLogger(__name__)
@@ -243,13 +243,7 @@ class Executor:
         if first is None:
             return 0
         messages = [first, *consumer.consume(self.batch_max_records - 1, 0)]
-        records: list[Message] = []
-        for m in messages:
-            err = m.error()
-            if err is None:
-                records.append(m)
-            elif err.code() != KafkaError._PARTITION_EOF:
-                logger.warning("consumer error: %s", err)
+        records = records_of(messages, lambda err: logger.warning("consumer error: %s", err))
         if not records:
             return 0
         outputs = [out for m in records if (out := self._execute(m)) is not None]

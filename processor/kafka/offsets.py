@@ -4,10 +4,10 @@ consume-produce loop sends with its transaction, and where it rewinds to on abor
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import cast
 
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 
 def where(m: Message) -> tuple[str, int, int]:
@@ -42,3 +42,16 @@ def rewind(
         if (tp.topic, tp.partition) in assigned:
             with contextlib.suppress(KafkaException):
                 consumer.seek(tp)
+
+
+def records_of(messages: list[Message], on_error: Callable[[KafkaError], None]) -> list[Message]:
+    """The records among what ``consume`` returned; every error but end-of-partition goes
+    to ``on_error`` (a consumer error is reported, never fatal to the loop)."""
+    records: list[Message] = []
+    for m in messages:
+        err = m.error()
+        if err is None:
+            records.append(m)
+        elif err.code() != KafkaError._PARTITION_EOF:
+            on_error(err)
+    return records
