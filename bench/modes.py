@@ -25,16 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from confluent_kafka import Consumer, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, Message, Producer
 from jsonschema import Draft202012Validator
 
-from processor.app import Processor, _source, consumer_config, producer_config
+from processor.app import Output, Processor, _source, consumer_config, producer_config
 from processor.codec.avro import codec
 from processor.config import Settings
 from processor.contracts.registry import ContractSet, load_contracts
 from processor.gates.parse import DeadLetter, Limits, parse_proposal
 from processor.gates.resolve import resolve_tool
 from processor.gates.schema import check_arguments
+from processor.kafka.offsets import next_offsets
 from processor.model import Decision, Gate, Outcome, Rejection, SourceRecord
 from processor.pipeline import _route
 
@@ -117,12 +118,9 @@ class Passthrough(Timed):
             self.first = time.perf_counter()
         return []
 
-    def produce_batch(
-        self, producer: Producer, records: list[Message], decisions: list[Decision]
-    ) -> None:
+    def encode_batch(self, records: list[Message], decisions: list[Decision]) -> list[Output]:
         topic = self.settings.topics.observations
-        for m in records:
-            self._send(producer, topic, m.key(), m.value())
+        return [(topic, m.key(), m.value(), None) for m in records]
 
 
 def run_loop(processor: Timed) -> dict[str, Any]:
@@ -155,7 +153,7 @@ def run_naive(settings: Settings, count: int) -> dict[str, Any]:
         if first is None:
             first = time.perf_counter()
         try:
-            env = orjson.loads(m.value())
+            env = orjson.loads(m.value() or b"")
             v = validators.get(env["tool"]["name"])
             errors = [e.message for e in v.iter_errors(env["arguments"])] if v else ["unknown tool"]
         except Exception as exc:
@@ -167,7 +165,7 @@ def run_naive(settings: Settings, count: int) -> dict[str, Any]:
             value=obs_codec.encode(_naive_observation(env, errors)),
         )
         producer.send_offsets_to_transaction(
-            [TopicPartition(m.topic(), m.partition(), m.offset() + 1)],
+            next_offsets([m]),
             consumer.consumer_group_metadata(),
         )
         producer.commit_transaction()

@@ -8,9 +8,18 @@ batch's first offsets, so the batch is decided again; on a fatal one
 (another instance fenced this producer) the clients are rebuilt from the
 committed offsets.
 
-Rebalances can only happen inside ``consume()``, which is never called with
-a transaction open, so a revoked partition's work is always either
-committed or aborted before the partition leaves.
+The loop is pipelined, two batches deep: while one batch's transaction runs
+on the committer thread (most of it is waiting for the broker), the next
+batch is consumed and decided. Only one transaction is ever open, and a
+batch's transaction starts only after the previous one committed; if that
+one failed, both batches are rewound and decided again. Their Redis effects
+are replay-safe (``processor.state.admission``), so deciding a batch twice
+gives the same answers.
+
+Rebalances can only happen inside ``poll()``/``consume()``, on the loop's
+thread, and the revoke callback first waits for the batch in flight: a
+revoked partition's work is always either committed or aborted before the
+partition leaves.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
@@ -92,8 +103,29 @@ from processor.state.references import ReferenceLoader, ReferenceStore
 logger = logging.getLogger(__name__)
 
 
+Output = tuple[str, bytes | None, bytes | None, list[tuple[str, str | bytes | None]] | None]
+"""A record a batch's transaction writes: topic, key, value, headers."""
+
+
 class Fenced(Exception):
-    """Another instance took over this producer's transactional id."""
+    """Another instance took over this producer's transactional id, or the consumer failed
+    for good (a static member fenced by its own rejoin after a broker restart): the
+    clients are rebuilt from the committed offsets."""
+
+
+@dataclass(eq=False)
+class _Batch:
+    """A decided batch, handed to the committer thread for its transaction."""
+
+    records: list[Message]
+    decisions: list[Decision]
+    admitted: list[tuple[str, Item]]
+    """Its admission items: their replay markers are dropped once it committed."""
+    group: Any
+    """The consumer group metadata its offsets are committed under."""
+    started: float
+    finished: float = 0.0
+    outcome: Future[KafkaException | Fenced | None] = field(default_factory=Future)
 
 
 def stop_on_signals() -> tuple[threading.Event, threading.Event]:
@@ -144,8 +176,12 @@ def consumer_config(settings: Settings, subscription: Sequence[str] = ()) -> dic
             "statistics.interval.ms": 5000,
             "fetch.wait.max.ms": 50,
             # librdkafka prefetches up to 64 MiB per client by default; a batch is
-            # at most batch_max_records, so 16 MiB keeps a backlog from bloating RSS.
-            "queued.max.messages.kbytes": 16384,
+            # at most batch_max_records (about 1.5 MiB of proposals), so 8 MiB keeps a
+            # backlog from bloating RSS. Once that queue is full, fetching pauses for
+            # fetch.queue.backoff.ms, by default a whole second: the queue then ran dry
+            # and throughput halved. 20 ms refills it as batches drain.
+            "queued.max.messages.kbytes": 8192,
+            "fetch.queue.backoff.ms": 20,
         }
     )
     if settings.static_membership:
@@ -227,11 +263,12 @@ class Processor:
         self.loader = ReferenceLoader(settings, self.redis, self.metrics)
         self.sweeper = ExpirySweeper(settings, self.approval_store, self.metrics, self._stop)
         self._redis_backoff = 0.0
-        self._deferred: list[tuple[str, dict[str, Any]]] = []
-        """Parks of the batch in hand, written while its outputs are produced."""
+        self._inflight: _Batch | None = None
+        """The batch whose transaction the committer thread runs, if any."""
         self.admission = AdmissionStore(self.redis, settings.redis_namespace)
         self._admitted: list[tuple[str, Item]] = []
-        """Admission items of the batch in hand; their replay markers go once it commits."""
+        """Admission items of the batch being decided; their replay markers go once it
+        commits."""
         self._to_forget: list[tuple[str, Item]] = []
         """Items of committed batches whose markers the next admission call drops."""
 
@@ -255,10 +292,11 @@ class Processor:
             while not self._stop.is_set():
                 try:
                     self._run_clients()
-                except Fenced:
-                    logger.warning("producer fenced; rebuilding clients from committed offsets")
+                except Fenced as exc:
+                    logger.warning("%s; rebuilding clients from committed offsets", exc)
                     time.sleep(0.5)
         finally:
+            self._stop.set()  # also on an unexpected error: the sweeper waits for it
             self.watcher.stop()
             self.loader.stop()
             self.sweeper.join()
@@ -299,12 +337,15 @@ class Processor:
         logger.info("keys, policy and approvers reloaded (%d keys)", len(gates.verifier.keys))
         return True
 
-    def _swap_contracts(self) -> None:
-        """Take a newly loaded contract set; only ever between batches."""
+    def _swap_contracts(self, consumer: Consumer) -> None:
+        """Take newly loaded trust files and contracts; only ever between batches, and a
+        new contract set only once the batch in flight (encoded under the old set's
+        fingerprint) is done."""
         self.reload_trust()
         loaded = self.watcher.take()
         if loaded is None:
             return
+        self._settle_inflight(consumer)
         old = self.contracts
         self.contracts = loaded
         self.gates = self.gates.with_contracts(loaded)
@@ -322,6 +363,11 @@ class Processor:
             topics = [s.topics.proposals, s.topics.approvals, s.topics.results]
             consumer = Consumer({**consumer_config(s, topics), "stats_cb": self._on_stats})
             stack.callback(consumer.close)
+            committer = ThreadPoolExecutor(1, thread_name_prefix="toolsentry-txn")
+            stack.callback(committer.shutdown)
+            # Runs first on the way out (signal, fencing, error): the batch in flight
+            # commits or aborts before the clients close.
+            stack.callback(self._settle_inflight, consumer)
             consumer.subscribe(
                 topics,
                 on_assign=self._on_assign,
@@ -336,19 +382,25 @@ class Processor:
                 len(self.contracts),
             )
             while not self._stop.is_set():
-                self._swap_contracts()
+                self._swap_contracts(consumer)
                 # Block only for the first record, then take whatever else is already
                 # fetched: idle batches are small (low latency), busy ones big (the
                 # commit is amortised), without a fixed wait for a full batch.
                 first = consumer.poll(s.batch_wait_s)
                 if first is None:
+                    self._settle_inflight(consumer)
                     continue
                 messages = [first, *consumer.consume(s.batch_max_records - 1, 0)]
-                self._process_batch(consumer, producer, messages)
+                self._process_batch(consumer, producer, committer, messages)
 
     def _process_batch(
-        self, consumer: Consumer, producer: Producer, messages: list[Message]
+        self,
+        consumer: Consumer,
+        producer: Producer,
+        committer: ThreadPoolExecutor,
+        messages: list[Message],
     ) -> None:
+        """Decide a batch while the previous one commits, then hand it to the committer."""
         started = time.perf_counter()
         records = records_of(messages, self._consumer_error)
         if not records:
@@ -356,42 +408,73 @@ class Processor:
         try:
             decisions = self.decide_batch(records)
         except DependencyDown as exc:
-            self._wait_for_redis(consumer, records, exc)
+            if self._settle_inflight(consumer, records):
+                self._wait_for_redis(consumer, records, exc)
             return
         self._redis_backoff = 0.0
+        outputs = self.encode_batch(records, decisions)
+        if not self._settle_inflight(consumer, records):
+            return  # the previous batch aborted: both were rewound, and are decided again
         try:
             producer.begin_transaction()
-            # Offsets first: the broker is often still writing the previous commit's
-            # markers, and the offsets request retries on a 2 ms backoff while the first
-            # AddPartitionsToTxn of a produce would wait far longer. Where in the
-            # transaction they go does not matter: all of it commits or none.
-            producer.send_offsets_to_transaction(
-                next_offsets(records), consumer.consumer_group_metadata(), 30
-            )
-            self.produce_batch(producer, records, decisions)
-            self._park_deferred()
+            for topic, key, value, headers in outputs:
+                self._send(producer, topic, key, value, headers)
+        except KafkaException as exc:
+            failure = self._abort(producer, exc)
+            self._rewind(consumer, records)
+            if isinstance(failure, Fenced):
+                raise failure from exc
+            return
+        batch = _Batch(
+            records, decisions, self._admitted, consumer.consumer_group_metadata(), started
+        )
+        self._admitted = []
+        self._inflight = batch
+        committer.submit(self._transact, producer, batch)
+
+    def _transact(self, producer: Producer, batch: _Batch) -> None:
+        """The committer thread: the rest of a batch's transaction, whose records are
+        produced, and its outcome set on the batch. It waits on the broker, releasing
+        the interpreter to the loop's thread, which decides the next batch meanwhile."""
+        failure: KafkaException | Fenced | None = None
+        try:
+            producer.send_offsets_to_transaction(next_offsets(batch.records), batch.group, 30)
             faults.point("before_commit")
             self._commit(producer)
+            batch.finished = time.perf_counter()
         except KafkaException as exc:
-            self._abort_and_rewind(consumer, producer, records, exc)
-            return
-        except REDIS_ERRORS as exc:
-            # Parking failed after the outputs were produced: none of them may commit.
+            failure = self._abort(producer, exc)
+        except BaseException as exc:  # a defect: re-raised on the loop's thread
             with contextlib.suppress(KafkaException):
                 producer.abort_transaction(30)
-            self.metrics.transactions.labels("aborted").inc()
-            self._wait_for_redis(consumer, records, DependencyDown(f"redis: {exc}"))
+            batch.outcome.set_exception(exc)
             return
-        self._to_forget += self._admitted
-        self._admitted = []
-        self.batches_committed += 1
-        self.records_committed += len(records)
-        self.metrics.transactions.labels("committed").inc()
-        self.metrics.record_batch(decisions, time.perf_counter() - started)
+        batch.outcome.set_result(failure)
+
+    def _settle_inflight(self, consumer: Consumer, after: list[Message] | None = None) -> bool:
+        """Wait for the batch in flight. False when its transaction aborted: it is rewound,
+        and so is ``after`` (a batch decided meanwhile), to be decided again."""
+        batch, self._inflight = self._inflight, None
+        if batch is None:
+            return True
+        failure = batch.outcome.result()
+        if failure is None:
+            self._to_forget += batch.admitted
+            self.batches_committed += 1
+            self.records_committed += len(batch.records)
+            self.metrics.transactions.labels("committed").inc()
+            self.metrics.record_batch(batch.decisions, batch.finished - batch.started)
+            return True
+        self._rewind(consumer, [*batch.records, *(after or ())])
+        if isinstance(failure, Fenced):
+            raise failure
+        return False
 
     def _consumer_error(self, err: KafkaError) -> None:
         self.metrics.dependency_errors.labels("kafka").inc()
         logger.warning("consumer error: %s", err)
+        if err.fatal() or err.code() == KafkaError._FATAL:
+            raise Fenced(f"consumer failed: {err.str()}")
 
     def decide_batch(self, records: list[Message]) -> list[Decision]:
         """Decide every record of a batch: proposals through the gates, executors' results
@@ -399,7 +482,6 @@ class Processor:
         once for reference data, once for admission (idempotency, limits, budgets) and
         once for approvals, each a single round trip for the whole batch."""
         now_ms = int(time.time() * 1000)
-        self._deferred = []
         self._admitted = []
         srcs = [_source(m) for m in records]
         topics = self.settings.topics
@@ -494,18 +576,6 @@ class Processor:
                               self.gates.policy.budgets, None)  # fmt: skip
         self._admitted += items
 
-    def _park_deferred(self) -> None:
-        """Park the batch's calls while its outputs are on their way to the broker.
-
-        A park never changes what the batch outputs (a call already parked by an
-        earlier copy of the same proposal is answered the same way), so a batch whose
-        only Redis effects are parks writes them here, after producing (librdkafka
-        ships the records meanwhile) and before the commit: if Redis fails, the
-        transaction is aborted and nothing of the batch is visible."""
-        ops, self._deferred = self._deferred, []
-        if ops:
-            self.approval_store.apply(ops)
-
     def _settle(self, slots: list[Decision | ApprovalInput], now_ms: int) -> list[Decision]:
         """Spend approvals, park calls and apply approval decisions, replay-safely."""
         wanted = [
@@ -525,10 +595,6 @@ class Processor:
             if op is not None:
                 ops.append(op)
                 owners.append(i)
-        if all(op["op"] == "park" for _, op in ops):
-            self._deferred = ops
-            self.metrics.approvals.labels("requested").inc(len(ops))
-            return [d for d in out if d is not None]
         for i, result in zip(owners, self.approval_store.apply(ops), strict=True):
             x = slots[i]
             if isinstance(x, ApprovalInput):
@@ -610,19 +676,20 @@ class Processor:
         self._rewind(consumer, records)
         self._stop.wait(self._redis_backoff)
 
-    def produce_batch(
-        self, producer: Producer, records: list[Message], decisions: list[Decision]
-    ) -> None:
+    def encode_batch(self, records: list[Message], decisions: list[Decision]) -> list[Output]:
+        """Every record the batch's transaction writes, in order."""
+        out: list[Output] = []
         for m, d in zip(records, decisions, strict=True):
-            self._produce(producer, m, d)
+            self._encode(out, m, d)
+        return out
 
-    def _produce(self, producer: Producer, m: Message, d: Decision) -> None:
+    def _encode(self, out: list[Output], m: Message, d: Decision) -> None:
         topics = self.settings.topics
         fp = self.contracts.fingerprint
         if d.outcome is Outcome.IGNORED:
             return
         if d.outcome is Outcome.DEAD_LETTER:
-            self._send(producer, topics.dlq, m.key(), dlq_value(m.value()), dlq_headers(d))
+            out.append((topics.dlq, m.key(), dlq_value(m.value()), dlq_headers(d)))
             return
         key = d.proposal.run_id.encode() if d.proposal else m.key()
         try:
@@ -637,17 +704,17 @@ class Processor:
             # consumer nor be routed: it is parked in the DLQ with the reason.
             logger.exception("cannot encode the outputs of %s@%s", m.partition(), m.offset())
             d.dlq_reason, d.dlq_detail = "encoding_failed", f"{type(exc).__name__}: {exc}"[:500]
-            self._send(producer, topics.dlq, m.key(), dlq_value(m.value()), dlq_headers(d))
+            out.append((topics.dlq, m.key(), dlq_value(m.value()), dlq_headers(d)))
             return
         if call is not None and d.side_effect_class is not None:
-            self._send(producer, topics.execution(d.side_effect_class.value), key, call)
+            out.append((topics.execution(d.side_effect_class.value), key, call, None))
         if request is not None:
-            self._send(producer, topics.approval_requests, key, request)
+            out.append((topics.approval_requests, key, request, None))
         compensation = d.extra.get("compensation")
         if compensation is not None:
-            self._send(producer, topics.proposals, key, compensation)
+            out.append((topics.proposals, key, compensation, None))
             self.metrics.compensations.inc()
-        self._send(producer, topics.observations, key, observation)
+        out.append((topics.observations, key, observation, None))
 
     @staticmethod
     def _send(
@@ -675,19 +742,17 @@ class Processor:
                     continue
                 raise
 
-    def _abort_and_rewind(
-        self, consumer: Consumer, producer: Producer, records: list[Message], exc: KafkaException
-    ) -> None:
+    def _abort(self, producer: Producer, exc: KafkaException) -> KafkaException | Fenced:
+        """Abort the open transaction after ``exc``; fencing is returned as ``Fenced``."""
         err: KafkaError = exc.args[0]
-        self._deferred = []
         self.metrics.transactions.labels("aborted").inc()
         self.metrics.dependency_errors.labels("kafka").inc()
         if err.fatal() or err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED):
-            raise Fenced(str(err)) from exc
+            return Fenced(str(err))
         logger.warning("transaction failed (%s); aborting and rewinding the batch", err)
         with contextlib.suppress(KafkaException):
             producer.abort_transaction(30)
-        self._rewind(consumer, records)
+        return exc
 
     def _rewind(self, consumer: Consumer, records: list[Message]) -> None:
         rewind(consumer, records, self._assigned)
@@ -732,6 +797,9 @@ class Processor:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned -= {(tp.topic, tp.partition) for tp in partitions}
+        # The batch in flight may hold records of these partitions: it commits (or
+        # aborts) before they leave.
+        self._settle_inflight(consumer)
         self.metrics.assigned_partitions.set(len(self._assigned))
         for tp in partitions:
             with contextlib.suppress(ValueError):

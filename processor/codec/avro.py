@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import struct
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any, cast
 
@@ -50,6 +50,10 @@ def _zigzag_varint(n: int) -> bytes:
     n = (n << 1) ^ (n >> 63)
     if n < 128:
         return _SMALL[n]
+    if n < 16384:
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    if n < 2097152:  # offsets and sizes up to a few million: three bytes
+        return bytes((n & 0x7F | 0x80, (n >> 7) & 0x7F | 0x80, n >> 14))
     out = bytearray()
     while n > 127:
         out.append((n & 0x7F) | 0x80)
@@ -60,6 +64,10 @@ def _zigzag_varint(n: int) -> bytes:
 
 _SMALL = [bytes([i]) for i in range(128)]
 _DOUBLE = struct.Struct("<d").pack
+
+_timestamp_varint = lru_cache(maxsize=1024)(_zigzag_varint)
+"""Timestamps repeat: every decision of a batch carries the batch's clock reading, and
+every call of a contract the same deadline. Their six-byte varints are cached."""
 
 
 class _EncoderSource:
@@ -74,7 +82,7 @@ class _EncoderSource:
 
     def __init__(self) -> None:
         self.lines: list[str] = []
-        self.consts: dict[str, Any] = {"_v": _zigzag_varint, "_d": _DOUBLE}
+        self.consts: dict[str, Any] = {"_v": _zigzag_varint, "_t": _timestamp_varint, "_d": _DOUBLE}
         self.n = 0
 
     def var(self) -> str:
@@ -118,6 +126,12 @@ class _EncoderSource:
             self.lines.append(f"{pad}{v} = {expr}.encode()")
             self.varint(f"len({v})", pad)
             self.lines.append(f"{pad}b += {v}")
+        elif (
+            t == "long"
+            and isinstance(schema, dict)
+            and schema.get("logicalType", "").startswith("timestamp")
+        ):
+            self.lines.append(f"{pad}b += _t({expr})")
         elif t in ("int", "long"):
             self.varint(expr, pad)
         elif t == "boolean":

@@ -46,7 +46,9 @@ def rewind(
 
 def records_of(messages: list[Message], on_error: Callable[[KafkaError], None]) -> list[Message]:
     """The records among what ``consume`` returned; every error but end-of-partition goes
-    to ``on_error`` (a consumer error is reported, never fatal to the loop)."""
+    to ``on_error``. A transient error is only reported. A fatal one (a static member
+    fenced, say) leaves the consumer unusable for good: after ``on_error`` it is raised as
+    ``KafkaException``, for the caller to rebuild its clients from the committed offsets."""
     records: list[Message] = []
     for m in messages:
         err = m.error()
@@ -54,4 +56,6 @@ def records_of(messages: list[Message], on_error: Callable[[KafkaError], None]) 
             records.append(m)
         elif err.code() != KafkaError._PARTITION_EOF:
             on_error(err)
+            if err.fatal() or err.code() == KafkaError._FATAL:
+                raise KafkaException(err)
     return records

@@ -227,6 +227,7 @@ class ReferenceLoader:
                     "isolation.level": "read_committed",
                     # A loader batch is at most 1,000 records: keep the prefetch small.
                     "queued.max.messages.kbytes": 4096,
+                    "fetch.queue.backoff.ms": 20,  # see consumer_config
                     **s.consumer,
                 }
             )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -333,3 +335,10 @@ def observations(settings: Settings, **kw: Any) -> Iterator[dict[str, Any]]:
     obs = codec("observation")
     for m in read_all(settings, settings.topics.observations, **kw):
         yield obs.decode(m.value())
+
+
+def metric(port: int, name: str, labels: str) -> float:
+    """One sample of a processor's /metrics on ``port`` (0 when absent)."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    found = re.search(rf"^{name}\{{{labels}\}} (\S+)$", body, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0

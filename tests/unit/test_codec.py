@@ -397,3 +397,20 @@ def test_lengths_and_numbers_at_the_varint_boundaries_match_fastavro(size: int) 
     assert decoded["result_id"] == datum["result_id"] and decoded["data"] == datum["data"]
     assert decoded["attempt"] == size and len(decoded["committed_steps"]) == size % 70
     assert decoded["finished_at"].timestamp() * 1000 == pytest.approx(-size - 1)
+
+
+@pytest.mark.parametrize(
+    "n",
+    [0, -1, 63, -64, 64, 8191, 8192, -8193, 16383, 16384, 1_048_575, 1_048_576, -1_048_577,
+     2_097_151, 2_097_152, 1_795_337_955_740, -1_795_337_955_740, 2**63 - 1, -(2**63)],
+)  # fmt: skip
+def test_every_varint_width_matches_fastavro(n: int) -> None:
+    """The unrolled two- and three-byte cases, and the cached timestamps, write what
+    fastavro's own long encoder writes."""
+    from fastavro.io.binary_encoder import BinaryEncoder
+
+    from processor.codec.avro import _timestamp_varint, _zigzag_varint
+
+    buf = io.BytesIO()
+    BinaryEncoder(buf).write_long(n)
+    assert _zigzag_varint(n) == buf.getvalue() == _timestamp_varint(n)

@@ -1,0 +1,162 @@
+"""The broker is stopped in the middle of a run and started again: the processor waits,
+loses nothing, doubles nothing, and every admission answer is the one a run without the
+outage gives.
+
+A private stack (its own Kafka broker and redis-server, so the session's broker keeps
+running for every other test) and a processor decide a paced stream of the agent runs
+of ``tests.integration.stories``, whose answers depend on the admission state in Redis.
+The broker is stopped cleanly for 15 s in the middle, and started again on the same
+ports and data dir: the processor's open transaction cannot commit, its consumer loses
+its coordinator, and the agents' producer buffers what they send meanwhile. Batches
+whose transaction failed are rewound and decided again; their Redis effects replay
+to the same answers without being counted twice.
+
+Afterwards, read with read_committed: every proposal has exactly one observation, each
+the answer the story's table gives; every routed call exactly one approved call on its
+execution topic, and no other call was routed; every run's counters are what its
+proposals spent; replay markers did not pile up; the processor counted the outage in its
+dependency-error metric, is still alive, and stops cleanly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from processor.codec.avro import codec
+from processor.codec.records import decode_approved_call
+from processor.config import Settings
+from processor.reference_data import publish_references, wait_until_loaded
+from processor.stack import LocalStack, private_stack_settings
+from processor.stack.local import free_ports
+from processor.state.admission import AdmissionStore
+from processor.state.connection import connect
+from tests.integration.harness import (
+    ProcessorProcess,
+    isolated,
+    metric,
+    policy_with_budgets,
+    produce_at_rate,
+    read_all,
+    token,
+)
+from tests.integration.stories import (
+    BUDGETS,
+    EXPECTED,
+    WANT_COST,
+    WANT_COUNTERS,
+    corpus,
+    orders,
+    wrong_answers,
+)
+
+pytestmark = pytest.mark.integration
+
+TENANT = "acme-broker"
+RUNS = 60
+WINDOW_S = 2.0
+"""Every run makes its n-th proposal in the n-th window: the runs are interleaved."""
+RATE = RUNS / WINDOW_S
+STOP_AT_S = 4 * WINDOW_S - 0.5
+"""After steps 0-3 are decided, before step 4 is proposed."""
+STOPPED_S = 15.0
+
+
+def test_a_stopped_broker_loses_nothing_doubles_nothing_and_counts_nothing_twice(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    private = private_stack_settings(tmp_path / "stack", partitions=3)
+    stack = LocalStack(private)
+    stack.up()
+    proc: ProcessorProcess | None = None
+    try:
+        base = stack_settings.model_copy(
+            update={
+                "bootstrap_servers": private.bootstrap_servers,
+                "redis_url": private.redis_url,
+                "stack": private.stack,
+                "policy_file": policy_with_budgets(tmp_path / "policy.yaml", BUDGETS),
+            }
+        )
+        settings = isolated(base, f"broker-{time.time_ns()}")
+        publish_references(settings, orders(TENANT, RUNS))
+        (metrics_port,) = free_ports(1)
+        proc = ProcessorProcess(
+            settings, "broker-1", tmp_path, TOOLSENTRY_METRICS_PORT=str(metrics_port)
+        )
+        proc.start().wait_ready()
+        wait_until_loaded(settings)
+        stories = corpus(token(settings, TENANT, ttl_s=3600), TENANT, "broker", RUNS)
+        outage: dict[str, float] = {}
+
+        def stop_and_start() -> None:
+            time.sleep(STOP_AT_S)
+            outage["stop"] = time.time()
+            stack.stop("kafka")
+            outage["gone"] = time.time()
+            time.sleep(max(0.0, STOPPED_S - (time.time() - outage["gone"])))
+            stack.start("kafka")
+            outage["back"] = time.time()
+
+        chaos = threading.Thread(target=stop_and_start)
+        chaos.start()
+        produce_at_rate(settings, TENANT, [(k, v) for _, k, v in stories], RATE)
+        chaos.join()
+
+        records = read_all(
+            settings, settings.topics.observations, timeout=180, idle=3, expect=len(stories)
+        )
+        execs = [t for t in settings.topics.all() if t.startswith(settings.topics.execution(""))]
+        calls = read_all(settings, execs, timeout=60, idle=2)
+        kafka_errors = metric(
+            metrics_port, "toolsentry_dependency_errors_total", 'dependency="kafka"'
+        )
+        store = AdmissionStore(connect(settings.redis_url), settings.redis_namespace)
+        counters = {run: store.run_counters(TENANT, f"broker-run-{run}") for run in range(RUNS)}
+        markers = connect(settings.redis_url).hlen(f"{settings.redis_namespace}:{{{TENANT}}}:done")
+        assert proc.alive(), proc.log()[-3000:]
+    finally:
+        exit_code = proc.terminate(60) if proc is not None else None
+        stack.down()
+    assert exit_code == 0, proc.log()[-3000:]
+    log = proc.log()
+
+    observations = [codec("observation").decode(m.value()) for m in records]
+    per_proposal = Counter(o["proposal_id"] for o in observations)
+    lost = {pid for pid, _, _ in stories} - set(per_proposal)
+    assert not lost, f"{len(lost)} proposals lost, e.g. {sorted(lost)[:5]}"
+    assert max(per_proposal.values()) == 1, "a proposal was answered twice"
+    wrong = wrong_answers(observations)
+    assert not wrong, f"{len(wrong)} answered otherwise, e.g. {list(wrong.items())[:4]}"
+
+    # Exactly the routed proposals have an approved call, each exactly one.
+    routed = {o["proposal_id"] for o in observations if o["decision"] == "ROUTED"}
+    routed_steps = sum(1 for d, _, _ in EXPECTED.values() if d == "ROUTED")
+    assert len(routed) == RUNS * routed_steps
+    approved = Counter(decode_approved_call(m.value())["proposal_id"] for m in calls)
+    assert set(approved) == routed, (
+        f"routed without a call: {sorted(routed - set(approved))[:5]}; "
+        f"a call but not routed: {sorted(set(approved) - routed)[:5]}"
+    )
+    assert max(approved.values()) == 1, "a call was routed twice"
+
+    # Nothing counted twice by the batches that were rewound and decided again.
+    for run, c in counters.items():
+        assert {k: c.get(k) for k in WANT_COUNTERS} == WANT_COUNTERS, (run, c)
+        assert c["cost"] == pytest.approx(WANT_COST), (run, c)
+        assert c["repairs"] == 1, (run, c)
+    # Replay markers are dropped once their batch commits: at most the last batch's.
+    assert markers <= RUNS, f"{markers} replay markers left behind"
+
+    assert kafka_errors > 0, "the processor's dependency-error metric missed the outage"
+    assert outage["back"] - outage["gone"] >= STOPPED_S - 1
+    print(
+        f"\nbroker gone {outage['back'] - outage['gone']:.1f} s; {kafka_errors:.0f} kafka "
+        f"errors; {log.count('rewinding')} batches rewound; {markers} markers left; "
+        f"{time.monotonic() - started:.0f} s"
+    )
