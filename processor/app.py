@@ -265,6 +265,8 @@ class Processor:
         self._redis_backoff = 0.0
         self._inflight: _Batch | None = None
         """The batch whose transaction the committer thread runs, if any."""
+        self._rebalanced = False
+        """Set by the rebalance callbacks: the records in hand are read again."""
         self.admission = AdmissionStore(self.redis, settings.redis_namespace)
         self._admitted: list[tuple[str, Item]] = []
         """Admission items of the batch being decided; their replay markers go once it
@@ -342,10 +344,12 @@ class Processor:
         new contract set only once the batch in flight (encoded under the old set's
         fingerprint) is done."""
         self.reload_trust()
+        if not self.watcher.has_pending():
+            return
+        self._settle_inflight(consumer)
         loaded = self.watcher.take()
         if loaded is None:
             return
-        self._settle_inflight(consumer)
         old = self.contracts
         self.contracts = loaded
         self.gates = self.gates.with_contracts(loaded)
@@ -403,6 +407,14 @@ class Processor:
         """Decide a batch while the previous one commits, then hand it to the committer."""
         started = time.perf_counter()
         records = records_of(messages, self._consumer_error)
+        if self._rebalanced:
+            # A rebalance ran inside poll()/consume() while these records were in hand:
+            # some may belong to a partition just revoked, and the batch in flight may
+            # have aborted in the callback (rewinding its partitions to before these).
+            # Read them again under the new assignment.
+            self._rebalanced = False
+            self._rewind(consumer, records)
+            return
         if not records:
             return
         try:
@@ -416,6 +428,7 @@ class Processor:
         if not self._settle_inflight(consumer, records):
             return  # the previous batch aborted: both were rewound, and are decided again
         try:
+            group = consumer.consumer_group_metadata()
             producer.begin_transaction()
             for topic, key, value, headers in outputs:
                 self._send(producer, topic, key, value, headers)
@@ -425,12 +438,10 @@ class Processor:
             if isinstance(failure, Fenced):
                 raise failure from exc
             return
-        batch = _Batch(
-            records, decisions, self._admitted, consumer.consumer_group_metadata(), started
-        )
+        batch = _Batch(records, decisions, self._admitted, group, started)
         self._admitted = []
-        self._inflight = batch
         committer.submit(self._transact, producer, batch)
+        self._inflight = batch
 
     def _transact(self, producer: Producer, batch: _Batch) -> None:
         """The committer thread: the rest of a batch's transaction, whose records are
@@ -732,13 +743,18 @@ class Processor:
                 producer.poll(0.05)  # local queue full: let deliveries drain
 
     def _commit(self, producer: Producer) -> None:
+        """Commit, retrying what librdkafka calls retriable, but not past the transaction's
+        own timeout (the coordinator aborts it then) nor once a stop was asked for: the
+        failure then aborts and rewinds as any other, so a broker outage never holds a
+        rebalance callback or a SIGTERM for longer."""
+        deadline = time.monotonic() + self.settings.transaction_timeout_ms / 1000
         while True:
             try:
                 producer.commit_transaction(30)
                 return
             except KafkaException as exc:
                 err = exc.args[0]
-                if err.retriable():
+                if err.retriable() and not self._stop.is_set() and time.monotonic() < deadline:
                     continue
                 raise
 
@@ -775,6 +791,7 @@ class Processor:
     # -- callbacks -------------------------------------------------------------------------
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._rebalanced = True
         self._assigned |= {(tp.topic, tp.partition) for tp in partitions}
         self.metrics.assigned_partitions.set(len(self._assigned))
         logger.info("assigned %s", sorted(p for _, p in self._assigned))
@@ -796,6 +813,7 @@ class Processor:
             logger.info("cleared %d replay markers of committed batches", removed)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._rebalanced = True
         self._assigned -= {(tp.topic, tp.partition) for tp in partitions}
         # The batch in flight may hold records of these partitions: it commits (or
         # aborts) before they leave.

@@ -69,6 +69,11 @@ class ContractWatcher:
         self.requested.set()
         self._thread.join(5)
 
+    def has_pending(self) -> bool:
+        """Whether a newly loaded set waits to be taken."""
+        with self._lock:
+            return self._pending is not None
+
     def take(self) -> ContractSet | None:
         """The newly loaded set, once; called by the processor loop between batches."""
         with self._lock:
