@@ -123,6 +123,8 @@ class _Batch:
     """Its admission items: their replay markers are dropped once it committed."""
     group: Any
     """The consumer group metadata its offsets are committed under."""
+    offsets_sent: bool
+    """Whether its offsets are in the transaction already (else the committer sends them)."""
     started: float
     finished: float = 0.0
     outcome: Future[KafkaException | Fenced | None] = field(default_factory=Future)
@@ -430,6 +432,16 @@ class Processor:
         try:
             group = consumer.consumer_group_metadata()
             producer.begin_transaction()
+            # A batch smaller than the maximum means the processor keeps up: latency is
+            # what counts, and the batch is committed before anything more is read (see
+            # below). Its offsets go first, which shortens the transaction (where they go
+            # does not matter to the outcome: all of it commits or none). A full batch
+            # means a backlog: this thread's time is the limit, so the committer thread
+            # sends the offsets with the commit while this one decides the next batch.
+            keeping_up = len(records) < self.settings.batch_max_records
+            offsets_sent = keeping_up
+            if offsets_sent:
+                producer.send_offsets_to_transaction(next_offsets(records), group, 30)
             for topic, key, value, headers in outputs:
                 self._send(producer, topic, key, value, headers)
         except KafkaException as exc:
@@ -438,10 +450,14 @@ class Processor:
             if isinstance(failure, Fenced):
                 raise failure from exc
             return
-        batch = _Batch(records, decisions, self._admitted, group, started)
+        batch = _Batch(records, decisions, self._admitted, group, offsets_sent, started)
         self._admitted = []
         committer.submit(self._transact, producer, batch)
         self._inflight = batch
+        if keeping_up:
+            # Deciding early would only form a small batch that then waits behind this
+            # commit, while the records arriving meanwhile wait behind both.
+            self._settle_inflight(consumer)
 
     def _transact(self, producer: Producer, batch: _Batch) -> None:
         """The committer thread: the rest of a batch's transaction, whose records are
@@ -449,7 +465,8 @@ class Processor:
         the interpreter to the loop's thread, which decides the next batch meanwhile."""
         failure: KafkaException | Fenced | None = None
         try:
-            producer.send_offsets_to_transaction(next_offsets(batch.records), batch.group, 30)
+            if not batch.offsets_sent:
+                producer.send_offsets_to_transaction(next_offsets(batch.records), batch.group, 30)
             faults.point("before_commit")
             self._commit(producer)
             batch.finished = time.perf_counter()
