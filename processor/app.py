@@ -32,7 +32,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -107,6 +108,15 @@ Output = tuple[str, bytes | None, bytes | None, list[tuple[str, str | bytes | No
 """A record a batch's transaction writes: topic, key, value, headers."""
 
 
+CALL_BOUND_S = 45.0
+"""The longest a transactional call (given 30 s of its own) may take before its producer
+is given up as stuck."""
+SETTLE_BOUND_S = 150.0
+"""The longest a batch's commit may take on the committer thread: offsets (30 s), commit
+retries until the transaction's timeout and one more attempt (30 s), and the abort
+(30 s), with room to spare."""
+
+
 class Fenced(Exception):
     """Another instance took over this producer's transactional id, or the consumer failed
     for good (a static member fenced by its own rejoin after a broker restart): the
@@ -125,6 +135,7 @@ class _Batch:
     """The consumer group metadata its offsets are committed under."""
     offsets_sent: bool
     """Whether its offsets are in the transaction already (else the committer sends them)."""
+    producer: Producer
     started: float
     finished: float = 0.0
     outcome: Future[KafkaException | Fenced | None] = field(default_factory=Future)
@@ -269,6 +280,7 @@ class Processor:
         """The batch whose transaction the committer thread runs, if any."""
         self._rebalanced = False
         """Set by the rebalance callbacks: the records in hand are read again."""
+        self._stuck_producers: list[Producer] = []
         self.admission = AdmissionStore(self.redis, settings.redis_namespace)
         self._admitted: list[tuple[str, Item]] = []
         """Admission items of the batch being decided; their replay markers go once it
@@ -363,14 +375,18 @@ class Processor:
     def _run_clients(self) -> None:
         s = self.settings
         with contextlib.ExitStack() as stack:
-            producer = Producer(producer_config(s))
+            producer = Producer({**producer_config(s), "error_cb": self._on_kafka_error})
             stack.callback(producer.flush, 5)
             self._retry_kafka("init_transactions", lambda: producer.init_transactions(30))
             topics = [s.topics.proposals, s.topics.approvals, s.topics.results]
-            consumer = Consumer({**consumer_config(s, topics), "stats_cb": self._on_stats})
+            consumer = Consumer(
+                {
+                    **consumer_config(s, topics),
+                    "stats_cb": self._on_stats,
+                    "error_cb": self._on_kafka_error,
+                }
+            )
             stack.callback(consumer.close)
-            committer = ThreadPoolExecutor(1, thread_name_prefix="toolsentry-txn")
-            stack.callback(committer.shutdown)
             # Runs first on the way out (signal, fencing, error): the batch in flight
             # commits or aborts before the clients close.
             stack.callback(self._settle_inflight, consumer)
@@ -397,13 +413,12 @@ class Processor:
                     self._settle_inflight(consumer)
                     continue
                 messages = [first, *consumer.consume(s.batch_max_records - 1, 0)]
-                self._process_batch(consumer, producer, committer, messages)
+                self._process_batch(consumer, producer, messages)
 
     def _process_batch(
         self,
         consumer: Consumer,
         producer: Producer,
-        committer: ThreadPoolExecutor,
         messages: list[Message],
     ) -> None:
         """Decide a batch while the previous one commits, then hand it to the committer."""
@@ -441,7 +456,12 @@ class Processor:
             keeping_up = len(records) < self.settings.batch_max_records
             offsets_sent = keeping_up
             if offsets_sent:
-                producer.send_offsets_to_transaction(next_offsets(records), group, 30)
+                offsets = next_offsets(records)
+                self._bounded(
+                    producer,
+                    "send_offsets_to_transaction",
+                    lambda: producer.send_offsets_to_transaction(offsets, group, 30),
+                )
             for topic, key, value, headers in outputs:
                 self._send(producer, topic, key, value, headers)
         except KafkaException as exc:
@@ -450,9 +470,11 @@ class Processor:
             if isinstance(failure, Fenced):
                 raise failure from exc
             return
-        batch = _Batch(records, decisions, self._admitted, group, offsets_sent, started)
+        batch = _Batch(records, decisions, self._admitted, group, offsets_sent, producer, started)
         self._admitted = []
-        committer.submit(self._transact, producer, batch)
+        threading.Thread(
+            target=self._transact, args=(producer, batch), name="toolsentry-txn", daemon=True
+        ).start()
         self._inflight = batch
         if keeping_up:
             # Deciding early would only form a small batch that then waits behind this
@@ -485,7 +507,10 @@ class Processor:
         batch, self._inflight = self._inflight, None
         if batch is None:
             return True
-        failure = batch.outcome.result()
+        try:
+            failure = batch.outcome.result(SETTLE_BOUND_S)
+        except FutureTimeout:
+            failure = self._stuck(batch.producer, "the batch's commit", SETTLE_BOUND_S)
         if failure is None:
             self._to_forget += batch.admitted
             self.batches_committed += 1
@@ -497,6 +522,13 @@ class Processor:
         if isinstance(failure, Fenced):
             raise failure
         return False
+
+    def _on_kafka_error(self, err: KafkaError) -> None:
+        """librdkafka's client-wide errors (brokers unreachable, all brokers down): counted
+        and logged; the clients recover by themselves, or the calls that need the broker
+        fail and are handled where they are made."""
+        self.metrics.dependency_errors.labels("kafka").inc()
+        logger.warning("kafka: %s", err)
 
     def _consumer_error(self, err: KafkaError) -> None:
         self.metrics.dependency_errors.labels("kafka").inc()
@@ -774,6 +806,34 @@ class Processor:
                 if err.retriable() and not self._stop.is_set() and time.monotonic() < deadline:
                     continue
                 raise
+
+    def _bounded(self, producer: Producer, what: str, call: Callable[[], None]) -> None:
+        """Run a transactional call that librdkafka may never return from, on a thread
+        of its own, for at most ``CALL_BOUND_S``: its own timeout is not honoured when
+        the group coordinator it cached went away with a restarted broker
+        (confluentinc/librdkafka#5456, #5511), and the loop would wait forever."""
+        done: Future[None] = Future()
+
+        def run() -> None:
+            try:
+                call()
+                done.set_result(None)
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name=f"toolsentry-{what}", daemon=True).start()
+        try:
+            done.result(CALL_BOUND_S)
+        except FutureTimeout:
+            raise self._stuck(producer, what, CALL_BOUND_S) from None
+
+    def _stuck(self, producer: Producer, what: str, waited: float) -> Fenced:
+        """A producer stuck inside librdkafka: never used (nor freed, while a thread may
+        still be inside it) again. New clients take over from the committed offsets; the
+        new producer's ``init_transactions`` fences the old one's open transaction."""
+        self._stuck_producers.append(producer)
+        self.metrics.dependency_errors.labels("kafka").inc()
+        return Fenced(f"{what} did not return in {waited:.0f} s")
 
     def _abort(self, producer: Producer, exc: KafkaException) -> KafkaException | Fenced:
         """Abort the open transaction after ``exc``; fencing is returned as ``Fenced``."""

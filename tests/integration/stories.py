@@ -18,9 +18,18 @@ become retryable, and step 5 would be routed.
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from typing import Any
 
 import orjson
+
+from processor.codec.avro import codec
+
+WINDOW_S = 2.0
+"""Every run makes its n-th proposal in the n-th window: the runs are interleaved."""
+OUTAGE_AT_S = 4 * WINDOW_S - 0.5
+"""When an outage test takes its dependency away: after steps 0-3 are decided, before
+step 4 is proposed."""
 
 BUDGETS: dict[str, Any] = {
     "steps": 12,
@@ -110,6 +119,22 @@ def orders(tenant: str, runs: int) -> list[tuple[str, dict[str, Any] | None]]:
     return [(f"{tenant}/order/WO-{r:05d}-A", {"state": "processing"}) for r in range(runs)]
 
 
+def answered_once(
+    records: list[Any], stories: list[tuple[str, bytes, bytes]]
+) -> list[dict[str, Any]]:
+    """The observations in ``records``; asserts that every proposal of ``stories`` has
+    exactly one, with the answer its step should get."""
+    observations = [codec("observation").decode(m.value()) for m in records]
+    per_proposal = Counter(o["proposal_id"] for o in observations)
+    lost = {pid for pid, _, _ in stories} - set(per_proposal)
+    assert not lost, f"{len(lost)} proposals lost, e.g. {sorted(lost)[:5]}"
+    twice = [pid for pid, n in per_proposal.items() if n > 1]
+    assert not twice, f"{len(twice)} proposals answered twice, e.g. {twice[:5]}"
+    wrong = wrong_answers(observations)
+    assert not wrong, f"{len(wrong)} answered otherwise, e.g. {list(wrong.items())[:4]}"
+    return observations
+
+
 def wrong_answers(observations: list[dict[str, Any]]) -> dict[str, Any]:
     """The observations whose answer is not the one ``EXPECTED`` gives for their step."""
     wrong = {}
@@ -126,6 +151,17 @@ WANT_COUNTERS = {"steps": 16, "class:read": 4, "class:write": 2, "class:external
 """Every run's admission counters once all its steps are decided (and its cost, 0.022,
 and its one repair)."""
 WANT_COST = 0.022
+
+
+def wrong_counters(counters: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The runs whose admission counters are not what their 16 steps spent."""
+    return {
+        run: c
+        for run, c in counters.items()
+        if {k: c.get(k) for k in WANT_COUNTERS} != WANT_COUNTERS
+        or abs(float(c.get("cost", 0)) - WANT_COST) > 1e-9
+        or c.get("repairs") != 1
+    }
 
 
 def ms(value: Any) -> float:

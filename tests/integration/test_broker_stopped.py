@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 
-from processor.codec.avro import codec
 from processor.codec.records import decode_approved_call
 from processor.config import Settings
 from processor.reference_data import publish_references, wait_until_loaded
@@ -47,22 +46,19 @@ from tests.integration.harness import (
 from tests.integration.stories import (
     BUDGETS,
     EXPECTED,
-    WANT_COST,
-    WANT_COUNTERS,
+    OUTAGE_AT_S,
+    WINDOW_S,
+    answered_once,
     corpus,
     orders,
-    wrong_answers,
+    wrong_counters,
 )
 
 pytestmark = pytest.mark.integration
 
 TENANT = "acme-broker"
 RUNS = 60
-WINDOW_S = 2.0
-"""Every run makes its n-th proposal in the n-th window: the runs are interleaved."""
 RATE = RUNS / WINDOW_S
-STOP_AT_S = 4 * WINDOW_S - 0.5
-"""After steps 0-3 are decided, before step 4 is proposed."""
 STOPPED_S = 15.0
 
 
@@ -95,7 +91,7 @@ def test_a_stopped_broker_loses_nothing_doubles_nothing_and_counts_nothing_twice
         outage: dict[str, float] = {}
 
         def stop_and_start() -> None:
-            time.sleep(STOP_AT_S)
+            time.sleep(OUTAGE_AT_S)
             outage["stop"] = time.time()
             stack.stop("kafka")
             outage["gone"] = time.time()
@@ -126,13 +122,7 @@ def test_a_stopped_broker_loses_nothing_doubles_nothing_and_counts_nothing_twice
     assert exit_code == 0, proc.log()[-3000:]
     log = proc.log()
 
-    observations = [codec("observation").decode(m.value()) for m in records]
-    per_proposal = Counter(o["proposal_id"] for o in observations)
-    lost = {pid for pid, _, _ in stories} - set(per_proposal)
-    assert not lost, f"{len(lost)} proposals lost, e.g. {sorted(lost)[:5]}"
-    assert max(per_proposal.values()) == 1, "a proposal was answered twice"
-    wrong = wrong_answers(observations)
-    assert not wrong, f"{len(wrong)} answered otherwise, e.g. {list(wrong.items())[:4]}"
+    observations = answered_once(records, stories)
 
     # Exactly the routed proposals have an approved call, each exactly one.
     routed = {o["proposal_id"] for o in observations if o["decision"] == "ROUTED"}
@@ -146,12 +136,14 @@ def test_a_stopped_broker_loses_nothing_doubles_nothing_and_counts_nothing_twice
     assert max(approved.values()) == 1, "a call was routed twice"
 
     # Nothing counted twice by the batches that were rewound and decided again.
-    for run, c in counters.items():
-        assert {k: c.get(k) for k in WANT_COUNTERS} == WANT_COUNTERS, (run, c)
-        assert c["cost"] == pytest.approx(WANT_COST), (run, c)
-        assert c["repairs"] == 1, (run, c)
-    # Replay markers are dropped once their batch commits: at most the last batch's.
-    assert markers <= RUNS, f"{markers} replay markers left behind"
+    wrong_runs = wrong_counters(counters)
+    assert not wrong_runs, (
+        f"{len(wrong_runs)} runs counted otherwise, e.g. {list(wrong_runs.items())[:2]}"
+    )
+    # Replay markers are dropped once their batch commits, in the next batch's round trip:
+    # only the last batch's are left (after the outage, a catch-up batch of a few hundred),
+    # never one per proposal.
+    assert markers <= len(stories) // 3, f"{markers} replay markers left behind"
 
     assert kafka_errors > 0, "the processor's dependency-error metric missed the outage"
     assert outage["back"] - outage["gone"] >= STOPPED_S - 1
