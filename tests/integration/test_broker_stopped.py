@@ -117,8 +117,10 @@ def test_a_stopped_broker_loses_nothing_doubles_nothing_and_counts_nothing_twice
         markers = connect(settings.redis_url).hlen(f"{settings.redis_namespace}:{{{TENANT}}}:done")
         assert proc.alive(), proc.log()[-3000:]
     finally:
-        exit_code = proc.terminate(60) if proc is not None else None
-        stack.down()
+        try:
+            exit_code = proc.terminate(60) if proc is not None else None
+        finally:
+            stack.down()  # also when the processor would not stop: no broker left behind
     assert exit_code == 0, proc.log()[-3000:]
     log = proc.log()
 
