@@ -423,7 +423,10 @@ class Processor:
     ) -> None:
         """Decide a batch while the previous one commits, then hand it to the committer."""
         started = time.perf_counter()
-        records = records_of(messages, self._consumer_error)
+        try:
+            records = records_of(messages, self._on_kafka_error)
+        except KafkaException as exc:  # the consumer failed for good
+            raise Fenced(f"consumer failed: {exc.args[0].str()}") from exc
         if self._rebalanced:
             # A rebalance ran inside poll()/consume() while these records were in hand:
             # some may belong to a partition just revoked, and the batch in flight may
@@ -524,17 +527,12 @@ class Processor:
         return False
 
     def _on_kafka_error(self, err: KafkaError) -> None:
-        """librdkafka's client-wide errors (brokers unreachable, all brokers down): counted
-        and logged; the clients recover by themselves, or the calls that need the broker
-        fail and are handled where they are made."""
+        """Kafka errors, client-wide (brokers unreachable, all brokers down) or the
+        consumer's: counted and logged. The clients recover by themselves, or the calls
+        that need the broker fail and are handled where they are made; a consumer that
+        failed for good is rebuilt (``records_of`` raises)."""
         self.metrics.dependency_errors.labels("kafka").inc()
         logger.warning("kafka: %s", err)
-
-    def _consumer_error(self, err: KafkaError) -> None:
-        self.metrics.dependency_errors.labels("kafka").inc()
-        logger.warning("consumer error: %s", err)
-        if err.fatal() or err.code() == KafkaError._FATAL:
-            raise Fenced(f"consumer failed: {err.str()}")
 
     def decide_batch(self, records: list[Message]) -> list[Decision]:
         """Decide every record of a batch: proposals through the gates, executors' results
