@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import struct
+from collections.abc import Callable
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any, cast
@@ -178,6 +179,17 @@ class AvroCodec:
         """Single-object bytes; the datum must already match the schema's types."""
         result: bytes = self._encode(datum)
         return result
+
+    def field_encoder(self, *path: str) -> Callable[[Any], bytes]:
+        """The binary encoding of one field's value alone, no header: ``path`` names a
+        field of the record, then a field of that one, and so on. For writers that
+        assemble a record from cached segments."""
+        schema: Any = _resolved(self.parsed)
+        for name in path:
+            schema = next(f["type"] for f in schema["fields"] if f["name"] == name)
+        wrapper = {"type": "record", "name": "Field", "fields": [{"name": "v", "type": schema}]}
+        encode = _EncoderSource().build(wrapper, b"")
+        return lambda value: cast(bytes, encode({"v": value}))
 
     def encode_checked(self, datum: dict[str, Any]) -> bytes:
         """fastavro's validating writer: slower, for data of unknown shape."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import io
@@ -13,6 +14,8 @@ import fastavro
 import fastavro.schema
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from processor.codec.avro import MAGIC, codec, crc64_avro, decode_any
 from processor.codec.records import (
@@ -25,7 +28,7 @@ from processor.codec.records import (
 )
 from processor.contracts.registry import ContractSet
 from processor.identity import DEVELOPMENT_WARNING
-from processor.model import Decision, Outcome
+from processor.model import Decision, Outcome, SideEffectClass
 from processor.pipeline import Gates, decide
 from tests.unit.helpers import (
     LIMITS,
@@ -414,3 +417,65 @@ def test_every_varint_width_matches_fastavro(n: int) -> None:
     buf = io.BytesIO()
     BinaryEncoder(buf).write_long(n)
     assert _zigzag_varint(n) == buf.getvalue() == _timestamp_varint(n)
+
+
+# --- the routed observation's direct writer ---------------------------------------------------
+
+_text = st.text(max_size=90)  # across the one/two-byte length boundary (64 bytes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tenant=st.none() | _text,
+    tool=_text,
+    version=st.none() | _text,
+    side_effect=st.none() | st.sampled_from(list(SideEffectClass)),
+    key=_text,
+    trace=_text,
+    attempt=st.integers(1, 2**31 - 1),
+    partition=st.integers(0, 2**31 - 1),
+    offset=st.integers(0, 2**63 - 1),
+    decided=st.integers(0, 2**45),
+    latency=st.floats(allow_nan=False),
+    warnings=st.lists(st.text(max_size=700), max_size=25),
+    verify=st.booleans(),
+    contract_set=st.none() | _text,
+    retry_after=st.none() | st.integers(0, 2**40),
+)
+def test_a_routed_observation_is_written_as_the_generic_encoder_writes_it(
+    routed: Decision,
+    tenant: str | None,
+    tool: str,
+    version: str | None,
+    side_effect: SideEffectClass | None,
+    key: str,
+    trace: str,
+    attempt: int,
+    partition: int,
+    offset: int,
+    decided: int,
+    latency: float,
+    warnings: list[str],
+    verify: bool,
+    contract_set: str | None,
+    retry_after: int | None,
+) -> None:
+    """Routed observations skip building a datum; every field must come out as the
+    schema-driven encoder writes it from ``observation_record``."""
+    assert routed.proposal is not None and routed.call is not None
+    d = dataclasses.replace(
+        routed,
+        proposal=dataclasses.replace(routed.proposal, tenant_id=tenant, tool_name=tool,
+                                     trace_id=trace),
+        call=dataclasses.replace(routed.call, idempotency_key=key, attempt=attempt),
+        source=dataclasses.replace(routed.source, partition=partition, offset=offset),
+        contract_version=version,
+        side_effect_class=side_effect,
+        decided_at_ms=decided,
+        latency_ms=latency,
+        warnings=tuple(warnings),
+        post_action_verification=verify,
+        retry_after_ms=retry_after,
+    )  # fmt: skip
+    generic = codec("observation").encode(observation_record(d, contract_set))
+    assert encode_observation(d, contract_set) == generic
