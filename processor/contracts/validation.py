@@ -16,8 +16,13 @@ Two validators share one meaning:
   answers instead. The two are held equal by a differential test over the
   official test suite and generated instances.
 
-The schema gate asks the fast validator first and the reference only when the
-arguments are invalid, to get every violation with its path.
+The schema gate asks the fast validator first. Only invalid arguments have their
+violations listed, each with its path, by the fast subset's *error compiler*
+(``compile_errors``): python-jsonschema's keyword functions mirrored for that
+subset, walking only the subschemas the fast validator says fail. Its errors are
+the reference's, field for field and in the same order (a differential test over
+the suite and generated instances), at about 60% of the cost; schemas outside the
+subset get the reference's own walk.
 """
 
 from __future__ import annotations
@@ -580,18 +585,361 @@ _FAST_KEYWORDS = frozenset(
 )  # fmt: skip
 
 
+# --- the fast subset's errors ------------------------------------------------------------------
+
+Errors = Callable[[Any], list[ValidationError]]
+_TYPE_CHECKER = Draft202012Validator.TYPE_CHECKER
+
+
+def _no_errors(x: Any) -> list[ValidationError]:
+    return []
+
+
+def compile_errors(schema: Any) -> Errors:
+    """Compile ``schema`` into a function listing every violation, or raise
+    ``NotCompilable``.
+
+    The errors are the reference validator's own, field for field: the same keyword,
+    value, instance, schema, paths, message and context, in the same order (a
+    differential test holds them equal). Each subschema asks the fast validator first
+    and walks only the parts that fail, where the reference walks every keyword of
+    every subschema through its generic dispatch and reference resolution.
+    """
+    return _ErrorCompiler(schema).compile(schema)
+
+
+def _error(message: str, **kw: Any) -> ValidationError:
+    return ValidationError(message, **kw)
+
+
+def _false_schema(x: Any) -> list[ValidationError]:
+    return [
+        _error(
+            f"False schema does not allow {x!r}",
+            validator=None,
+            validator_value=None,
+            instance=x,
+            schema=False,
+        )
+    ]
+
+
+def _descend(
+    errors: Errors, x: Any, path: Any = None, schema_path: Any = None
+) -> list[ValidationError]:
+    found = errors(x)
+    if errors is _false_schema:
+        return found  # the reference returns a boolean schema's error before adding paths
+    for e in found:
+        if path is not None:
+            e.path.appendleft(path)
+        if schema_path is not None:
+            e.schema_path.appendleft(schema_path)
+    return found
+
+
+class _ErrorCompiler:
+    """Mirrors python-jsonschema's keyword functions for the fast subset."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.valid = _FastCompiler(root, assert_formats=True)
+        self.refs: dict[str, Errors] = {}
+
+    def compile(self, schema: Any) -> Errors:
+        if schema is True:
+            return _no_errors
+        if schema is False:
+            return _false_schema
+        valid = self.valid.compile(schema)  # raises NotCompilable outside the subset
+        keywords = [
+            (k, v, make(self, v, schema))
+            for k, v in schema.items()
+            if (make := _ERROR_KEYWORDS.get(k)) is not None
+        ]
+
+        def errors(x: Any) -> list[ValidationError]:
+            if valid(x):
+                return []
+            out: list[ValidationError] = []
+            for k, v, check in keywords:
+                for e in check(x):
+                    e._set(
+                        validator=k,
+                        validator_value=v,
+                        instance=x,
+                        schema=schema,
+                        type_checker=_TYPE_CHECKER,
+                    )
+                    if k != "$ref":
+                        e.schema_path.appendleft(k)
+                    out.append(e)
+            return out
+
+        return errors
+
+    def ref(self, ref: str, schema: Any) -> Errors:
+        if ref not in self.refs:
+            target: list[Errors] = []
+            self.refs[ref] = lambda x: target[0](x)
+            target.append(self.compile(self.valid.resolve(ref)))
+        return self.refs[ref]
+
+    # One method per keyword: (value, the schema holding it) -> the keyword's check.
+
+    def type(self, types: Any, schema: Any) -> Errors:
+        names = types if isinstance(types, list) else [types]
+        tests = [_TYPE_TESTS[n] for n in names]
+        reprs = ", ".join(repr(n) for n in names)
+        return lambda x: (
+            [] if any(t(x) for t in tests) else [_error(f"{x!r} is not of type {reprs}")]
+        )
+
+    def enum(self, values: Any, schema: Any) -> Errors:
+        allowed = frozenset(values)
+        return lambda x: (
+            [] if type(x) is str and x in allowed else [_error(f"{x!r} is not one of {values!r}")]
+        )
+
+    def const(self, c: Any, schema: Any) -> Errors:
+        const_type = type(c)
+        return lambda x: [] if type(x) is const_type and x == c else [_error(f"{c!r} was expected")]
+
+    def pattern(self, patrn: str, schema: Any) -> Errors:
+        rx = ecma_regex(patrn)
+        return lambda x: (
+            [_error(f"{x!r} does not match {patrn!r}")]
+            if type(x) is str and rx.find(x) is None
+            else []
+        )
+
+    def format(self, name: Any, schema: Any) -> Errors:
+        if name not in ASSERTED_FORMATS:
+            return _no_errors
+        fmt = FORMAT_CHECKER.checkers[name][0]
+        return lambda x: (
+            [_error(f"{x!r} is not a {name!r}")] if type(x) is str and not fmt(x) else []
+        )
+
+    def minLength(self, n: int, schema: Any) -> Errors:
+        word = "should be non-empty" if n == 1 else "is too short"
+        return lambda x: [_error(f"{x!r} {word}")] if type(x) is str and len(x) < n else []
+
+    def maxLength(self, n: int, schema: Any) -> Errors:
+        word = "is expected to be empty" if n == 0 else "is too long"
+        return lambda x: [_error(f"{x!r} {word}")] if type(x) is str and len(x) > n else []
+
+    def minimum(self, lo: Any, schema: Any) -> Errors:
+        return lambda x: (
+            [_error(f"{x!r} is less than the minimum of {lo!r}")]
+            if _is_number(x) and x < lo
+            else []
+        )
+
+    def maximum(self, hi: Any, schema: Any) -> Errors:
+        return lambda x: (
+            [_error(f"{x!r} is greater than the maximum of {hi!r}")]
+            if _is_number(x) and x > hi
+            else []
+        )
+
+    def exclusiveMinimum(self, lo: Any, schema: Any) -> Errors:
+        return lambda x: (
+            [_error(f"{x!r} is less than or equal to the minimum of {lo!r}")]
+            if _is_number(x) and x <= lo
+            else []
+        )
+
+    def exclusiveMaximum(self, hi: Any, schema: Any) -> Errors:
+        return lambda x: (
+            [_error(f"{x!r} is greater than or equal to the maximum of {hi!r}")]
+            if _is_number(x) and x >= hi
+            else []
+        )
+
+    def multipleOf(self, d: Any, schema: Any) -> Errors:
+        return lambda x: (
+            [_error(f"{x!r} is not a multiple of {d}")]
+            if _is_number(x) and not is_multiple_of(x, d)
+            else []
+        )
+
+    def required(self, names: Any, schema: Any) -> Errors:
+        return lambda x: (
+            [_error(f"{r!r} is a required property") for r in names if r not in x]
+            if type(x) is dict
+            else []
+        )
+
+    def minProperties(self, n: int, schema: Any) -> Errors:
+        word = "should be non-empty" if n == 1 else "does not have enough properties"
+        return lambda x: [_error(f"{x!r} {word}")] if type(x) is dict and len(x) < n else []
+
+    def maxProperties(self, n: int, schema: Any) -> Errors:
+        word = "is expected to be empty" if n == 0 else "has too many properties"
+        return lambda x: [_error(f"{x!r} {word}")] if type(x) is dict and len(x) > n else []
+
+    def properties(self, props: Any, schema: Any) -> Errors:
+        subs = [(k, self.compile(v)) for k, v in props.items()]
+
+        def check(x: Any) -> list[ValidationError]:
+            if type(x) is not dict:
+                return []
+            out: list[ValidationError] = []
+            for k, sub in subs:
+                if k in x:
+                    out += _descend(sub, x[k], path=k, schema_path=k)
+            return out
+
+        return check
+
+    def additionalProperties(self, extra: Any, schema: Any) -> Errors:
+        known = schema.get("properties", {})
+        sub = self.compile(extra) if isinstance(extra, dict) else None
+
+        def check(x: Any) -> list[ValidationError]:
+            if type(x) is not dict:
+                return []
+            # Built as python-jsonschema builds it, so the set iterates in the same order.
+            extras = set(k for k in x if k not in known)
+            if sub is not None:
+                out: list[ValidationError] = []
+                for k in extras:
+                    out += _descend(sub, x[k], path=k)
+                return out
+            if extra or not extras:
+                return []
+            names = sorted(extras, key=str)
+            verb = "was" if len(names) == 1 else "were"
+            listed = ", ".join(repr(k) for k in names)
+            return [_error(f"Additional properties are not allowed ({listed} {verb} unexpected)")]
+
+        return check
+
+    def propertyNames(self, names: Any, schema: Any) -> Errors:
+        sub = self.compile(names)
+
+        def check(x: Any) -> list[ValidationError]:
+            if type(x) is not dict:
+                return []
+            out: list[ValidationError] = []
+            for k in x:
+                out += sub(k)
+            return out
+
+        return check
+
+    def items(self, items: Any, schema: Any) -> Errors:
+        sub = self.compile(items)
+
+        def check(x: Any) -> list[ValidationError]:
+            if type(x) is not list or not x:
+                return []
+            if items is False:
+                rest = x if len(x) != 1 else x[0]
+                return [_error(f"Expected at most 0 items but found {len(x)} extra: {rest!r}")]
+            out: list[ValidationError] = []
+            for i, item in enumerate(x):
+                out += _descend(sub, item, path=i)
+            return out
+
+        return check
+
+    def minItems(self, n: int, schema: Any) -> Errors:
+        word = "should be non-empty" if n == 1 else "is too short"
+        return lambda x: [_error(f"{x!r} {word}")] if type(x) is list and len(x) < n else []
+
+    def maxItems(self, n: int, schema: Any) -> Errors:
+        word = "is expected to be empty" if n == 0 else "is too long"
+        return lambda x: [_error(f"{x!r} {word}")] if type(x) is list and len(x) > n else []
+
+    def uniqueItems(self, unique: Any, schema: Any) -> Errors:
+        if not unique:
+            return _no_errors
+        return lambda x: (
+            [_error(f"{x!r} has non-unique elements")]
+            if type(x) is list and not _jsu.uniq(x)
+            else []
+        )
+
+    def allOf(self, subschemas: Any, schema: Any) -> Errors:
+        subs = [self.compile(s) for s in subschemas]
+
+        def check(x: Any) -> list[ValidationError]:
+            out: list[ValidationError] = []
+            for i, sub in enumerate(subs):
+                out += _descend(sub, x, schema_path=i)
+            return out
+
+        return check
+
+    def anyOf(self, subschemas: Any, schema: Any) -> Errors:
+        subs = [self.compile(s) for s in subschemas]
+
+        def check(x: Any) -> list[ValidationError]:
+            context: list[ValidationError] = []
+            for i, sub in enumerate(subs):
+                found = _descend(sub, x, schema_path=i)
+                if not found:
+                    return []
+                context += found
+            message = f"{x!r} is not valid under any of the given schemas"
+            return [_error(message, context=context)]
+
+        return check
+
+    def oneOf(self, subschemas: Any, schema: Any) -> Errors:
+        subs = [(self.compile(s), self.valid.compile(s), s) for s in subschemas]
+
+        def check(x: Any) -> list[ValidationError]:
+            context: list[ValidationError] = []
+            for i, (sub, _, s) in enumerate(subs):
+                found = _descend(sub, x, schema_path=i)
+                if not found:
+                    first = s
+                    break
+                context += found
+            else:
+                message = f"{x!r} is not valid under any of the given schemas"
+                return [_error(message, context=context)]
+            more = [each for _, ok, each in subs[i + 1 :] if ok(x)]
+            if not more:
+                return []
+            reprs = ", ".join(repr(each) for each in [*more, first])
+            return [_error(f"{x!r} is valid under each of {reprs}")]
+
+        return check
+
+    def not_(self, negated: Any, schema: Any) -> Errors:
+        valid = self.valid.compile(negated)
+        return lambda x: (
+            [_error(f"{x!r} should not be valid under {negated!r}")] if valid(x) else []
+        )
+
+
+_ERROR_KEYWORDS: dict[str, Callable[[_ErrorCompiler, Any, Any], Errors]] = {
+    **{
+        k: getattr(_ErrorCompiler, k)
+        for k in _FAST_KEYWORDS - {"$ref", "$defs", "not"}
+    },
+    "not": _ErrorCompiler.not_,
+    "$ref": _ErrorCompiler.ref,
+}  # fmt: skip
+
+
 class ArgumentValidator:
     """A contract's compiled input schema: fast validity plus full error reporting."""
 
-    __slots__ = ("fast", "reference", "schema")
+    __slots__ = ("explain", "fast", "reference", "schema")
 
     def __init__(self, schema: Mapping[str, Any]) -> None:
         self.schema = schema
         self.reference = reference_validator(schema)
         try:
             self.fast: Check | None = compile_fast(schema)
+            self.explain: Errors | None = compile_errors(schema)
         except NotCompilable:
-            self.fast = None
+            self.fast = self.explain = None
 
     def is_valid(self, instance: Any) -> bool:
         if self.fast is not None:
@@ -599,4 +947,6 @@ class ArgumentValidator:
         return bool(self.reference.is_valid(instance))
 
     def errors(self, instance: Any) -> list[ValidationError]:
+        if self.explain is not None:
+            return self.explain(instance)
         return list(self.reference.iter_errors(instance))

@@ -28,6 +28,7 @@ from processor.contracts.validation import (
     NotCompilable,
     ReferenceValidator,
     check_schema,
+    compile_errors,
     compile_fast,
     ecma_search,
     is_multiple_of,
@@ -270,6 +271,81 @@ def test_local_refs_compile_recursively() -> None:
     assert not check({"v": 1, "kids": [{"x": 1}]})
 
 
+# --- (b') the compiled errors against the reference's ---------------------------------------
+
+
+def error_signature(errors: Any) -> list[tuple[Any, ...]]:
+    """Everything the schema gate reads off an error (and the rest of it), comparable."""
+    return [
+        (
+            e.validator,
+            repr(e.validator_value),
+            repr(e.instance),
+            list(e.absolute_path),
+            list(e.absolute_schema_path),
+            e.message,
+            repr(e.schema),
+            error_signature(e.context),
+        )
+        for e in errors
+    ]
+
+
+@pytest.mark.parametrize("group", params(with_known_differences=False))
+def test_compiled_errors_are_the_references_errors(group: Group | None) -> None:
+    """Wherever the schema compiles, every instance's errors are the reference's: same
+    keywords, values, paths, messages, contexts, in the same order."""
+    g = require(group)
+    try:
+        explain = compile_errors(g.schema)
+    except NotCompilable:
+        return
+    validator = reference(g.schema, formats=True)
+    for t in g.tests:
+        expected = error_signature(validator.iter_errors(t["data"]))
+        assert error_signature(explain(t["data"])) == expected, t["description"]
+
+
+def test_compiled_errors_cover_what_the_fast_validator_covers() -> None:
+    assert GROUPS, MISSING
+    for g in GROUPS:
+        try:
+            compile_fast(g.schema)
+        except NotCompilable:
+            continue
+        compile_errors(g.schema)  # never NotCompilable where the fast validator compiles
+
+
+@pytest.mark.parametrize(
+    ("schema", "instance"),
+    [
+        ({"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, {}),
+        ({"oneOf": [{"type": "string"}, {"minLength": 2}, {"maxLength": 5}]}, "abc"),
+        ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, None),
+        ({"not": {"type": "string"}}, "x"),
+        ({"additionalProperties": False, "properties": {"a": {}}}, {"b": 1, "c": 2, "a": 3}),
+        ({"additionalProperties": {"type": "integer"}}, {"b": "1", "c": "2", "d": 3}),
+        ({"propertyNames": {"pattern": "^[a-z]+$"}}, {"A": 1, "b": 2, "C": 3}),
+        ({"items": False}, [1]),
+        ({"items": False}, [1, 2]),
+        ({"items": {"type": "integer"}, "uniqueItems": True}, [1, "2", 1, True]),
+        ({"$defs": {"n": {"type": "integer", "minimum": 3}}, "allOf": [{"$ref": "#/$defs/n"}]}, 2),
+        ({"type": ["integer", "null"], "exclusiveMaximum": 3, "multipleOf": 0.5}, 3.25),
+        ({"minProperties": 2, "maxProperties": 0}, {"a": 1}),
+        ({"minItems": 1, "maxItems": 0, "minLength": 1}, []),
+        ({"const": True, "enum": ["a"]}, 1),
+        ({"format": "date", "maxLength": 0}, "2026-02-30"),
+        (False, {"a": 1}),
+        ({"properties": {"a": False}}, {"a": 1}),
+    ],
+)
+def test_compiled_errors_on_each_keyword(schema: Any, instance: Any) -> None:
+    expected = error_signature(ReferenceValidator(schema, format_checker=FORMAT_CHECKER)
+                               .iter_errors(instance))  # fmt: skip
+    assert expected, "each case is invalid"
+    assert error_signature(compile_errors(schema)(instance)) == expected
+
+
 # --- (c) fast == reference on the contracts, over generated instances -------------------------
 
 NEAR_MISSES = [
@@ -427,6 +503,30 @@ def test_fast_equals_reference_on_generated_arguments(contract: Contract) -> Non
     # Both answers were exercised, many times over.
     assert seen[True] >= 100, seen
     assert seen[False] >= 500, seen
+
+
+@pytest.mark.parametrize("contract", CONTRACT_LIST, ids=lambda c: f"{c.name}@{c.version}")
+def test_compiled_errors_equal_the_references_on_generated_arguments(contract: Contract) -> None:
+    validator: ArgumentValidator = contract.validator
+    explain = validator.explain
+    assert explain is not None
+    invalid = 0
+
+    @settings(
+        max_examples=400,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(instances(contract))
+    def check(x: Any) -> None:
+        nonlocal invalid
+        expected = error_signature(validator.reference.iter_errors(x))
+        assert error_signature(explain(x)) == expected, x
+        invalid += bool(expected)
+
+    check()
+    assert invalid >= 100, invalid
 
 
 # --- (d) ECMA-262 specifics -------------------------------------------------------------------
