@@ -11,6 +11,7 @@ import threading
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram, start_http_server
 from prometheus_client import Counter as PCounter
@@ -18,7 +19,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from processor.model import Decision, Outcome
+from processor.model import Decision, Outcome, TaxonomyClass
 
 
 class Metrics:
@@ -128,7 +129,8 @@ class Metrics:
         )
 
     def record_batch(self, decisions: Iterable[Decision], seconds: float) -> None:
-        tally: Counter[tuple[str, str, str, str]] = Counter()
+        # Tallied by the decisions' own fields; turned into label values once per kind.
+        tally: Counter[tuple[Any, ...]] = Counter()
         dead: Counter[str] = Counter()
         n = 0
         latencies: list[float] = []
@@ -138,10 +140,14 @@ class Metrics:
             if d.outcome is Outcome.DEAD_LETTER:
                 dead[d.dlq_reason or "unknown"] += 1
                 continue
-            tool = d.contract_name or "unresolved"
-            tally[(tool, d.gate.value, d.taxonomy.value, d.outcome.value)] += 1
+            rejection = d.rejection
+            tally[(d.contract_name, d.gate, rejection and rejection.taxonomy, d.outcome)] += 1
         self.decision_seconds.observe_many(latencies)
-        for labels, count in tally.items():
+        kinds: Counter[tuple[str, str, str, str]] = Counter()
+        for (tool, gate, taxonomy, outcome), count in tally.items():
+            taxonomy = taxonomy or TaxonomyClass.SUCCESS
+            kinds[(tool or "unresolved", gate.value, taxonomy.value, outcome.value)] += count
+        for labels, count in kinds.items():
             self.decisions.labels(*labels).inc(count)
         for reason, count in dead.items():
             self.dead_letters.labels(reason).inc(count)

@@ -1,4 +1,5 @@
-"""The batch histogram is exposed as prometheus_client's own Histogram would be."""
+"""Metrics: the batch histogram is exposed as prometheus_client's own Histogram would be,
+and a batch's decisions are counted by their labels."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import random
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from processor.metrics import BatchHistogram
+from processor.contracts.registry import ContractSet
+from processor.metrics import BatchHistogram, Metrics
+from processor.model import Outcome
+from tests.unit.helpers import decide_arguments, decide_envelope, envelope
 
 BUCKETS = (2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 5e-2)
 
@@ -33,3 +37,38 @@ def test_a_batch_is_binned_as_one_observe_per_value_would_be() -> None:
     for a, b in zip(mine, expected, strict=True):
         assert abs(float(a.rsplit(" ", 1)[1]) - float(b.rsplit(" ", 1)[1])) < 1e-9, (a, b)
     assert 'd_seconds_bucket{le="+Inf"} 2000.0' in mine
+
+
+def test_a_batch_of_decisions_is_counted_by_tool_gate_class_and_outcome(
+    contracts: ContractSet,
+) -> None:
+    routed = decide_arguments(contracts, "search_kb", {"query": "refunds", "limit": 10})
+    bad_pattern = decide_arguments(
+        contracts,
+        "cancel_order",
+        {"order_id": "ORD-1", "reason_code": "customer_request", "confirm": True},
+    )
+    unknown = decide_envelope(envelope("no_such_tool"), contracts)
+    dead = decide_envelope({"not": "a proposal"}, contracts)
+    assert routed.outcome is Outcome.ROUTED
+    assert bad_pattern.outcome is Outcome.REJECTED
+    assert dead.outcome is Outcome.DEAD_LETTER
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    metrics.record_batch([routed, bad_pattern, routed, unknown, dead, bad_pattern, routed], 0.01)
+    metrics.record_batch([unknown], 0.02)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    decided = "toolsentry_decisions_total"
+    assert value(decided, tool="search_kb", gate="route", taxonomy="SUCCESS",
+                 outcome="ROUTED") == 3  # fmt: skip
+    assert value(decided, tool="cancel_order", gate="schema", taxonomy="OUT_OF_BOUNDS",
+                 outcome="REJECTED") == 2  # fmt: skip
+    assert value(decided, tool="unresolved", gate="resolve", taxonomy="STRUCTURAL_VIOLATION",
+                 outcome="REJECTED") == 2  # fmt: skip
+    assert value("toolsentry_dead_letters_total", reason=dead.dlq_reason or "") == 1
+    assert value("toolsentry_decision_seconds_count") == 8
+    assert value("toolsentry_batch_records_count") == 2
+    assert value("toolsentry_batch_records_sum") == 8
