@@ -76,7 +76,7 @@ def _depth(node: Any) -> int:
     return deepest
 
 
-def strict_loads(text: bytes | str, max_depth: int) -> Any:
+def strict_loads(text: bytes | str, max_depth: int, brackets: int | None = None) -> Any:
     """Parse strict JSON; raise ``ValueError`` with a reason a model can act on.
 
     orjson does the parse (it refuses NaN, invalid UTF-8 and lone surrogates)
@@ -95,7 +95,9 @@ def strict_loads(text: bytes | str, max_depth: int) -> Any:
         raise
     raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
     # Each level of nesting needs a bracket, so few brackets bound the depth cheaply.
-    if raw.count(b"{") + raw.count(b"[") > max_depth:
+    if brackets is None:
+        brackets = raw.count(b"{") + raw.count(b"[")
+    if brackets > max_depth:
         depth = _depth(value)
         if depth > max_depth:
             raise _TooDeep(f"nested {depth} levels deep; at most {max_depth} are accepted")
@@ -212,6 +214,7 @@ def _err(
     return FieldError(field, message, code, expected, act)
 
 
+_TOOL_FIELDS = frozenset({"name", "version"})
 _IDENTITY_FIELDS = ("proposal_id", "run_id", "tenant_id", "tool", "created_at", "traceparent")
 _ENVELOPE_FIELDS = frozenset(
     {
@@ -232,8 +235,9 @@ def parse_proposal(
     if len(value) > limits.max_record_bytes:
         return DeadLetter("too_large", f"{len(value)} bytes; at most {limits.max_record_bytes}")
     strict_error: FieldError | None = None
+    brackets = value.count(b"{") + value.count(b"[")
     try:
-        env = strict_loads(value, limits.max_depth + 4)
+        env = strict_loads(value, limits.max_depth + 4, brackets)
     except Exception as exc:
         code, message = _json_error(exc, value)
         recovered = _identity_only(value)
@@ -286,8 +290,8 @@ def parse_proposal(
                         version,
                     )
                 )
-        extra = set(tool) - {"name", "version"}
-        if extra:
+        if not tool.keys() <= _TOOL_FIELDS:
+            extra = set(tool) - _TOOL_FIELDS
             errors.append(
                 _err(
                     "tool",
@@ -341,10 +345,7 @@ def parse_proposal(
                 )
             )
             arguments = None
-        elif (
-            value.count(b"{") + value.count(b"[") > limits.max_depth
-            and _depth(arguments) > limits.max_depth
-        ):
+        elif brackets > limits.max_depth and _depth(arguments) > limits.max_depth:
             errors.append(
                 _err(
                     "arguments",
@@ -416,7 +417,8 @@ def parse_proposal(
     idempotency_key = opt_str("idempotency_key")
     logical_operation_id = opt_str("logical_operation_id")
     traceparent = opt_str("traceparent", 128)
-    if traceparent is not None and not _TRACEPARENT.match(traceparent):
+    trace = _TRACEPARENT.match(traceparent) if traceparent is not None else None
+    if traceparent is not None and trace is None:
         warnings.append("traceparent is not W3C trace context; a trace id was derived instead")
 
     step = env.get("step")
@@ -447,8 +449,8 @@ def parse_proposal(
         )
         approvals = None
 
-    unknown = env.keys() - _ENVELOPE_FIELDS
-    if unknown:
+    if not env.keys() <= _ENVELOPE_FIELDS:
+        unknown = env.keys() - _ENVELOPE_FIELDS
         # Names are clipped: a record near the size limit with one huge field name must
         # not make an observation too large to produce (the batch would retry for ever).
         names = (n if len(n) <= 64 else n[:61] + "..." for n in sorted(unknown)[:10])
@@ -470,7 +472,7 @@ def parse_proposal(
         approvals=tuple(approvals or ()),
         active_tools=active,
         traceparent=traceparent,
-        trace_id=trace_id_for(pid, traceparent),
+        trace_id=trace.group(1) if trace is not None else trace_id_for(pid, None),
         arguments_text=raw_text if arguments is None else None,
     )
     if not errors:
