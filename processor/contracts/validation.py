@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import operator
 import re
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sized
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any
@@ -721,42 +722,6 @@ class _ErrorCompiler:
             [_error(f"{x!r} is not a {name!r}")] if type(x) is str and not fmt(x) else []
         )
 
-    def minLength(self, n: int, schema: Any) -> Errors:
-        word = "should be non-empty" if n == 1 else "is too short"
-        return lambda x: [_error(f"{x!r} {word}")] if type(x) is str and len(x) < n else []
-
-    def maxLength(self, n: int, schema: Any) -> Errors:
-        word = "is expected to be empty" if n == 0 else "is too long"
-        return lambda x: [_error(f"{x!r} {word}")] if type(x) is str and len(x) > n else []
-
-    def minimum(self, lo: Any, schema: Any) -> Errors:
-        return lambda x: (
-            [_error(f"{x!r} is less than the minimum of {lo!r}")]
-            if _is_number(x) and x < lo
-            else []
-        )
-
-    def maximum(self, hi: Any, schema: Any) -> Errors:
-        return lambda x: (
-            [_error(f"{x!r} is greater than the maximum of {hi!r}")]
-            if _is_number(x) and x > hi
-            else []
-        )
-
-    def exclusiveMinimum(self, lo: Any, schema: Any) -> Errors:
-        return lambda x: (
-            [_error(f"{x!r} is less than or equal to the minimum of {lo!r}")]
-            if _is_number(x) and x <= lo
-            else []
-        )
-
-    def exclusiveMaximum(self, hi: Any, schema: Any) -> Errors:
-        return lambda x: (
-            [_error(f"{x!r} is greater than or equal to the maximum of {hi!r}")]
-            if _is_number(x) and x >= hi
-            else []
-        )
-
     def multipleOf(self, d: Any, schema: Any) -> Errors:
         return lambda x: (
             [_error(f"{x!r} is not a multiple of {d}")]
@@ -770,14 +735,6 @@ class _ErrorCompiler:
             if type(x) is dict
             else []
         )
-
-    def minProperties(self, n: int, schema: Any) -> Errors:
-        word = "should be non-empty" if n == 1 else "does not have enough properties"
-        return lambda x: [_error(f"{x!r} {word}")] if type(x) is dict and len(x) < n else []
-
-    def maxProperties(self, n: int, schema: Any) -> Errors:
-        word = "is expected to be empty" if n == 0 else "has too many properties"
-        return lambda x: [_error(f"{x!r} {word}")] if type(x) is dict and len(x) > n else []
 
     def properties(self, props: Any, schema: Any) -> Errors:
         subs = [(k, self.compile(v)) for k, v in props.items()]
@@ -845,14 +802,6 @@ class _ErrorCompiler:
 
         return check
 
-    def minItems(self, n: int, schema: Any) -> Errors:
-        word = "should be non-empty" if n == 1 else "is too short"
-        return lambda x: [_error(f"{x!r} {word}")] if type(x) is list and len(x) < n else []
-
-    def maxItems(self, n: int, schema: Any) -> Errors:
-        word = "is expected to be empty" if n == 0 else "is too long"
-        return lambda x: [_error(f"{x!r} {word}")] if type(x) is list and len(x) > n else []
-
     def uniqueItems(self, unique: Any, schema: Any) -> Errors:
         if not unique:
             return _no_errors
@@ -917,14 +866,54 @@ class _ErrorCompiler:
         )
 
 
-_ERROR_KEYWORDS: dict[str, Callable[[_ErrorCompiler, Any, Any], Errors]] = {
+Make = Callable[[_ErrorCompiler, Any, Any], Errors]
+
+
+def _bound(violated: Callable[[Any, Any], bool], words: str) -> Make:
+    """minimum, maximum and their exclusive forms, worded as the reference words them."""
+
+    def make(compiler: _ErrorCompiler, limit: Any, schema: Any) -> Errors:
+        return lambda x: (
+            [_error(f"{x!r} {words} {limit!r}")] if _is_number(x) and violated(x, limit) else []
+        )
+
+    return make
+
+
+def _size(of: type[Sized], at_least: bool, edge: str, words: str) -> Make:
+    """The length and count bounds of strings, arrays and objects; ``edge`` is the
+    reference's wording at a bound of 1 (``min*``) or 0 (``max*``)."""
+
+    def make(compiler: _ErrorCompiler, n: int, schema: Any) -> Errors:
+        word = edge if n == (1 if at_least else 0) else words
+        if at_least:
+            return lambda x: [_error(f"{x!r} {word}")] if isinstance(x, of) and len(x) < n else []
+        return lambda x: [_error(f"{x!r} {word}")] if isinstance(x, of) and len(x) > n else []
+
+    return make
+
+
+_ERROR_KEYWORDS: dict[str, Make] = {
     **{
         k: getattr(_ErrorCompiler, k)
-        for k in _FAST_KEYWORDS - {"$ref", "$defs", "not"}
+        for k in ("type", "enum", "const", "pattern", "format", "multipleOf", "required",
+                  "properties", "additionalProperties", "propertyNames", "items",
+                  "uniqueItems", "allOf", "anyOf", "oneOf")
     },
     "not": _ErrorCompiler.not_,
     "$ref": _ErrorCompiler.ref,
+    "minimum": _bound(operator.lt, "is less than the minimum of"),
+    "maximum": _bound(operator.gt, "is greater than the maximum of"),
+    "exclusiveMinimum": _bound(operator.le, "is less than or equal to the minimum of"),
+    "exclusiveMaximum": _bound(operator.ge, "is greater than or equal to the maximum of"),
+    "minLength": _size(str, True, "should be non-empty", "is too short"),
+    "maxLength": _size(str, False, "is expected to be empty", "is too long"),
+    "minItems": _size(list, True, "should be non-empty", "is too short"),
+    "maxItems": _size(list, False, "is expected to be empty", "is too long"),
+    "minProperties": _size(dict, True, "should be non-empty", "does not have enough properties"),
+    "maxProperties": _size(dict, False, "is expected to be empty", "has too many properties"),
 }  # fmt: skip
+assert _ERROR_KEYWORDS.keys() == _FAST_KEYWORDS - {"$defs"}
 
 
 class ArgumentValidator:
