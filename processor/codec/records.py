@@ -166,7 +166,7 @@ def encode_approval_request(d: Decision, contract_set: str | None) -> bytes:
 
 
 def encode_observation(d: Decision, contract_set: str | None) -> bytes:
-    if d.outcome is Outcome.ROUTED and d.rejection is None and d.call is not None:
+    if d.outcome is Outcome.ROUTED and d.rejection is None and d.final is None and d.call:
         return _encode_routed(d, contract_set)
     return codec("observation").encode(observation_record(d, contract_set))
 
