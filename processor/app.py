@@ -904,7 +904,13 @@ class Processor:
             stats = orjson.loads(stats_json)
             parts = stats.get("topics", {}).get(self.settings.topics.proposals, {})
             for pid, p in parts.get("partitions", {}).items():
-                lag = p.get("consumer_lag", -1)
+                # librdkafka's consumer_lag counts from the consumer's committed offset,
+                # which this consumer never commits (the producer's transactions do): it
+                # is -1 for a new group, and grows for ever after a restart. What is left
+                # to read is the last stable offset less the next offset the app takes;
+                # before the app took any, the committed offset it starts from.
+                end, taken = p.get("ls_offset", -1), p.get("app_offset", -1)
+                lag = end - taken if end >= 0 and taken >= 0 else p.get("consumer_lag", -1)
                 if (
                     int(pid) >= 0
                     and lag >= 0

@@ -337,6 +337,12 @@ def observations(settings: Settings, **kw: Any) -> Iterator[dict[str, Any]]:
         yield obs.decode(m.value())
 
 
+def metric_total(port: int, name: str) -> float:
+    """The sum of every sample of ``name`` on a processor's /metrics (0 when absent)."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", body, re.M))
+
+
 def metric(port: int, name: str, labels: str) -> float:
     """One sample of a processor's /metrics on ``port`` (0 when absent)."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

@@ -32,6 +32,7 @@ from tests.integration.harness import (
     RedisServer,
     isolated,
     metric,
+    metric_total,
     policy_with_budgets,
     produce_at_rate,
     read_all,
@@ -54,6 +55,7 @@ TENANT = "acme-stopped"
 RUNS = 80
 RATE = RUNS / WINDOW_S
 STOPPED_S = 20.0
+LAG = "toolsentry_consumer_lag_records"
 
 
 def test_a_stopped_redis_decides_nothing_until_it_is_back_and_forgets_nothing(
@@ -89,6 +91,9 @@ def test_a_stopped_redis_decides_nothing_until_it_is_back_and_forgets_nothing(
             # Reference data changes while Redis is gone: the loader must wait, not die.
             publish_references(settings, [(key.replace("-A", "-B"), v) for key, v in refs[:20]])
             time.sleep(STOPPED_S - (time.time() - outage["gone"]))
+            # Proposals kept coming: the processor's lag gauge (librdkafka's statistics,
+            # every 5 s) shows what waits.
+            outage["lag"] = metric_total(metrics_port, LAG)
             server.start()
             outage["back"] = time.time()
 
@@ -104,6 +109,9 @@ def test_a_stopped_redis_decides_nothing_until_it_is_back_and_forgets_nothing(
         redis_errors = metric(
             metrics_port, "toolsentry_dependency_errors_total", 'dependency="redis"'
         )
+        settled = time.monotonic() + 20  # a few of librdkafka's 5 s statistics
+        while (lag_after := metric_total(metrics_port, LAG)) and time.monotonic() < settled:
+            time.sleep(0.5)
         store = AdmissionStore(server.client(), settings.redis_namespace)
         counters = {run: store.run_counters(TENANT, f"stopped-run-{run}") for run in range(RUNS)}
         assert proc.alive(), proc.log()[-3000:]
@@ -123,6 +131,9 @@ def test_a_stopped_redis_decides_nothing_until_it_is_back_and_forgets_nothing(
     }
     while_gone = [pid for pid, t in decided.items() if gone_ms <= t < back_ms]
     assert while_gone == [], f"{len(while_gone)} decided while Redis was gone"
+    # The lag showed what waited, and went back to 0 once it was decided.
+    assert outage["lag"] > 0, outage
+    assert lag_after == 0
     written_while_gone = [pid for pid, t in written.items() if gone_ms + 500 < t < back_ms]
     assert written_while_gone == [], f"{len(written_while_gone)} written while Redis was gone"
     # Every run's first two calls were decided before the stop, its third identical one
