@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything toolsentry needs on a fresh Debian machine, idempotently:
-# system packages (JDK, Maven, redis-server), the Python venv with the project,
+# system packages (JDK, Maven, redis-server, Prometheus), the Python venv with the project,
 # and, with --test, the official JSON-Schema-Test-Suite. The Kafka broker jars
 # are fetched from Maven Central by `toolsentry stack up` on first use.
 set -euo pipefail
@@ -13,6 +13,8 @@ need=()
 command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null 2>&1 || need+=(maven)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+# tests/integration/test_dashboards.py runs both binaries itself (the package's service is not used).
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 if ((${#need[@]})); then
   echo "bootstrap: installing ${need[*]}"
