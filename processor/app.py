@@ -258,6 +258,8 @@ class Processor:
         )
         self._stop = stop_requested or threading.Event()
         self._assigned: set[tuple[str, int]] = set()
+        self._committed_at: dict[tuple[str, int], int] = {}
+        """Where each assigned partition's committed work ends (the lag's base)."""
         self.batches_committed = 0
         self.records_committed = 0
         self.metrics.contract_set.labels(self.contracts.fingerprint, str(len(self.contracts))).set(
@@ -517,6 +519,8 @@ class Processor:
             failure = self._stuck(batch.producer, "the batch's commit", SETTLE_BOUND_S)
         if failure is None:
             self._to_forget += batch.admitted
+            for tp in next_offsets(batch.records):
+                self._committed_at[(tp.topic, tp.partition)] = tp.offset
             self.batches_committed += 1
             self.records_committed += len(batch.records)
             self.metrics.transactions.labels("committed").inc()
@@ -881,6 +885,7 @@ class Processor:
                 for tp in consumer.committed(partitions, 10)
                 if tp.offset >= 0
             }
+            self._committed_at.update(committed)
             removed = self.admission.forget_committed(committed)
         except _DEPENDENCY_ERRORS as exc:
             logger.warning("stale replay markers not cleared (next assignment retries): %s", exc)
@@ -896,6 +901,7 @@ class Processor:
         self._settle_inflight(consumer)
         self.metrics.assigned_partitions.set(len(self._assigned))
         for tp in partitions:
+            self._committed_at.pop((tp.topic, tp.partition), None)
             with contextlib.suppress(ValueError):
                 self.metrics.consumer_lag.remove(str(tp.partition))
 
@@ -904,13 +910,16 @@ class Processor:
             stats = orjson.loads(stats_json)
             parts = stats.get("topics", {}).get(self.settings.topics.proposals, {})
             for pid, p in parts.get("partitions", {}).items():
-                # librdkafka's consumer_lag counts from the consumer's committed offset,
-                # which this consumer never commits (the producer's transactions do): it
-                # is -1 for a new group, and grows for ever after a restart. What is left
-                # to read is the last stable offset less the next offset the app takes;
-                # before the app took any, the committed offset it starts from.
-                end, taken = p.get("ls_offset", -1), p.get("app_offset", -1)
-                lag = end - taken if end >= 0 and taken >= 0 else p.get("consumer_lag", -1)
+                # What is not yet committed: from where this processor's transactions
+                # committed (or, before any, where the group's committed offsets had it
+                # start; the log's start in a new group) to the last stable offset.
+                # librdkafka's own consumer_lag counts from the consumer's committed
+                # offset, which this consumer never commits (the producer does): it is -1
+                # in a new group and grows for ever after a restart.
+                topic = self.settings.topics.proposals
+                base = self._committed_at.get((topic, int(pid)), p.get("lo_offset", -1))
+                end = p.get("ls_offset", -1)
+                lag = end - base if end >= 0 and base >= 0 else -1
                 if (
                     int(pid) >= 0
                     and lag >= 0
