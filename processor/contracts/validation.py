@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sized
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote
 
 import jsonschema._keywords as _jsk
@@ -917,18 +917,31 @@ assert _ERROR_KEYWORDS.keys() == _FAST_KEYWORDS - {"$defs"}
 
 
 class ArgumentValidator:
-    """A contract's compiled input schema: fast validity plus full error reporting."""
+    """A contract's compiled input schema: fast validity plus full error reporting.
 
-    __slots__ = ("explain", "fast", "reference", "schema")
+    The error walk is compiled on first use: most contracts of a large registry never
+    see invalid arguments, and compiling every one at load would double the load time."""
+
+    __slots__ = ("_explain", "fast", "reference", "schema")
 
     def __init__(self, schema: Mapping[str, Any]) -> None:
         self.schema = schema
         self.reference = reference_validator(schema)
         try:
             self.fast: Check | None = compile_fast(schema)
-            self.explain: Errors | None = compile_errors(schema)
         except NotCompilable:
-            self.fast = self.explain = None
+            self.fast = None
+        self._explain: Errors | Literal[False] | None = None  # None: not yet; False: cannot be
+
+    @property
+    def explain(self) -> Errors | None:
+        """The compiled error walk, or None where the schema is outside the fast subset."""
+        if self._explain is None:
+            try:
+                self._explain = compile_errors(self.schema) if self.fast is not None else False
+            except NotCompilable:
+                self._explain = False
+        return self._explain if self._explain is not False else None
 
     def is_valid(self, instance: Any) -> bool:
         if self.fast is not None:
@@ -936,6 +949,7 @@ class ArgumentValidator:
         return bool(self.reference.is_valid(instance))
 
     def errors(self, instance: Any) -> list[ValidationError]:
-        if self.explain is not None:
-            return self.explain(instance)
+        explain = self.explain
+        if explain is not None:
+            return explain(instance)
         return list(self.reference.iter_errors(instance))
