@@ -133,6 +133,8 @@ class _Batch:
     """Its admission items: their replay markers are dropped once it committed."""
     group: Any
     """The consumer group metadata its offsets are committed under."""
+    offsets: list[TopicPartition]
+    """One past each partition's last record: what its transaction commits."""
     offsets_sent: bool
     """Whether its offsets are in the transaction already (else the committer sends them)."""
     producer: Producer
@@ -461,8 +463,8 @@ class Processor:
             # sends the offsets with the commit while this one decides the next batch.
             keeping_up = len(records) < self.settings.batch_max_records
             offsets_sent = keeping_up
+            offsets = next_offsets(records)
             if offsets_sent:
-                offsets = next_offsets(records)
                 self._bounded(
                     producer,
                     "send_offsets_to_transaction",
@@ -476,7 +478,9 @@ class Processor:
             if isinstance(failure, Fenced):
                 raise failure from exc
             return
-        batch = _Batch(records, decisions, self._admitted, group, offsets_sent, producer, started)
+        batch = _Batch(
+            records, decisions, self._admitted, group, offsets, offsets_sent, producer, started
+        )
         self._admitted = []
         threading.Thread(
             target=self._transact, args=(producer, batch), name="toolsentry-txn", daemon=True
@@ -494,7 +498,7 @@ class Processor:
         failure: KafkaException | Fenced | None = None
         try:
             if not batch.offsets_sent:
-                producer.send_offsets_to_transaction(next_offsets(batch.records), batch.group, 30)
+                producer.send_offsets_to_transaction(batch.offsets, batch.group, 30)
             faults.point("before_commit")
             self._commit(producer)
             batch.finished = time.perf_counter()
@@ -519,7 +523,7 @@ class Processor:
             failure = self._stuck(batch.producer, "the batch's commit", SETTLE_BOUND_S)
         if failure is None:
             self._to_forget += batch.admitted
-            for tp in next_offsets(batch.records):
+            for tp in batch.offsets:
                 self._committed_at[(tp.topic, tp.partition)] = tp.offset
             self.batches_committed += 1
             self.records_committed += len(batch.records)
@@ -908,7 +912,8 @@ class Processor:
     def _on_stats(self, stats_json: str) -> None:
         try:
             stats = orjson.loads(stats_json)
-            parts = stats.get("topics", {}).get(self.settings.topics.proposals, {})
+            topic = self.settings.topics.proposals
+            parts = stats.get("topics", {}).get(topic, {})
             for pid, p in parts.get("partitions", {}).items():
                 # What is not yet committed: from where this processor's transactions
                 # committed (or, before any, where the group's committed offsets had it
@@ -916,15 +921,10 @@ class Processor:
                 # librdkafka's own consumer_lag counts from the consumer's committed
                 # offset, which this consumer never commits (the producer does): it is -1
                 # in a new group and grows for ever after a restart.
-                topic = self.settings.topics.proposals
                 base = self._committed_at.get((topic, int(pid)), p.get("lo_offset", -1))
                 end = p.get("ls_offset", -1)
                 lag = end - base if end >= 0 and base >= 0 else -1
-                if (
-                    int(pid) >= 0
-                    and lag >= 0
-                    and (self.settings.topics.proposals, int(pid)) in self._assigned
-                ):
+                if int(pid) >= 0 and lag >= 0 and (topic, int(pid)) in self._assigned:
                     self.metrics.consumer_lag.labels(pid).set(lag)
         except Exception:
             logger.debug("unreadable librdkafka stats", exc_info=True)
