@@ -83,8 +83,15 @@ from processor.contracts.watch import ContractWatcher
 from processor.gates.budget import admission_item, apply_verdict, release_item
 from processor.gates.parse import Limits
 from processor.identity import Verifier
-from processor.kafka.offsets import next_offsets, records_of, rewind, where
-from processor.metrics import Metrics
+from processor.kafka.offsets import (
+    first_offsets,
+    next_offsets,
+    records_of,
+    rewind,
+    rewind_to,
+    where,
+)
+from processor.metrics import BatchTally, Metrics, tally
 from processor.model import (
     Decision,
     FieldError,
@@ -135,8 +142,12 @@ class Fenced(Exception):
 class _Batch:
     """A decided batch, handed to the committer thread for its transaction."""
 
-    records: list[Message]
-    decisions: list[Decision]
+    size: int
+    firsts: list[TopicPartition]
+    """Each partition's first record: where its records are read again if it aborts."""
+    tally: BatchTally
+    """What the metrics count of its decisions, once it committed (the records and
+    decisions themselves are not kept: the next batch is decided meanwhile)."""
     admitted: list[tuple[str, Item]]
     """Its admission items: their replay markers are dropped once it committed."""
     group: Any
@@ -496,7 +507,15 @@ class Processor:
                 raise failure from exc
             return
         batch = _Batch(
-            records, decisions, self._admitted, group, offsets, offsets_sent, producer, started
+            len(records),
+            first_offsets(records),
+            tally(decisions),
+            self._admitted,
+            group,
+            offsets,
+            offsets_sent,
+            producer,
+            started,
         )
         self._admitted = []
         threading.Thread(
@@ -543,11 +562,11 @@ class Processor:
             for tp in batch.offsets:
                 self._committed_at[(tp.topic, tp.partition)] = tp.offset
             self.batches_committed += 1
-            self.records_committed += len(batch.records)
+            self.records_committed += batch.size
             self.metrics.transactions.labels("committed").inc()
-            self.metrics.record_batch(batch.decisions, batch.finished - batch.started)
+            self.metrics.record_tally(batch.tally, batch.finished - batch.started)
             return True
-        self._rewind(consumer, [*batch.records, *(after or ())])
+        rewind_to(consumer, [*batch.firsts, *first_offsets(after or [])], self._assigned)
         if isinstance(failure, Fenced):
             raise failure
         return False

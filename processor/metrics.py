@@ -11,6 +11,7 @@ import threading
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram, start_http_server
@@ -128,31 +129,43 @@ class Metrics:
             registry=registry,
         )
 
-    def record_batch(self, decisions: Iterable[Decision], seconds: float) -> None:
-        # Tallied by the decisions' own fields; turned into label values once per kind.
-        tally: Counter[tuple[Any, ...]] = Counter()
-        dead: Counter[str] = Counter()
-        n = 0
-        latencies: list[float] = []
-        for d in decisions:
-            n += 1
-            latencies.append(d.latency_ms / 1000)
-            if d.outcome is Outcome.DEAD_LETTER:
-                dead[d.dlq_reason or "unknown"] += 1
-                continue
-            rejection = d.rejection
-            tally[(d.contract_name, d.gate, rejection and rejection.taxonomy, d.outcome)] += 1
-        self.decision_seconds.observe_many(latencies)
+    def record_tally(self, t: BatchTally, seconds: float) -> None:
+        """A committed batch, from what ``tally`` kept of its decisions."""
+        self.decision_seconds.observe_many(t.latencies)
         kinds: Counter[tuple[str, str, str, str]] = Counter()
-        for (tool, gate, taxonomy, outcome), count in tally.items():
+        for (tool, gate, taxonomy, outcome), count in t.kinds.items():
             taxonomy = taxonomy or TaxonomyClass.SUCCESS
             kinds[(tool or "unresolved", gate.value, taxonomy.value, outcome.value)] += count
         for labels, count in kinds.items():
             self.decisions.labels(*labels).inc(count)
-        for reason, count in dead.items():
+        for reason, count in t.dead.items():
             self.dead_letters.labels(reason).inc(count)
-        self.batch_records.observe(n)
+        self.batch_records.observe(len(t.latencies))
         self.batch_seconds.observe(seconds)
+
+
+@dataclass
+class BatchTally:
+    """What the metrics need of a batch's decisions, kept while its transaction commits
+    instead of the decisions themselves (a large batch's are megabytes)."""
+
+    latencies: list[float]
+    kinds: Counter[tuple[Any, ...]]
+    dead: Counter[str]
+
+
+def tally(decisions: Iterable[Decision]) -> BatchTally:
+    """Counted by the decisions' own fields; turned into label values once per kind."""
+    t = BatchTally([], Counter(), Counter())
+    latencies, kinds, dead = t.latencies, t.kinds, t.dead
+    for d in decisions:
+        latencies.append(d.latency_ms / 1000)
+        if d.outcome is Outcome.DEAD_LETTER:
+            dead[d.dlq_reason or "unknown"] += 1
+            continue
+        rejection = d.rejection
+        kinds[(d.contract_name, d.gate, rejection and rejection.taxonomy, d.outcome)] += 1
+    return t
 
 
 class BatchHistogram(Collector):

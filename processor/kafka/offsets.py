@@ -38,10 +38,28 @@ def rewind(
 ) -> None:
     """Seek back to the batch's first records, on the partitions still assigned (a revoked
     one is read again by its next owner from the committed offsets)."""
-    for tp in first_offsets(records):
+    rewind_to(consumer, first_offsets(records), assigned)
+
+
+def rewind_to(
+    consumer: Consumer, firsts: list[TopicPartition], assigned: Collection[tuple[str, int]]
+) -> None:
+    """Seek back to ``firsts`` (from ``first_offsets`` of one or more batches), on the
+    partitions still assigned."""
+    for tp in earliest_offsets(firsts):
         if (tp.topic, tp.partition) in assigned:
             with contextlib.suppress(KafkaException):
                 consumer.seek(tp)
+
+
+def earliest_offsets(firsts: list[TopicPartition]) -> list[TopicPartition]:
+    """The earliest offset of each partition among ``firsts``, in first-seen order."""
+    earliest: dict[tuple[str, int], TopicPartition] = {}
+    for tp in firsts:
+        seen = earliest.get((tp.topic, tp.partition))
+        if seen is None or tp.offset < seen.offset:
+            earliest[(tp.topic, tp.partition)] = tp
+    return list(earliest.values())
 
 
 def records_of(messages: list[Message], on_error: Callable[[KafkaError], None]) -> list[Message]:

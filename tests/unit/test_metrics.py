@@ -8,7 +8,7 @@ import random
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from processor.contracts.registry import ContractSet
-from processor.metrics import BatchHistogram, Metrics
+from processor.metrics import BatchHistogram, Metrics, tally
 from processor.model import Outcome
 from tests.unit.helpers import decide_arguments, decide_envelope, envelope
 
@@ -55,8 +55,9 @@ def test_a_batch_of_decisions_is_counted_by_tool_gate_class_and_outcome(
     assert dead.outcome is Outcome.DEAD_LETTER
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    metrics.record_batch([routed, bad_pattern, routed, unknown, dead, bad_pattern, routed], 0.01)
-    metrics.record_batch([unknown], 0.02)
+    batch = tally([routed, bad_pattern, routed, unknown, dead, bad_pattern, routed])
+    metrics.record_tally(batch, 0.01)
+    metrics.record_tally(tally([unknown]), 0.02)
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, labels)
