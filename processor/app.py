@@ -16,12 +16,6 @@ one failed, both batches are rewound and decided again. Their Redis effects
 are replay-safe (``processor.state.admission``), so deciding a batch twice
 gives the same answers.
 
-Transactions take turns between ``transactional_producers`` producers. A commit
-returns once the coordinator has prepared it, before its markers are written,
-and until they are, the same producer's next transaction is refused
-(CONCURRENT_TRANSACTIONS), which librdkafka retries only after a fixed 20 ms; the
-next producer in turn has no such wait. They are still used one at a time.
-
 Rebalances can only happen inside ``poll()``/``consume()``, on the loop's
 thread, and the revoke callback first waits for the batch in flight: a
 revoked partition's work is always either committed or aborted before the
@@ -33,16 +27,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import itertools
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
@@ -237,9 +229,7 @@ def consumer_config(settings: Settings, subscription: Sequence[str] = ()) -> dic
     return _enforce(conf, fixed, "consumer")
 
 
-def producer_config(settings: Settings, turn: int = 0) -> dict[str, Any]:
-    """The settings of transactional producer number ``turn`` (see
-    ``Settings.transactional_producers``)."""
+def producer_config(settings: Settings) -> dict[str, Any]:
     conf = settings.client_config(
         **{
             "transaction.timeout.ms": settings.transaction_timeout_ms,
@@ -255,7 +245,7 @@ def producer_config(settings: Settings, turn: int = 0) -> dict[str, Any]:
     )
     conf.update(settings.producer)
     fixed = {
-        "transactional.id": settings.transactional_ids[turn],
+        "transactional.id": settings.transactional_id,
         "enable.idempotence": True,
         "acks": "all",
     }
@@ -401,14 +391,9 @@ class Processor:
     def _run_clients(self) -> None:
         s = self.settings
         with contextlib.ExitStack() as stack:
-            producers = [
-                Producer({**producer_config(s, turn), "error_cb": self._on_kafka_error})
-                for turn in range(s.transactional_producers)
-            ]
-            for producer in producers:
-                stack.callback(_drain, producer)
-                self._retry_kafka("init_transactions", partial(producer.init_transactions, 30))
-            turns = itertools.cycle(producers)
+            producer = Producer({**producer_config(s), "error_cb": self._on_kafka_error})
+            stack.callback(_drain, producer)
+            self._retry_kafka("init_transactions", lambda: producer.init_transactions(30))
             topics = [s.topics.proposals, s.topics.approvals, s.topics.results]
             consumer = Consumer(
                 {
@@ -444,16 +429,15 @@ class Processor:
                     self._settle_inflight(consumer)
                     continue
                 messages = [first, *consumer.consume(s.batch_max_records - 1, 0)]
-                self._process_batch(consumer, turns, messages)
+                self._process_batch(consumer, producer, messages)
 
     def _process_batch(
         self,
         consumer: Consumer,
-        turns: Iterator[Producer],
+        producer: Producer,
         messages: list[Message],
     ) -> None:
-        """Decide a batch while the previous one commits, then hand it to the committer,
-        on the next producer in turn."""
+        """Decide a batch while the previous one commits, then hand it to the committer."""
         started = time.perf_counter()
         try:
             records = records_of(messages, self._on_kafka_error)
@@ -479,7 +463,6 @@ class Processor:
         outputs = self.encode_batch(records, decisions)
         if not self._settle_inflight(consumer, records):
             return  # the previous batch aborted: both were rewound, and are decided again
-        producer = next(turns)
         try:
             group = consumer.consumer_group_metadata()
             producer.begin_transaction()

@@ -158,11 +158,6 @@ class Settings(BaseSettings):
     so a restarted instance gets its partitions back without a rebalance."""
     transaction_timeout_ms: int = 15000
     """Upper bound on how long a crashed instance's open transaction blocks readers."""
-    transactional_producers: int = Field(default=2, ge=1, le=8)
-    """Transactional producers the loop takes in turn, one transaction at a time. A
-    commit returns before the coordinator has written its markers, and the same
-    producer's next transaction is refused until it has (CONCURRENT_TRANSACTIONS, retried
-    by librdkafka only after 20 ms); the next producer in turn starts at once."""
     processing_guarantee: Literal["exactly-once"] = "exactly-once"
     batch_max_records: int = 2000
     """Records per transaction at most. The loop takes whatever is already fetched
@@ -243,12 +238,6 @@ class Settings(BaseSettings):
     @property
     def transactional_id(self) -> str:
         return f"{self.group_id}-{self.instance_id}"
-
-    @property
-    def transactional_ids(self) -> list[str]:
-        """One per transactional producer: ``transactional_id``, then ``.1``, ``.2``, ..."""
-        base = self.transactional_id
-        return [base, *(f"{base}.{k}" for k in range(1, self.transactional_producers))]
 
 
 def _abs(path: Path | None) -> str:

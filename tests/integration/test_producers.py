@@ -1,9 +1,9 @@
-"""The processor's transactional producers, taking turns: every one of them is fenced
-on restart, and every one of them is used."""
+"""The processor's transactional producer and another holding the same transactional id:
+a restarted instance fences its predecessor's, and one fenced while it runs rebuilds its
+clients and carries on."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 
@@ -17,22 +17,11 @@ from tests.integration.harness import ProcessorProcess, isolated, read_all, toke
 
 pytestmark = pytest.mark.integration
 
-LOOKUP = {"order_id": "WO-12345-A"}
 FENCED = (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH)
 
 
-def _instance(settings: Settings, instance_id: str) -> Settings:
+def _as_instance(settings: Settings, instance_id: str) -> Settings:
     return settings.model_copy(update={"instance_id": instance_id})
-
-
-def _zombie(settings: Settings, turn: int) -> Producer:
-    """A producer holding transactional id number ``turn``, with a transaction open."""
-    producer = Producer(producer_config(settings, turn))
-    producer.init_transactions(30)
-    producer.begin_transaction()
-    producer.produce(settings.topics.observations, key=b"zombie", value=b"never committed")
-    producer.flush(10)
-    return producer
 
 
 def _fenced(producer: Producer) -> bool:
@@ -43,22 +32,28 @@ def _fenced(producer: Producer) -> bool:
     return False
 
 
-def test_a_restarted_instance_fences_every_transactional_id_it_uses(
+def _search(client: ToolsentryClient, query: str, run_id: str) -> None:
+    obs = client.call("search_kb", {"query": query}, run_id=run_id, timeout=60)
+    assert obs["decision"] == "ROUTED", (obs["status"], obs["next_action"])
+
+
+def test_a_restarted_instance_fences_its_predecessors_open_transaction(
     stack_settings: Settings, tmp_path: Path
 ) -> None:
     settings = isolated(stack_settings, f"fence-{uuid.uuid4().hex[:6]}")
-    me = _instance(settings, "fence-1")
-    assert me.transactional_producers == 2
-    zombies = [_zombie(me, turn) for turn in range(me.transactional_producers)]
+    zombie = Producer(producer_config(_as_instance(settings, "fence-1")))
+    zombie.init_transactions(30)
+    zombie.begin_transaction()
+    zombie.produce(settings.topics.observations, key=b"zombie", value=b"never committed")
+    zombie.flush(10)
 
     proc = ProcessorProcess(settings, "fence-1", tmp_path).start().wait_ready()
     client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
     try:
-        assert [_fenced(z) for z in zombies] == [True, True]
-        # Neither open transaction is left to hold the observations back until it
-        # times out: the processor's own are read at once.
-        obs = client.call("search_kb", {"query": "refund policy"}, run_id="r-fence", timeout=30)
-        assert obs["decision"] == "ROUTED"
+        assert _fenced(zombie)
+        # The open transaction was aborted, not left to hold the observations back until
+        # it timed out: the processor's own are read at once.
+        _search(client, "refund policy", "r-fence")
         values = [m.value() for m in read_all(settings, settings.topics.observations, idle=1.0)]
         assert b"never committed" not in values
     finally:
@@ -66,38 +61,27 @@ def test_a_restarted_instance_fences_every_transactional_id_it_uses(
         assert proc.terminate() == 0, proc.log()[-3000:]
 
 
-def test_transactions_take_turns_between_the_producers(
+def test_a_processor_fenced_while_running_rebuilds_its_clients_and_doubles_nothing(
     stack_settings: Settings, tmp_path: Path
 ) -> None:
-    """Fencing the second producer from outside is noticed only if it is used: the
-    processor then rebuilds its clients from the committed offsets and carries on."""
-    settings = isolated(stack_settings, f"turns-{uuid.uuid4().hex[:6]}")
-    me = _instance(settings, "turns-1")
-    proc = ProcessorProcess(settings, "turns-1", tmp_path).start().wait_ready()
+    settings = isolated(stack_settings, f"usurped-{uuid.uuid4().hex[:6]}")
+    proc = ProcessorProcess(settings, "usurped-1", tmp_path).start().wait_ready()
     client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
     try:
-        # One at a time, each its own batch and transaction.
-        for i in range(4):
-            obs = client.call("search_kb", {"query": f"query {i}"}, run_id=f"r-{i}", timeout=30)
-            assert obs["decision"] == "ROUTED", (obs["status"], obs["next_action"])
-        assert "rebuilding clients" not in proc.log()
-
-        usurper = Producer(producer_config(me, 1))
-        usurper.init_transactions(30)  # bumps the epoch: the processor's second is fenced
-
+        _search(client, "before the usurper", "r-before")
+        # Another producer takes the transactional id: the processor's epoch is stale,
+        # and its next transaction fails as fenced.
+        usurper = Producer(producer_config(_as_instance(settings, "usurped-1")))
+        usurper.init_transactions(30)
         ids = []
-        for i in range(4):  # one at a time again: the second producer's turn comes
+        for i in range(3):
             ids.append(client.propose("search_kb", {"query": f"after {i}"}, run_id=f"a-{i}"))
             assert client.wait(ids[-1], timeout=60)["decision"] == "ROUTED"
-        deadline = time.monotonic() + 30
-        while "rebuilding clients" not in proc.log() and time.monotonic() < deadline:
-            time.sleep(0.1)
         assert "rebuilding clients" in proc.log(), proc.log()[-3000:]
-        # Nothing doubled by the rebuild: one observation per proposal.
+        assert proc.alive()
         seen = [m.value() for m in read_all(settings, settings.topics.observations, idle=1.5)]
         for pid in ids:
             assert sum(pid.encode() in v for v in seen) == 1, pid
-        assert proc.alive()
     finally:
         client.close()
         assert proc.terminate() == 0, proc.log()[-3000:]

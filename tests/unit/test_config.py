@@ -214,20 +214,6 @@ def test_producer_config() -> None:
     assert "isolation.level" not in conf
 
 
-def test_each_transactional_producer_has_an_id_of_its_own() -> None:
-    s = Settings(group_id="grp", instance_id="inst-1", transactional_producers=3)
-    assert s.transactional_ids == ["grp-inst-1", "grp-inst-1.1", "grp-inst-1.2"]
-    assert [producer_config(s, turn)["transactional.id"] for turn in range(3)] == [
-        "grp-inst-1",
-        "grp-inst-1.1",
-        "grp-inst-1.2",
-    ]
-    assert Settings(group_id="grp", instance_id="i").transactional_ids == ["grp-i", "grp-i.1"]
-    assert Settings(transactional_producers=1).transactional_ids == [Settings().transactional_id]
-    with pytest.raises(ValueError, match="transactional_producers"):
-        Settings(transactional_producers=0)
-
-
 def test_client_configs_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOOLSENTRY_KAFKA", '{"security.protocol":"SASL_SSL"}')
     monkeypatch.setenv("TOOLSENTRY_GROUP_ID", "g2")
