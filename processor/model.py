@@ -54,7 +54,14 @@ _T = TaxonomyClass
 RESPONSE_VECTORS: dict[TaxonomyClass, ResponseVector] = {
     _T.SUCCESS: ResponseVector(200, False, False, False, False, False, "accepted"),
     _T.PARTIAL_SUCCESS: ResponseVector(
-        207, False, False, False, False, False, "some steps committed, others did not"
+        207,
+        False,
+        True,
+        False,
+        False,
+        False,
+        "some steps committed, others did not; the same call with the same idempotency "
+        "key finishes the rest",
     ),
     _T.SYNTACTIC_PARSE_FAIL: ResponseVector(
         400, True, False, False, False, False, "the proposal or its arguments are not valid JSON"

@@ -42,6 +42,9 @@ from processor.model import (
 from processor.state.admission import Item
 
 COMPENSATION_PREFIX = "compensate:"
+RESUMABLE = frozenset({"idempotent_write", "retryable_post_pivot"})
+"""Contract semantics whose steps a retry under the same idempotency key finishes without
+repeating: a failure after some of them is a PARTIAL_SUCCESS, not a compensation."""
 _T = TaxonomyClass
 _FAILURE_VALUES = frozenset(c.value for c in _T) - {_T.SUCCESS.value, _T.PARTIAL_SUCCESS.value}
 """Classes an executor may give its own failure."""
@@ -101,7 +104,9 @@ def parse_result(src: SourceRecord, contracts: ContractSet) -> ResultInput | str
         rejection=rejection,
         decided_at_ms=int(r["finished_at"]),
         post_action_verification=bool(
-            contract and contract.post_action_verification_required and final.completed
+            contract
+            and contract.post_action_verification_required
+            and (final.completed or r.get("committed_steps"))
         ),
         final=final,
     )
@@ -146,6 +151,18 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
                         ("handoff_to_human",))  # fmt: skip
         return "FAILED_FINAL", rej, final
     steps = list(r.get("committed_steps") or [])
+    if steps and contract and contract.raw["transactional"]["semantics"] in RESUMABLE:
+        # Steps of a tool that a retry finishes without repeating them: they stand, and
+        # the call is resumed rather than compensated.
+        done = ", ".join(steps)
+        action = (
+            f"{tool} committed {done}, then failed: those steps stand and must not be "
+            "repeated. Retry the same call with the same idempotency key to finish the "
+            "rest, then check the outcome with the lookup tool."
+        )
+        err = FieldError(None, f"committed before the failure: {done}", "partially_committed")
+        rej = Rejection(_T.PARTIAL_SUCCESS, Gate.RESULT, (detail, err), action)
+        return "FAILED_RETRYABLE", rej, final
     if steps:
         comp = contract.compensation_tool if contract else None
         done = ", ".join(steps)

@@ -27,7 +27,8 @@ RAISED_BY: dict[TaxonomyClass, str] = {
     _T.IDEMPOTENCY_CONFLICT: "idempotency",
     _T.TIMEOUT: "result (not started before its deadline)",
     _T.DEPENDENCY_UNAVAILABLE: "result (retryable failure)",
-    _T.COMPENSATION_REQUIRED: "result (failed after committing steps)",
+    _T.PARTIAL_SUCCESS: "result (failed after committing steps of a resumable tool)",
+    _T.COMPENSATION_REQUIRED: "result (failed after committing steps of any other tool)",
     _T.COMPENSATION_FAILED: "result (the compensating call failed)",
     _T.OBSERVATION_NORMALIZATION_FAIL: "result (data not matching the contract's output_schema)",
     _T.UNKNOWN_ERROR: "internal (a bug; fails closed); result (a failure its executor did not "
@@ -44,6 +45,7 @@ RAISED_BY_RESULTS: frozenset[TaxonomyClass] = frozenset(
     {
         _T.TIMEOUT,
         _T.DEPENDENCY_UNAVAILABLE,
+        _T.PARTIAL_SUCCESS,
         _T.COMPENSATION_REQUIRED,
         _T.COMPENSATION_FAILED,
         _T.OBSERVATION_NORMALIZATION_FAIL,
@@ -54,7 +56,7 @@ RAISED_BY_RESULTS: frozenset[TaxonomyClass] = frozenset(
 
 NEXT_ACTIONS: dict[TaxonomyClass, str] = {
     _T.SUCCESS: "Wait for the call's result before proposing a dependent step.",
-    _T.PARTIAL_SUCCESS: "Reconcile: some steps committed; do not repeat them.",
+    _T.PARTIAL_SUCCESS: "Retry the same call with its idempotency key; it finishes the rest.",
     _T.SYNTACTIC_PARSE_FAIL: "Emit the arguments again as one complete JSON object.",
     _T.STRUCTURAL_VIOLATION: "Fix the listed fields (or pick an allowed tool) and call again.",
     _T.TYPE_MISMATCH: 'Send the expected JSON type, e.g. emit 10 not "10".',

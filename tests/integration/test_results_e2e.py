@@ -116,6 +116,15 @@ def _handlers(calls: list[Call], flaky_seen: set[str]) -> dict[str, Handler]:
         return Failed("receipt_failed", "charged, but the receipt could not be stored",
                       committed_steps=("card_charged",), compensation_arguments=undo)  # fmt: skip
 
+    def ticket(call: Call) -> Succeeded | Failed:
+        # The ticket is created, then the customer's notification fails; a retry under the
+        # same key finds the ticket and only sends the notification.
+        if call.idempotency_key not in flaky_seen:
+            flaky_seen.add(call.idempotency_key)
+            return Failed("notify_failed", "ticket created, but the customer was not told",
+                          committed_steps=("ticket_created",))  # fmt: skip
+        return Succeeded({"ticket_id": "TCK-1"})
+
     def refund(call: Call) -> Succeeded | Failed:
         if call.arguments["amount"] == 99.99:
             return Failed("refund_declined", "the processor declined the refund")
@@ -127,6 +136,7 @@ def _handlers(calls: list[Call], flaky_seen: set[str]) -> dict[str, Handler]:
         "summarise": record(summarise),
         "charge_customer_card_v2": record(charge),
         "refund_order": record(refund),
+        "create_ticket": record(ticket),
     }
 
 
@@ -208,6 +218,37 @@ def test_a_temporary_failure_is_retryable_under_the_same_key(bench: Bench) -> No
     assert done["execution_metadata"]["attempt_number"] == 2
     record = bench.store.record(TENANT, key)
     assert record["state"] == "COMPLETED" and record["attempt"] == "2"
+
+
+def test_a_resumable_tool_failing_after_a_step_is_a_partial_success_finished_by_a_retry(
+    bench: Bench,
+) -> None:
+    args = {"customer_id": "CUS-004211", "category": "delivery", "priority": "normal",
+            "summary": "Parcel arrived crushed; customer wants a replacement."}  # fmt: skip
+    publish_references(bench.settings, existing(TENANT, "create_ticket", args))
+    wait_until_loaded(bench.settings)
+    key = f"k-{uuid.uuid4().hex}"
+    run = f"run-{uuid.uuid4().hex[:10]}"
+    first = bench.propose("create_ticket", args, idempotency_key=key, run_id=run)
+    bench.routed(first)
+    partial = bench.result(first)
+    assert partial["decision"] == "FAILED"
+    assert partial["status"]["taxonomy_class"] == "PARTIAL_SUCCESS"
+    assert partial["status"]["code"] == 207 and partial["status"]["retryable"] is True
+    codes = [e["code"] for e in partial["result_payload"]["errors"]]
+    assert codes == ["notify_failed", "partially_committed"]
+    assert "ticket_created" in partial["next_action"]
+    assert "same idempotency key" in partial["next_action"]
+    assert bench.store.record(TENANT, key)["state"] == "FAILED_RETRYABLE"
+    # Nothing was proposed to undo it: the step stands.
+    assert bench.client.history(compensation_proposal_id(key)) == []
+
+    second = bench.propose("create_ticket", args, idempotency_key=key, run_id=run)
+    bench.routed(second)
+    done = bench.result(second)
+    assert done["decision"] == "COMPLETED"
+    assert done["execution_metadata"]["attempt_number"] == 2
+    assert bench.store.record(TENANT, key)["state"] == "COMPLETED"
 
 
 def test_a_call_past_its_deadline_times_out_and_may_run_again(bench: Bench) -> None:
