@@ -80,6 +80,12 @@ class Bench:
                     return o
         raise AssertionError(f"no result for {pid}")
 
+    def run_to_the_end(self, tool: str, args: dict[str, Any], key: str, run: str) -> dict[str, Any]:
+        """Propose under ``key``, see it routed, run it: its final observation."""
+        pid = self.propose(tool, args, idempotency_key=key, run_id=run)
+        self.routed(pid)
+        return self.result(pid)
+
     def exec_calls(self, cls: str) -> list[dict[str, Any]]:
         topic = self.settings.topics.execution(cls)
         return [decode_approved_call(m.value()) for m in read_all(self.settings, topic, idle=1)]
@@ -202,18 +208,14 @@ def test_a_temporary_failure_is_retryable_under_the_same_key(bench: Bench) -> No
     key = f"k-{uuid.uuid4().hex}"
     args = {"query": "return window", "limit": 3}
     run = f"run-{uuid.uuid4().hex[:10]}"
-    first = bench.propose("search_kb", args, idempotency_key=key, run_id=run)
-    bench.routed(first)
-    failed = bench.result(first)
+    failed = bench.run_to_the_end("search_kb", args, key, run)
     assert failed["decision"] == "FAILED"
     assert failed["status"]["taxonomy_class"] == "DEPENDENCY_UNAVAILABLE"
     assert failed["status"]["retryable"] is True
     assert "same idempotency key" in failed["next_action"]
     assert bench.store.record(TENANT, key)["state"] == "FAILED_RETRYABLE"
 
-    second = bench.propose("search_kb", args, idempotency_key=key, run_id=run)
-    bench.routed(second)
-    done = bench.result(second)
+    done = bench.run_to_the_end("search_kb", args, key, run)
     assert done["decision"] == "COMPLETED"
     assert done["execution_metadata"]["attempt_number"] == 2
     record = bench.store.record(TENANT, key)
@@ -229,9 +231,7 @@ def test_a_resumable_tool_failing_after_a_step_is_a_partial_success_finished_by_
     wait_until_loaded(bench.settings)
     key = f"k-{uuid.uuid4().hex}"
     run = f"run-{uuid.uuid4().hex[:10]}"
-    first = bench.propose("create_ticket", args, idempotency_key=key, run_id=run)
-    bench.routed(first)
-    partial = bench.result(first)
+    partial = bench.run_to_the_end("create_ticket", args, key, run)
     assert partial["decision"] == "FAILED"
     assert partial["status"]["taxonomy_class"] == "PARTIAL_SUCCESS"
     assert partial["status"]["code"] == 207 and partial["status"]["retryable"] is True
@@ -243,9 +243,7 @@ def test_a_resumable_tool_failing_after_a_step_is_a_partial_success_finished_by_
     # Nothing was proposed to undo it: the step stands.
     assert bench.client.history(compensation_proposal_id(key)) == []
 
-    second = bench.propose("create_ticket", args, idempotency_key=key, run_id=run)
-    bench.routed(second)
-    done = bench.result(second)
+    done = bench.run_to_the_end("create_ticket", args, key, run)
     assert done["decision"] == "COMPLETED"
     assert done["execution_metadata"]["attempt_number"] == 2
     assert bench.store.record(TENANT, key)["state"] == "COMPLETED"
