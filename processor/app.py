@@ -77,10 +77,10 @@ from processor.gates.parse import Limits
 from processor.identity import Verifier
 from processor.kafka.offsets import (
     first_offsets,
-    next_offsets,
     records_of,
     rewind,
     rewind_to,
+    span,
     where,
 )
 from processor.metrics import BatchTally, Metrics, tally
@@ -474,7 +474,7 @@ class Processor:
             # sends the offsets with the commit while this one decides the next batch.
             keeping_up = len(records) < self.settings.batch_max_records
             offsets_sent = keeping_up
-            offsets = next_offsets(records)
+            firsts, offsets = span(records)
             if offsets_sent:
                 self._bounded(
                     producer,
@@ -491,7 +491,7 @@ class Processor:
             return
         batch = _Batch(
             len(records),
-            first_offsets(records),
+            firsts,
             tally(decisions),
             self._admitted,
             group,

@@ -151,21 +151,20 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
                         ("handoff_to_human",))  # fmt: skip
         return "FAILED_FINAL", rej, final
     steps = list(r.get("committed_steps") or [])
-    if steps and contract and contract.raw["transactional"]["semantics"] in RESUMABLE:
-        # Steps of a tool that a retry finishes without repeating them: they stand, and
-        # the call is resumed rather than compensated.
-        done = ", ".join(steps)
-        action = (
-            f"{tool} committed {done}, then failed: those steps stand and must not be "
-            "repeated. Retry the same call with the same idempotency key to finish the "
-            "rest, then check the outcome with the lookup tool."
-        )
-        err = FieldError(None, f"committed before the failure: {done}", "partially_committed")
-        rej = Rejection(_T.PARTIAL_SUCCESS, Gate.RESULT, (detail, err), action)
-        return "FAILED_RETRYABLE", rej, final
     if steps:
-        comp = contract.compensation_tool if contract else None
         done = ", ".join(steps)
+        err = FieldError(None, f"committed before the failure: {done}", "partially_committed")
+        if contract and contract.raw["transactional"]["semantics"] in RESUMABLE:
+            # Steps of a tool that a retry finishes without repeating them: they stand,
+            # and the call is resumed rather than compensated.
+            action = (
+                f"{tool} committed {done}, then failed: those steps stand and must not be "
+                "repeated. Retry the same call with the same idempotency key to finish the "
+                "rest, then check the outcome with the lookup tool."
+            )
+            rej = Rejection(_T.PARTIAL_SUCCESS, Gate.RESULT, (detail, err), action)
+            return "FAILED_RETRYABLE", rej, final
+        comp = contract.compensation_tool if contract else None
         if comp and r.get("compensation_arguments"):
             pid = compensation_proposal_id(r["idempotency_key"])
             action = (
@@ -177,7 +176,6 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
                 f"{tool} failed after committing {done}, and no compensation can be run "
                 "automatically. Do not retry; call handoff_to_human so an operator reverses it."
             )
-        err = FieldError(None, f"committed before the failure: {done}", "partially_committed")
         rej = Rejection(_T.COMPENSATION_REQUIRED, Gate.RESULT, (detail, err), action)
         return "FAILED_FINAL", rej, final
     claimed = r.get("taxonomy_class")

@@ -33,6 +33,20 @@ def first_offsets(records: list[Message]) -> list[TopicPartition]:
     return [TopicPartition(t, p, o) for (t, p), o in first.items()]
 
 
+def span(records: list[Message]) -> tuple[list[TopicPartition], list[TopicPartition]]:
+    """``first_offsets`` and ``next_offsets`` of ``records``, in one walk over them."""
+    first: dict[tuple[str, int], int] = {}
+    last: dict[tuple[str, int], int] = {}
+    for m in records:
+        topic, partition, offset = where(m)
+        first.setdefault((topic, partition), offset)
+        last[(topic, partition)] = offset
+    return (
+        [TopicPartition(t, p, o) for (t, p), o in first.items()],
+        [TopicPartition(t, p, o + 1) for (t, p), o in last.items()],
+    )
+
+
 def rewind(
     consumer: Consumer, records: list[Message], assigned: Collection[tuple[str, int]]
 ) -> None:

@@ -337,14 +337,19 @@ def observations(settings: Settings, **kw: Any) -> Iterator[dict[str, Any]]:
         yield obs.decode(m.value())
 
 
+def _scrape(port: int) -> str:
+    """A processor's /metrics on ``port``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
 def metric_total(port: int, name: str) -> float:
     """The sum of every sample of ``name`` on a processor's /metrics (0 when absent)."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    body = _scrape(port)
     return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", body, re.M))
 
 
 def metric(port: int, name: str, labels: str) -> float:
     """One sample of a processor's /metrics on ``port`` (0 when absent)."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    found = re.search(rf"^{name}\{{{labels}\}} (\S+)$", body, re.MULTILINE)
+    found = re.search(rf"^{name}\{{{labels}\}} (\S+)$", _scrape(port), re.MULTILINE)
     return float(found.group(1)) if found else 0.0
