@@ -97,9 +97,9 @@ from processor.pipeline import Gates, decide_batch
 from processor.policy import load_policy
 from processor.results import (
     ResultInput,
-    compensation_key,
     compensation_proposal,
     parse_result,
+    refused_compensation,
     settle_item,
     wants_compensation,
 )
@@ -590,6 +590,9 @@ class Processor:
                     slots.append(next(decided))
             decisions = self._settle(self._admit(slots, now_ms), now_ms)
             self._admit_releases(decisions, now_ms)
+            for d in decisions:
+                if d.outcome is Outcome.REJECTED:
+                    refused_compensation(d)
             faults.point("after_redis")
             return decisions
         except REDIS_ERRORS as exc:
@@ -614,10 +617,9 @@ class Processor:
                 item = admission_item(x, contract, budgets, now_ms) if budgets else None
                 extra: Any = (contract, budgets)
             elif isinstance(x, ResultInput):
-                tool = wants_compensation(x, self.contracts)
-                comp = compensation_key(x.result["idempotency_key"]) if tool else None
+                comp = wants_compensation(x, self.contracts)
                 item = settle_item(x, position(x.src), comp)
-                extra = tool
+                extra = comp
             else:
                 continue
             if item is not None:

@@ -9,10 +9,14 @@ failure means the world is half changed: ``COMPENSATION_REQUIRED``, and where th
 contract names a compensation tool the compensating call is proposed on
 ``tool.proposals``, under the original caller's token and a key derived from the
 original's, so it passes through every gate like any other call. When that call
-completes, the original's record becomes COMPENSATED; when it fails,
-``COMPENSATION_FAILED`` and an operator must reconcile. A result whose data does not
-match the contract's ``output_schema`` is not shown to the model at all:
-``OBSERVATION_NORMALIZATION_FAIL``, and the call is not run again.
+completes, the original's record becomes COMPENSATED; when it fails, or a gate refuses
+it (the caller's token expired meanwhile, the order system says it cannot be undone,
+an approver says no), ``COMPENSATION_FAILED`` and an operator must reconcile. Only the
+compensation the processor proposed is admitted under its key: the original's record
+names that key and its payload hash, so a proposal that borrows the key is refused.
+
+A result whose data does not match the contract's ``output_schema`` is not shown to the
+model at all: ``OBSERVATION_NORMALIZATION_FAIL``, and the call is not run again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import orjson
 from processor.codec.records import decode_result
 from processor.contracts.registry import Contract, ContractSet
 from processor.contracts.validation import ArgumentValidator
+from processor.gates.budget import HANDOFF_TOOL, UNREQUESTED_COMPENSATION
 from processor.model import (
     Decision,
     FieldError,
@@ -39,6 +44,7 @@ from processor.model import (
     SourceRecord,
     TaxonomyClass,
 )
+from processor.pipeline import canonical_json
 from processor.state.admission import Item
 
 COMPENSATION_PREFIX = "compensate:"
@@ -66,6 +72,24 @@ class ResultInput:
 
 def compensation_key(idempotency_key: str) -> str:
     return COMPENSATION_PREFIX + idempotency_key
+
+
+def compensation_arguments(r: dict[str, Any]) -> dict[str, Any] | None:
+    """A result's compensation arguments when they are a JSON object (anything else an
+    executor sends cannot be proposed: the call is then handed to an operator)."""
+    raw = r.get("compensation_arguments")
+    if not raw:
+        return None
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def payload_hash(arguments: Any) -> str:
+    """The payload hash of a call with these arguments, as the route gate computes it."""
+    return "sha256:" + hashlib.sha256(canonical_json(arguments)).hexdigest()
 
 
 def compensation_proposal_id(idempotency_key: str) -> str:
@@ -165,18 +189,23 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             rej = Rejection(_T.PARTIAL_SUCCESS, Gate.RESULT, (detail, err), action)
             return "FAILED_RETRYABLE", rej, final
         comp = contract.compensation_tool if contract else None
-        if comp and r.get("compensation_arguments"):
+        errors: tuple[FieldError, ...] = (detail, err)
+        if comp and compensation_arguments(r) is not None:
             pid = compensation_proposal_id(r["idempotency_key"])
             action = (
                 f"{tool} failed after committing {done}. The compensating call {comp} has "
                 f"been proposed for you as {pid}; do not retry this call. Wait for its result."
             )
         else:
+            if comp and r.get("compensation_arguments"):
+                errors += (FieldError("compensation_arguments", "the executor's compensation "
+                                      "arguments are not a JSON object",
+                                      "compensation_arguments_invalid"),)  # fmt: skip
             action = (
                 f"{tool} failed after committing {done}, and no compensation can be run "
                 "automatically. Do not retry; call handoff_to_human so an operator reverses it."
             )
-        rej = Rejection(_T.COMPENSATION_REQUIRED, Gate.RESULT, (detail, err), action)
+        rej = Rejection(_T.COMPENSATION_REQUIRED, Gate.RESULT, errors, action)
         return "FAILED_FINAL", rej, final
     claimed = r.get("taxonomy_class")
     if r.get("retryable"):
@@ -247,7 +276,21 @@ def cached_blob(d: Decision) -> str:
     ).decode()
 
 
-def settle_item(item: ResultInput, position: str, comp_key: str | None) -> tuple[str, Item]:
+@dataclass(frozen=True, slots=True)
+class Compensation:
+    """The compensating call a result asks for, proposed once the result has settled its
+    record. The record keeps ``key`` and ``payload_hash``: only this call is admitted
+    under that key."""
+
+    tool: str
+    arguments: dict[str, Any]
+    key: str
+    payload_hash: str
+
+
+def settle_item(
+    item: ResultInput, position: str, compensation: Compensation | None
+) -> tuple[str, Item]:
     r = item.result
     key = r["idempotency_key"]
     compensates = key[len(COMPENSATION_PREFIX) :] if key.startswith(COMPENSATION_PREFIX) else None
@@ -260,37 +303,70 @@ def settle_item(item: ResultInput, position: str, comp_key: str | None) -> tuple
         "state": item.state,
         "cached": cached_blob(item.decision),
         "ttl": 7 * 86_400_000,
-        "compensation_key": comp_key,
+        "compensation_key": compensation.key if compensation else None,
+        "compensation_hash": compensation.payload_hash if compensation else None,
         "compensates": compensates,
     }
 
 
-def wants_compensation(item: ResultInput, contracts: ContractSet) -> str | None:
-    """The compensation tool to propose for this result, if any."""
+def wants_compensation(item: ResultInput, contracts: ContractSet) -> Compensation | None:
+    """The compensating call to propose for this result, if any."""
     d = item.decision
     if d.rejection is None or d.rejection.taxonomy is not _T.COMPENSATION_REQUIRED:
         return None
     r = item.result
     contract = contracts.get(r["tool_name"], r["tool_version"])
-    if contract is None or not contract.compensation_tool or not r.get("compensation_arguments"):
+    arguments = compensation_arguments(r)
+    if contract is None or not contract.compensation_tool or arguments is None:
         return None
-    return contract.compensation_tool
+    key = compensation_key(r["idempotency_key"])
+    return Compensation(contract.compensation_tool, arguments, key, payload_hash(arguments))
 
 
-def compensation_proposal(item: ResultInput, tool: str, token: str | None) -> bytes:
+def compensation_proposal(item: ResultInput, comp: Compensation, token: str | None) -> bytes:
     """The compensating call, as a proposal envelope on ``tool.proposals``."""
     r = item.result
-    key = compensation_key(r["idempotency_key"])
     env: dict[str, Any] = {
         "proposal_id": compensation_proposal_id(r["idempotency_key"]),
         "created_at": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "tenant_id": r["tenant_id"],
         "run_id": r["run_id"],
-        "tool": {"name": tool},
-        "arguments": orjson.loads(r["compensation_arguments"]),
-        "idempotency_key": key,
-        "logical_operation_id": key,
+        "tool": {"name": comp.tool},
+        "arguments": comp.arguments,
+        "idempotency_key": comp.key,
+        "logical_operation_id": comp.key,
     }
     if token:
         env["principal_token"] = token
     return orjson.dumps(env)
+
+
+def refused_compensation(d: Decision) -> Decision:
+    """A compensating call the processor proposed that a gate refused is a failed
+    compensation: nobody will propose it again, and the earlier step stays committed.
+    Its answer says so and escalates, keeping the gate's own errors; a proposal that only
+    borrowed the key (refused for it) keeps its answer."""
+    p, rej = d.proposal, d.rejection
+    if d.outcome is not Outcome.REJECTED or rej is None or p is None:
+        return d
+    key = p.idempotency_key or ""
+    if (
+        not key.startswith(COMPENSATION_PREFIX)
+        or p.proposal_id != compensation_proposal_id(key[len(COMPENSATION_PREFIX) :])
+        or any(e.code == UNREQUESTED_COMPENSATION for e in rej.errors)
+    ):
+        return d
+    refusal = FieldError(
+        None,
+        f"the compensating call was refused: {rej.taxonomy.value} at the {rej.gate.value} gate",
+        "compensation_refused",
+    )
+    action = (
+        f"The compensating call {d.contract_name or p.tool_name} was refused "
+        f"({rej.taxonomy.value}), so an earlier step stays committed. Do not retry; tell "
+        "the user an operator will reconcile it and call handoff_to_human."
+    )
+    d.rejection = Rejection(
+        _T.COMPENSATION_FAILED, rej.gate, (*rej.errors, refusal), action, (HANDOFF_TOOL,)
+    )
+    return d

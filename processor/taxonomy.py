@@ -17,7 +17,8 @@ RAISED_BY: dict[TaxonomyClass, str] = {
     _T.TYPE_MISMATCH: "schema",
     _T.OUT_OF_BOUNDS: "schema",
     _T.SEMANTIC_INVALIDITY: "semantic (unknown id, CEL rule)",
-    _T.PERMISSION_DENIED: "identity (token, tenant, scope, another tenant's id)",
+    _T.PERMISSION_DENIED: "identity (token, tenant, scope, another tenant's id); idempotency "
+    "(a borrowed compensation key)",
     _T.POLICY_VIOLATION: "policy (credentials, tenant classes, clearance, egress)",
     _T.STALE_STATE: "state (entity not in an allowed state)",
     _T.CONFIRMATION_MISSING: "confirmation; approval (rejected, expired)",
@@ -29,7 +30,8 @@ RAISED_BY: dict[TaxonomyClass, str] = {
     _T.DEPENDENCY_UNAVAILABLE: "result (retryable failure)",
     _T.PARTIAL_SUCCESS: "result (failed after committing steps of a resumable tool)",
     _T.COMPENSATION_REQUIRED: "result (failed after committing steps of any other tool)",
-    _T.COMPENSATION_FAILED: "result (the compensating call failed)",
+    _T.COMPENSATION_FAILED: "result (the compensating call failed); any gate refusing the "
+    "compensating call",
     _T.OBSERVATION_NORMALIZATION_FAIL: "result (data not matching the contract's output_schema)",
     _T.UNKNOWN_ERROR: "internal (a bug; fails closed); result (a failure its executor did not "
     "classify)",
@@ -51,7 +53,8 @@ RAISED_BY_RESULTS: frozenset[TaxonomyClass] = frozenset(
         _T.OBSERVATION_NORMALIZATION_FAIL,
     }
 )
-"""Raised only from an executor's result: exercised end to end by
+"""Raised only from an executor's result (a compensating call exists only after one):
+exercised end to end by
 ``tests/integration/test_results_e2e.py``, not by the conformance suite."""
 
 NEXT_ACTIONS: dict[TaxonomyClass, str] = {

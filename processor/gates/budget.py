@@ -40,6 +40,8 @@ _REPAIRS = frozenset({
 """Refusals the model is expected to repair by proposing again with other arguments."""
 
 HANDOFF_TOOL = "handoff_to_human"
+UNREQUESTED_COMPENSATION = "compensation_not_requested"
+"""The code of the refusal of a call that borrows a compensation key (see admission.lua)."""
 """What a run out of steps or budget is told to call: never refused for steps, budgets or
 costs (its idempotency key and rate limit still apply)."""
 DAY_MS = 86_400_000
@@ -306,6 +308,18 @@ def apply_verdict(
             "operation, or resend the original arguments to retry the original one."
         )
         return _refused(d, TaxonomyClass.SIGNATURE_MISMATCH, Gate.IDEMPOTENCY, error, action)
+    if why == "compensation_unrequested":
+        error = FieldError(
+            "idempotency_key",
+            "keys starting with 'compensate:' are reserved for the compensating calls the "
+            "processor proposes, and none was proposed with this key and these arguments",
+            UNREQUESTED_COMPENSATION,
+        )
+        action = (
+            "Nothing ran. Do not use a 'compensate:' idempotency key: propose the call "
+            "under a key of your own, or wait for the compensating call you were told of."
+        )
+        return _refused(d, TaxonomyClass.PERMISSION_DENIED, Gate.IDEMPOTENCY, error, action)
     if why == "idempotent_hit":
         return cached_answer(d, verdict)
     error = FieldError(None, f"admission refused ({why})", "admission_refused")

@@ -19,7 +19,7 @@
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, c call, d deadline,
 -- w awaiting approval, a attempt, r run, t token, x result id, k compensation key,
--- v cached answer); a run's counters are JSON too. Every record and run the batch names
+-- kh the compensation's payload hash, v cached answer); a run's counters are JSON too. Every record and run the batch names
 -- is read before anything is decided, kept in this script while the batch is decided,
 -- and written once at the end, a hash at a time (see idem_bucket): a Redis command
 -- costs a few microseconds from Lua, and this makes the commands per batch a handful,
@@ -57,7 +57,7 @@ local function unwire(a)
   elseif kind == 3 then
     return {kind = 'result', pos = a[2], ikey = a[3], call = a[4], result_id = a[5],
             state = a[6], cached = a[7], ttl = a[8], compensation_key = opt(a[9]),
-            compensates = opt(a[10])}
+            compensates = opt(a[10]), compensation_hash = opt(a[11])}
   end
   return {kind = 'release', pos = a[2], run = a[3], ikey = a[4], hash = a[5], call = a[6],
           deadline = a[7], ttl = a[8]}
@@ -240,8 +240,22 @@ local function hit(rec)
   return {ok = false, why = 'idempotent_hit', state = rec.s, call = rec.c, cached = rec.v}
 end
 
+local COMPENSATION = 'compensate:'
+
+-- A compensation key is the processor's: a call is admitted under one only when the
+-- original's record names that key and this very payload (see settle).
+local function unrequested(c)
+  if string.sub(c.ikey, 1, #COMPENSATION) ~= COMPENSATION then return false end
+  local orig = record_of(string.sub(c.ikey, #COMPENSATION + 1))
+  return not (orig and orig.k == c.ikey and orig.kh == c.hash)
+end
+
 local function admit_call(c)
   local counters = run_of(c.run)
+  if unrequested(c) then
+    bump(c.run, 'steps', 1)
+    return refuse('compensation_unrequested')
+  end
   local rec = record_of(c.ikey)
   local attempt, charged = 0, false
   if rec then
@@ -319,7 +333,7 @@ local function settle(c)
   if c.compensation_key then
     -- The compensating call is proposed under this key; the original is compensated
     -- once that call completes.
-    rec.k = c.compensation_key
+    rec.k, rec.kh = c.compensation_key, c.compensation_hash
     if tok and tok ~= '' then verdict.tok = tok end
   end
   put_record(c.ikey, rec, c.ttl)

@@ -189,7 +189,8 @@ def _day(now_ms: int | None) -> int:
 
 _RECORD_FIELDS = {
     "s": "state", "h": "hash", "c": "call", "d": "deadline", "w": "awaiting", "a": "attempt",
-    "r": "run", "t": "tok", "x": "result", "k": "compensation", "v": "cached",
+    "r": "run", "t": "tok", "x": "result", "k": "compensation", "kh": "compensation_hash",
+    "v": "cached",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
 
@@ -264,7 +265,7 @@ def _wire(item: Item) -> list[Any]:
     if kind == "result":
         return [3, item["pos"], item["ikey"], item["call"], item["result_id"], item["state"],
                 item["cached"], item["ttl"], item["compensation_key"] or "",
-                item["compensates"] or ""]  # fmt: skip
+                item["compensates"] or "", item.get("compensation_hash") or ""]  # fmt: skip
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
             item["deadline"], item["ttl"]]  # fmt: skip
 

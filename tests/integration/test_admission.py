@@ -66,7 +66,8 @@ def result(
             "call": c["call"],
             "result_id": result_id or uuid.uuid4().hex, "state": state,
             "cached": orjson.dumps({"class": "SUCCESS", "data": '{"n":1}'}).decode(),
-            "ttl": 3_600_000, "compensation_key": None, "compensates": None}  # fmt: skip
+            "ttl": 3_600_000, "compensation_key": None, "compensation_hash": None,
+            "compensates": None}  # fmt: skip
     item.update(kw)
     return tenant, item
 
@@ -288,34 +289,65 @@ def test_a_parked_call_is_released_once_whichever_path_comes_first(store: Admiss
     assert store.record(TENANT, other[1]["ikey"], NOW)["awaiting"] == "0"
 
 
-def test_a_compensated_call_is_marked_once_its_compensation_completes(
-    store: AdmissionStore,
-) -> None:
+def _awaiting_compensation(store: AdmissionStore, payload: str = "h-undo") -> tuple[str, str]:
+    """A call that failed after a committed step, its compensation proposed with the
+    payload hash ``payload``: (the call's key, the compensation's key)."""
     original = call(tok="token-of-the-caller")
     key = original[1]["ikey"]
     store.apply([original])
     comp_key = "compensate:" + key
-    verdict = store.apply([result(original, state="FAILED_FINAL", compensation_key=comp_key)])
-    assert verdict == [{"status": "settled", "tok": "token-of-the-caller"}]
+    settled = result(original, state="FAILED_FINAL", compensation_key=comp_key,
+                     compensation_hash=payload)  # fmt: skip
+    assert store.apply([settled]) == [{"status": "settled", "tok": "token-of-the-caller"}]
     assert "tok" not in store.record(TENANT, key, NOW)  # the token is not kept after settling
-    compensation = call(ikey=comp_key)
-    store.apply([compensation])
+    assert store.record(TENANT, key, NOW)["compensation_hash"] == payload
+    return key, comp_key
+
+
+def test_a_compensated_call_is_marked_once_its_compensation_completes(
+    store: AdmissionStore,
+) -> None:
+    key, comp_key = _awaiting_compensation(store)
+    compensation = call(ikey=comp_key, hash="h-undo")
+    assert whys(store.apply([compensation])) == [None]
     done = store.apply([result(compensation, compensates=key)])
     assert done == [{"status": "settled", "compensated": key}]
     assert store.record(TENANT, key, NOW)["state"] == "COMPENSATED"
     [hit] = store.apply([call(ikey=key)])
     assert hit["why"] == "idempotent_hit" and hit["state"] == "COMPENSATED"
+    # The compensation's own key answers from its record, as any other.
+    [again] = store.apply([call(ikey=comp_key, hash="h-undo")])
+    assert again["why"] == "idempotent_hit" and again["state"] == "COMPLETED"
 
 
-def test_a_forged_compensation_key_compensates_nothing(store: AdmissionStore) -> None:
-    original = call()
-    key = original[1]["ikey"]
-    store.apply([original])
-    store.apply([result(original, state="FAILED_FINAL")])  # no compensation was proposed
-    forged = call(ikey="compensate:" + key)
-    store.apply([forged])
-    assert store.apply([result(forged, compensates=key)]) == [{"status": "settled"}]
-    assert store.record(TENANT, key, NOW)["state"] == "FAILED_FINAL"
+def test_only_the_proposed_compensation_is_admitted_under_its_key(store: AdmissionStore) -> None:
+    key, comp_key = _awaiting_compensation(store, payload="h-undo")
+    # Another payload under the key (a refund to another account, say): refused, and it
+    # neither takes the key nor stops the real compensation.
+    other = call(ikey=comp_key, hash="h-other")
+    assert whys(store.apply([other])) == ["compensation_unrequested"]
+    assert store.record(TENANT, comp_key, NOW) == {}
+    assert store.record(TENANT, key, NOW)["compensation"] == comp_key
+    assert whys(store.apply([call(ikey=comp_key, hash="h-undo")])) == [None]
+
+
+def test_a_compensation_key_nobody_asked_for_is_refused(store: AdmissionStore) -> None:
+    # A call still in flight, and one that failed with nothing to undo: no compensation
+    # was proposed for either, so their compensation keys take nothing.
+    pending = call()
+    plain = call()
+    store.apply([pending, plain])
+    store.apply([result(plain, state="FAILED_FINAL")])
+    ghost = f"never-used-{uuid.uuid4().hex}"
+    borrowed = [call(ikey="compensate:" + k, hash="h1")
+                for k in (pending[1]["ikey"], plain[1]["ikey"], ghost)]  # fmt: skip
+    assert whys(store.apply(borrowed)) == ["compensation_unrequested"] * 3
+    for _, item in borrowed:
+        assert store.record(TENANT, item["ikey"], NOW) == {}
+    assert store.record(TENANT, plain[1]["ikey"], NOW)["state"] == "FAILED_FINAL"
+    assert store.record(TENANT, pending[1]["ikey"], NOW)["state"] == "PENDING"
+    # Refused calls are still steps of their run.
+    assert store.run_counters(TENANT, "run-1", NOW)["steps"] >= 5
 
 
 def test_a_batch_of_calls_and_refusals_is_one_script_call() -> None:

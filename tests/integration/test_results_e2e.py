@@ -275,8 +275,11 @@ def test_a_call_past_its_deadline_times_out_and_may_run_again(bench: Bench) -> N
     assert bench.store.record(TENANT, key)["state"] == "COMPLETED"
 
 
-def _charge(bench: Bench, amount: float, order: str) -> tuple[str, str, dict[str, Any]]:
-    """A parked charge released by two approvers; returns (proposal, key, arguments)."""
+def _charge(
+    bench: Bench, amount: float, order: str, refundable: bool = True
+) -> tuple[str, str, dict[str, Any]]:
+    """A parked charge released by two approvers; returns (proposal, key, arguments).
+    Unless ``refundable`` is False, the order system then reports the order refundable."""
     key = f"k-{uuid.uuid4().hex}"
     args = {**CHARGE, "amount": amount, "order_id": order}
     publish_references(bench.settings, existing(TENANT, "charge_customer_card_v2", args))
@@ -287,10 +290,11 @@ def _charge(bench: Bench, amount: float, order: str) -> tuple[str, str, dict[str
     assert parked["decision"] == "PENDING_APPROVAL", parked["result_payload"]["errors"]
     votes = [approval(bench.settings, who, parked) for who in ("ops-1", "ops-2")]
     publish_approvals(bench.settings, run, votes)
-    # What the order system reports once the charge went through: a refund is possible.
-    refund = {**REFUND, "order_id": order}
-    publish_references(bench.settings, existing(TENANT, "refund_order", refund))
-    wait_until_loaded(bench.settings)
+    if refundable:
+        # What the order system reports once the charge went through: a refund is possible.
+        refund = {**REFUND, "order_id": order}
+        publish_references(bench.settings, existing(TENANT, "refund_order", refund))
+        wait_until_loaded(bench.settings)
     return pid, key, args
 
 
@@ -332,6 +336,38 @@ def test_a_failed_compensation_escalates(bench: Bench) -> None:
     assert failed["status"]["escalate"] is True
     assert failed["allowed_tools"] == ["handoff_to_human"]
     assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
+
+
+def test_a_compensation_a_gate_refuses_fails_and_escalates(bench: Bench) -> None:
+    # The order is still in a state refunds are not allowed in: the state gate refuses the
+    # compensating refund. Nobody will propose it again, so the answer must escalate.
+    pid, key, _ = _charge(bench, 12.5, "WO-55505-A", refundable=False)
+    assert bench.result(pid)["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
+    refused = bench.client.wait(compensation_proposal_id(key), 60)
+    assert (refused["decision"], refused["gate"]) == ("REJECTED", "state")
+    assert refused["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
+    assert refused["status"]["escalate"] is True
+    assert refused["allowed_tools"] == ["handoff_to_human"]
+    codes = [e["code"] for e in refused["result_payload"]["errors"]]
+    assert len(codes) >= 2 and codes[-1] == "compensation_refused", codes
+    assert "operator" in refused["next_action"]
+    assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
+    bench.drain()
+    assert compensation_key(key) not in [c.idempotency_key for c in bench.calls]
+
+
+def test_a_proposal_cannot_borrow_a_compensation_key(bench: Bench) -> None:
+    key = compensation_key(f"k-{uuid.uuid4().hex}")
+    pid = bench.propose("lookup_order", {"order_id": "WO-55502-A"}, idempotency_key=key)
+    refused = bench.client.wait(pid, 60)
+    assert (refused["decision"], refused["gate"]) == ("REJECTED", "idempotency")
+    assert refused["status"]["taxonomy_class"] == "PERMISSION_DENIED"
+    assert [e["code"] for e in refused["result_payload"]["errors"]] == [
+        "compensation_not_requested"
+    ]
+    assert bench.store.record(TENANT, key) == {}
+    bench.drain()
+    assert key not in [c["idempotency_key"] for c in bench.exec_calls("READ_ONLY")]
 
 
 def test_a_result_that_breaks_its_contract_is_not_shown_and_not_run_again(bench: Bench) -> None:

@@ -1,0 +1,147 @@
+"""Executors' results as the processor reads them, and the compensating calls they lead
+to: the answer to a half-done call, the compensation proposed for it, and the answer when
+a gate refuses that compensation. Pure functions: no broker, no Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from processor.codec.records import encode_result
+from processor.contracts.registry import ContractSet
+from processor.model import RESPONSE_VECTORS, Decision, Outcome, TaxonomyClass
+from processor.results import (
+    COMPENSATION_PREFIX,
+    ResultInput,
+    compensation_key,
+    compensation_proposal,
+    compensation_proposal_id,
+    parse_result,
+    refused_compensation,
+    wants_compensation,
+)
+from tests.unit.helpers import NOW_MS, VALID_ARGUMENTS, decide_envelope, envelope, record
+
+KEY = "k-charge-1"
+REFUND = VALID_ARGUMENTS["refund_order"]
+
+
+def _charge_result(contracts: ContractSet, **fields: Any) -> ResultInput:
+    """A charge that committed a step and then failed, read back from its Avro record."""
+    version = contracts.versions("charge_customer_card_v2")[0].version  # the newest
+    datum: dict[str, Any] = {
+        "result_id": "res-1", "call_id": "call-1", "proposal_id": "prop-1", "run_id": "run-1",
+        "tenant_id": "tenant-1", "trace_id": "0af7651916cd43dd8448eb211c80319c",
+        "tool_name": "charge_customer_card_v2", "tool_version": version,
+        "side_effect_class": "CRITICAL_MUTATION", "idempotency_key": KEY,
+        "payload_hash": "sha256:00", "attempt": 1, "outcome": "FAILED", "retryable": False,
+        "error_code": "receipt_failed",
+        "error_message": "charged, but the receipt could not be stored", "taxonomy_class": None,
+        "committed_steps": ["card_charged"], "data": None,
+        "compensation_arguments": orjson.dumps(REFUND).decode(),
+        "started_at": NOW_MS - 20, "finished_at": NOW_MS, "executor_id": "exec-1",
+        "contract_set": contracts.fingerprint,
+    }  # fmt: skip
+    datum.update(fields)
+    got = parse_result(record(encode_result(datum), topic="tool.results"), contracts)
+    assert isinstance(got, ResultInput), got
+    return got
+
+
+def _codes(d: Decision) -> list[str]:
+    assert d.rejection is not None
+    return [e.code for e in d.rejection.errors]
+
+
+def test_the_compensation_is_admitted_under_the_hash_its_route_gate_computes(
+    contracts: ContractSet,
+) -> None:
+    item = _charge_result(contracts)
+    assert item.state == "FAILED_FINAL"
+    assert item.decision.rejection is not None
+    assert item.decision.rejection.taxonomy is TaxonomyClass.COMPENSATION_REQUIRED
+    comp = wants_compensation(item, contracts)
+    assert comp is not None
+    assert (comp.tool, comp.arguments, comp.key) == ("refund_order", REFUND, compensation_key(KEY))
+
+    # The record keeps comp.payload_hash; admission compares it with the hash of the call
+    # the proposal becomes. They must be the same, or every compensation would be refused.
+    proposed = orjson.loads(compensation_proposal(item, comp, token=None))
+    assert proposed["proposal_id"] == compensation_proposal_id(KEY)
+    decided = decide_envelope(proposed, contracts)
+    assert decided.outcome in (Outcome.ROUTED, Outcome.PARKED), decided.rejection
+    assert decided.call is not None
+    assert decided.call.idempotency_key == comp.key
+    assert decided.call.payload_hash == comp.payload_hash
+
+
+@pytest.mark.parametrize("undo", ["{not json", "[1, 2]", '"refund it"'])
+def test_compensation_arguments_that_are_not_an_object_go_to_an_operator(
+    contracts: ContractSet, undo: str
+) -> None:
+    item = _charge_result(contracts, compensation_arguments=undo)
+    rej = item.decision.rejection
+    assert rej is not None and rej.taxonomy is TaxonomyClass.COMPENSATION_REQUIRED
+    assert _codes(item.decision) == [
+        "receipt_failed", "partially_committed", "compensation_arguments_invalid",
+    ]  # fmt: skip
+    assert "handoff_to_human" in rej.next_action
+    assert wants_compensation(item, contracts) is None
+
+
+def _compensation_envelope(**fields: Any) -> dict[str, Any]:
+    """The compensating refund as the processor proposes it for ``KEY``."""
+    key = compensation_key(KEY)
+    own = {"proposal_id": compensation_proposal_id(KEY), "idempotency_key": key,
+           "logical_operation_id": key}  # fmt: skip
+    return envelope("refund_order", **{**own, **fields})
+
+
+def test_a_compensation_refused_by_a_gate_fails_and_escalates(contracts: ContractSet) -> None:
+    bad = {**REFUND, "amount": "all of it"}
+    d = decide_envelope(_compensation_envelope(arguments=bad), contracts)
+    assert d.outcome is Outcome.REJECTED and d.rejection is not None
+    gate, codes = d.gate, _codes(d)
+
+    refused_compensation(d)
+    rej = d.rejection
+    assert rej.taxonomy is TaxonomyClass.COMPENSATION_FAILED
+    assert rej.gate is gate
+    assert _codes(d) == [*codes, "compensation_refused"]
+    assert "TYPE_MISMATCH" in rej.errors[-1].message
+    assert rej.allowed_tools == ("handoff_to_human",)
+    assert "Do not retry" in rej.next_action and "operator" in rej.next_action
+    assert RESPONSE_VECTORS[rej.taxonomy].escalate
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({"proposal_id": "prop-of-the-model"}, id="not-the-processor's-proposal"),
+        pytest.param({"idempotency_key": "k-own", "logical_operation_id": "k-own"}, id="own-key"),
+    ],
+)
+def test_other_refusals_keep_their_answer(contracts: ContractSet, fields: dict[str, Any]) -> None:
+    bad = {**REFUND, "amount": "all of it"}
+    d = decide_envelope(_compensation_envelope(arguments=bad, **fields), contracts)
+    before = d.rejection
+    assert refused_compensation(d).rejection is before
+    assert before is not None and before.taxonomy is TaxonomyClass.TYPE_MISMATCH
+
+
+def test_a_borrowed_compensation_key_keeps_its_refusal(contracts: ContractSet) -> None:
+    from processor.gates.budget import apply_verdict
+    from processor.policy import Budgets
+
+    d = decide_envelope(_compensation_envelope(), contracts)
+    assert d.outcome in (Outcome.ROUTED, Outcome.PARKED)
+    verdict = {"ok": False, "why": "compensation_unrequested"}
+    d = apply_verdict(d, verdict, Budgets(), contracts.versions("refund_order")[0])
+    assert d.rejection is not None
+    assert d.rejection.taxonomy is TaxonomyClass.PERMISSION_DENIED
+    assert _codes(d)[-1] == "compensation_not_requested"
+    assert d.call is None and d.approval_request is None
+    assert refused_compensation(d).rejection.taxonomy is TaxonomyClass.PERMISSION_DENIED
+    assert COMPENSATION_PREFIX in d.rejection.errors[-1].message
