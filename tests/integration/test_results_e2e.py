@@ -8,6 +8,7 @@ topics or the processor's Redis records.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import pytest
 
 from processor.approval_flow import publish_approvals
 from processor.client import ToolsentryClient
-from processor.codec.records import decode_approved_call
+from processor.codec.records import decode_approved_call, decode_result, encode_result
 from processor.config import Settings
 from processor.executor import Call, Executor, Failed, Handler, Succeeded
 from processor.reference_data import publish_references, wait_until_loaded
@@ -354,6 +355,33 @@ def test_a_compensation_a_gate_refuses_fails_and_escalates(bench: Bench) -> None
     assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
     bench.drain()
     assert compensation_key(key) not in [c.idempotency_key for c in bench.calls]
+
+
+def test_compensation_arguments_an_executor_garbles_go_to_an_operator(
+    bench: Bench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An executor written elsewhere reports the undo arguments as something that is not
+    # JSON: nothing can be proposed, the call waits for an operator, the processor lives on.
+    pid, key, _ = _charge(bench, 12.5, "WO-55506-A")
+    honest = bench.executor._output
+
+    def garbling(call: Call, answer: Any, outcome: str, started: int) -> Any:
+        out = honest(call, answer, outcome, started)
+        if call.idempotency_key != key:
+            return out
+        datum = {**decode_result(out.value), "compensation_arguments": "{'order_id': WO-5"}
+        return dataclasses.replace(out, value=encode_result(datum))
+
+    monkeypatch.setattr(bench.executor, "_output", garbling)
+    failed = bench.result(pid)
+    assert failed["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
+    codes = [e["code"] for e in failed["result_payload"]["errors"]]
+    assert codes == ["receipt_failed", "partially_committed", "compensation_arguments_invalid"]
+    assert "handoff_to_human" in failed["next_action"]
+    assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
+    after = bench.propose("lookup_order", {"order_id": "WO-55502-A"})
+    bench.routed(after)
+    assert bench.client.history(compensation_proposal_id(key)) == []
 
 
 def test_a_proposal_cannot_borrow_a_compensation_key(bench: Bench) -> None:
