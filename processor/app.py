@@ -93,7 +93,7 @@ from processor.model import (
     SourceRecord,
     TaxonomyClass,
 )
-from processor.pipeline import Gates, decide_batch
+from processor.pipeline import Gates, decide_batch, internal_error
 from processor.policy import load_policy
 from processor.results import (
     ResultInput,
@@ -566,7 +566,50 @@ class Processor:
         """Decide every record of a batch: proposals through the gates, executors' results
         against their calls, approval decisions against their parked calls. Redis is asked
         once for reference data, once for admission (idempotency, limits, budgets) and
-        once for approvals, each a single round trip for the whole batch."""
+        once for approvals, each a single round trip for the whole batch.
+
+        Each gate answers a record it cannot decide as an internal error by itself; a
+        defect in the batch's own steps (admission, results, approvals) would otherwise
+        stop the consumer on that batch for good. The batch is then decided a record at a
+        time: the records that fail again alone are answered as internal errors (nothing
+        of theirs routed, fail closed), the others as they would have been; Redis gives
+        them the verdicts it gave the batch (admission is replay-safe by input position).
+        """
+        try:
+            return self._decide(records)
+        except DependencyDown:
+            raise
+        except Exception as exc:
+            logger.exception("a batch of %d records could not be decided", len(records))
+            self.metrics.batch_splits.inc()
+            if len(records) == 1:
+                self._admitted = []
+                return [self._internal_error(records[0], exc)]
+        decisions: list[Decision] = []
+        admitted: list[tuple[str, Item]] = []
+        for m in records:
+            try:
+                decisions += self._decide([m])
+                admitted += self._admitted
+            except DependencyDown:
+                raise
+            except Exception as exc:
+                logger.exception("record %s/%s@%s could not be decided",
+                                 m.topic(), m.partition(), m.offset())  # fmt: skip
+                decisions.append(self._internal_error(m, exc))
+        self._admitted = admitted
+        return decisions
+
+    def _internal_error(self, m: Message, exc: Exception) -> Decision:
+        src = _source(m)
+        topics = self.settings.topics
+        if src.topic == topics.results:
+            return dead_letter(src, "internal_error", type(exc).__name__, Gate.RESULT)
+        if src.topic == topics.approvals:
+            return dead_letter(src, "internal_error", type(exc).__name__)
+        return internal_error(src, self.limits, int(time.time() * 1000), exc)
+
+    def _decide(self, records: list[Message]) -> list[Decision]:
         now_ms = int(time.time() * 1000)
         self._admitted = []
         srcs = [_source(m) for m in records]
@@ -594,6 +637,7 @@ class Processor:
                 if d.outcome is Outcome.REJECTED:
                     refused_compensation(d)
             faults.point("after_redis")
+            faults.poison(s.value for s in srcs)
             return decisions
         except REDIS_ERRORS as exc:
             raise DependencyDown(f"redis: {exc}") from exc

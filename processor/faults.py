@@ -9,6 +9,10 @@ is a dictionary lookup and nothing else.
 Before the kill, ``fault point <point>: SIGKILL`` is written straight to stderr
 (unbuffered, so it survives the kill): a crash test can tell which point killed the
 process, which its exit status (-9, as for any SIGKILL) does not say.
+
+``TOOLSENTRY_FAULT_POISON=<marker>`` makes ``poison(values)`` raise, as a defect would,
+when one of the batch's record values contains the marker: a test of what the loop
+does with a record it cannot decide. Unset, ``poison`` returns at once.
 """
 
 from __future__ import annotations
@@ -16,12 +20,18 @@ from __future__ import annotations
 import os
 import random
 import signal
+from collections.abc import Iterable
 
 _SPEC = os.environ.get("TOOLSENTRY_FAULT_POINT", "")
 _POINTS: dict[str, float] = {}
 for part in filter(None, _SPEC.split(",")):
     name, _, chance = part.partition(":")
     _POINTS[name.strip()] = float(chance or 1.0)
+_POISON = os.environ.get("TOOLSENTRY_FAULT_POISON", "").encode()
+
+
+class Poisoned(RuntimeError):
+    """Raised by ``poison``: stands for any defect a record triggers."""
 
 
 def point(name: str) -> None:
@@ -29,3 +39,8 @@ def point(name: str) -> None:
     if chance is not None and random.random() < chance:
         os.write(2, f"fault point {name}: SIGKILL\n".encode())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poison(values: Iterable[bytes | None]) -> None:
+    if _POISON and any(v is not None and _POISON in v for v in values):
+        raise Poisoned("fault poison: a record carries the marker")

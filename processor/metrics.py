@@ -67,6 +67,12 @@ class Metrics:
             ["partition"],
             registry=registry,
         )
+        self.batch_splits = PCounter(
+            "toolsentry_batch_splits_total",
+            "Batches a defect stopped from being decided whole, then decided a record at a "
+            "time (the records that failed alone are answered as internal errors).",
+            registry=registry,
+        )
         self.dependency_errors = PCounter(
             "toolsentry_dependency_errors_total",
             "Errors talking to a dependency (kafka, redis).",

@@ -165,7 +165,7 @@ def prepare(src: SourceRecord, gates: Gates, now_ms: int) -> Decision | Pending:
         result = _prepare(src, gates, now_ms, started)
     except Exception as exc:  # the consumer must never stop on one record
         logger.exception("decision failed for %s/%s@%s", src.topic, src.partition, src.offset)
-        result = _internal_error(src, gates.limits, now_ms, exc)
+        result = internal_error(src, gates.limits, now_ms, exc)
     if isinstance(result, Decision):
         result.latency_ms = (time.perf_counter() - started) * 1000
     return result
@@ -178,7 +178,7 @@ def finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) -> 
     except Exception as exc:
         src = pending.src
         logger.exception("decision failed for %s/%s@%s", src.topic, src.partition, src.offset)
-        decision = _internal_error(src, gates.limits, now_ms, exc)
+        decision = internal_error(src, gates.limits, now_ms, exc)
     decision.latency_ms = (time.perf_counter() - pending.started) * 1000
     return decision
 
@@ -334,7 +334,9 @@ def _rejected(
     )
 
 
-def _internal_error(src: SourceRecord, limits: Limits, now_ms: int, exc: Exception) -> Decision:
+def internal_error(src: SourceRecord, limits: Limits, now_ms: int, exc: Exception) -> Decision:
+    """The answer to a proposal a defect stopped from being decided: nothing is routed;
+    an observation when the proposal names its run, the DLQ otherwise."""
     rejection = Rejection(
         TaxonomyClass.UNKNOWN_ERROR,
         Gate.INTERNAL,

@@ -1,0 +1,108 @@
+"""A record that trips a defect in a batch's own steps (admission, results, approvals): the
+consumer goes on, that record is answered as an internal error with nothing routed, and
+every other record of its batch as it would have been, exactly once.
+
+The defect is the fault hook ``TOOLSENTRY_FAULT_POISON``: the processor raises, after the
+batch's Redis effects, when a record of the batch carries the marker.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Producer
+
+from processor.client import ToolsentryClient
+from processor.codec.avro import codec
+from processor.codec.records import encode_result
+from processor.config import Settings
+from processor.stack.local import free_ports
+from tests.integration.harness import (
+    ProcessorProcess,
+    isolated,
+    metric_total,
+    read_all,
+    token,
+)
+
+pytestmark = pytest.mark.integration
+
+MARKER = "poison-7c1e"
+POISONED = 7
+
+
+def _result_with_marker(tenant: str) -> bytes:
+    """An executor's result for a call nobody routed, its message carrying the marker."""
+    return encode_result(
+        {
+            "result_id": uuid.uuid4().hex, "call_id": "call-x", "proposal_id": "prop-x",
+            "run_id": "run-x", "tenant_id": tenant, "trace_id": "0af7651916cd43dd8448eb211c80319c",
+            "tool_name": "search_kb", "tool_version": "1.0.0", "side_effect_class": "READ_ONLY",
+            "idempotency_key": "k-x", "payload_hash": "sha256:00", "attempt": 1,
+            "outcome": "FAILED", "retryable": False, "error_code": "boom",
+            "error_message": f"message with {MARKER}", "taxonomy_class": None,
+            "committed_steps": [], "data": None, "compensation_arguments": None,
+            "started_at": 1, "finished_at": 2, "executor_id": "exec-x", "contract_set": "x",
+        }
+    )  # fmt: skip
+
+
+def test_a_record_that_trips_a_defect_is_answered_and_its_batch_goes_on(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    settings = isolated(stack_settings, f"defects-{uuid.uuid4().hex[:6]}")
+    (port,) = free_ports(1)
+    proc = ProcessorProcess(
+        settings, "defects-1", tmp_path,
+        TOOLSENTRY_METRICS_PORT=str(port), TOOLSENTRY_FAULT_POISON=MARKER,
+    )  # fmt: skip
+    proc.start().wait_ready()
+    client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
+    try:
+        # Sent back to back to an idle processor: they arrive in a batch or a few.
+        queries = [f"return policy {i}" + (f" {MARKER}" * (i == POISONED)) for i in range(20)]
+        pids = [
+            client.propose("search_kb", {"query": q, "limit": 3}, run_id=f"run-defect-{i}")
+            for i, q in enumerate(queries)
+        ]
+        answers = {pid: client.wait(pid, 60) for pid in pids}
+        poisoned = answers[pids[POISONED]]
+        assert (poisoned["decision"], poisoned["gate"]) == ("REJECTED", "internal")
+        assert poisoned["status"]["taxonomy_class"] == "UNKNOWN_ERROR"
+        assert [e["code"] for e in poisoned["result_payload"]["errors"]] == ["internal_error"]
+        assert poisoned["allowed_tools"] == []
+        others = [answers[p]["decision"] for i, p in enumerate(pids) if i != POISONED]
+        assert others == ["ROUTED"] * 19
+
+        # A result that trips it goes to the DLQ, with the reason.
+        producer = Producer({"bootstrap.servers": settings.bootstrap_servers})
+        producer.produce(settings.topics.results, _result_with_marker("acme"), b"run-x")
+        producer.flush(30)
+        after = client.propose("search_kb", {"query": "after", "limit": 3}, run_id="run-after")
+        assert client.wait(after, 60)["decision"] == "ROUTED"
+        assert proc.alive(), proc.log()[-3000:]
+
+        dead = read_all(settings, settings.topics.dlq, idle=1.5)
+        reasons = [dict(m.headers() or [])["toolsentry.error.reason"] for m in dead]
+        assert reasons == [b"internal_error"]
+        assert dict(dead[0].headers() or [])["toolsentry.source.topic"] == (
+            settings.topics.results.encode()
+        )
+        seen = Counter(
+            codec("observation").decode(m.value())["proposal_id"]
+            for m in read_all(settings, settings.topics.observations, idle=1.5)
+        )
+        assert seen == Counter([*pids, after])
+        routed = Counter(
+            codec("approved_call").decode(m.value())["proposal_id"]
+            for m in read_all(settings, settings.topics.execution("READ_ONLY"), idle=1.5)
+        )
+        assert routed == Counter([p for i, p in enumerate(pids) if i != POISONED] + [after])
+        assert metric_total(port, "toolsentry_batch_splits_total") >= 2
+        assert "could not be decided" in proc.log()
+    finally:
+        client.close()
+        proc.terminate()
