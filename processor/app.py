@@ -683,6 +683,12 @@ class Processor:
             if status == "duplicate":
                 out[i] = ignored(x.src, "result_duplicate")
                 continue
+            if status == "unknown":
+                # No call this processor routed has the key: a result from elsewhere, or a
+                # forged one. Nothing it says reaches a model; the DLQ keeps it for an operator.
+                detail = "no idempotency record for the result's key"
+                out[i] = dead_letter(x.src, "result_unknown_call", detail, Gate.RESULT)
+                continue
             if extra and status == "settled":
                 x.decision.extra["compensation"] = compensation_proposal(x, extra, v.get("tok"))
             out[i] = x.decision
