@@ -1,8 +1,9 @@
 """The processors the benchmark compares, each run as its own process.
 
-``python -m bench.modes MODE COUNT`` consumes COUNT records from the topics
-named by the TOOLSENTRY_* environment and prints one JSON line: records/s
-from the first batch to the last commit, and the process's peak RSS.
+``python -m bench.modes MODE COUNT [--log]`` consumes COUNT records from the
+topics named by the TOOLSENTRY_* environment and prints one JSON line: records/s
+from the first batch to the last commit, and the process's peak RSS (``--log``:
+and logs as the processor does).
 
 * ``passthrough`` — the processor's own transactional loop with no gates:
   each input value is copied to the observations topic. The pipe's limit.
@@ -18,6 +19,7 @@ from the first batch to the last commit, and the process's peak RSS.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -242,6 +244,8 @@ def _naive_observation(env: dict[str, Any], errors: list[str]) -> dict[str, Any]
 
 def main() -> None:
     mode, count = sys.argv[1], int(sys.argv[2])
+    if "--log" in sys.argv[3:]:  # as ``toolsentry run`` logs (the latency run waits for it)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     settings = Settings()
     if mode == "naive":
         result = run_naive(settings, count)

@@ -8,8 +8,9 @@
 confirmation, budgets, rate limits, idempotency in Redis) and (c) the naive
 processor each consume the same
 pre-produced proposals from their own topics, in their own process; (d)
-times the decision core in this process; the latency run offers a fixed
-rate to a running processor as shipped and measures proposal -> observation.
+times the decision core in this process; the latency runs offer a fixed
+rate to a running processor, with the foundation's gates and as shipped, and
+measure proposal -> observation.
 Machines here are noisy: read the ratios, which compare runs made minutes
 apart on the same machine, rather than the absolute numbers.
 """
@@ -199,20 +200,32 @@ def throughput(settings: Settings, mode: str, records: list[tuple[bytes, bytes]]
 
 
 def latency(
-    settings: Settings, tokens: list[str], rate: int, seconds: float, warmup: float = 3.0
+    settings: Settings,
+    tokens: list[str],
+    rate: int,
+    seconds: float,
+    mode: str = "toolsentry",
+    warmup: float = 3.0,
 ) -> dict[str, Any]:
     """Offer ``rate`` proposals/s; sample proposal -> observation after ``warmup`` s.
 
+    ``mode``: ``toolsentry``, the processor as shipped (``toolsentry run``), or
+    ``foundation``, the same loop with the foundation's gates only (bench.modes).
     The first seconds of a fresh processor register partitions with the
     transaction coordinator and fill caches; the target is the steady state.
     """
-    s = isolated(settings, f"bench-latency-{int(time.time())}")
+    s = isolated(settings, f"bench-latency-{mode}-{int(time.time())}")
     total = int(rate * (seconds + warmup))
     load_references(s, total)
     log_path = Path(tempfile.mkdtemp(prefix="bench-")) / "processor.log"
     log = log_path.open("wb")
+    command = (
+        ["-m", "processor", "run"]
+        if mode == "toolsentry"
+        else ["-m", "bench.modes", mode, str(total), "--log"]
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "processor", "run"],
+        [sys.executable, *command],
         cwd=ROOT,
         env=child_env(s),
         stdout=log,
@@ -368,8 +381,10 @@ def main() -> None:
                 runs[mode].append(throughput(settings, mode, records))
         print(f"(c) naive, {args.naive_count} proposals ...", flush=True)
         c = throughput(settings, "naive", records[: args.naive_count])
-        print(f"latency at {args.rate}/s for {args.seconds:.0f}s ...", flush=True)
-        lat = latency(settings, tokens, args.rate, args.seconds)
+        lat: dict[str, dict[str, Any]] = {}
+        for mode in ("foundation", "toolsentry"):
+            print(f"latency at {args.rate}/s for {args.seconds:.0f}s, {mode} ...", flush=True)
+            lat[mode] = latency(settings, tokens, args.rate, args.seconds, mode)
     finally:
         if stack is not None:
             stack.down()
@@ -434,12 +449,14 @@ def main() -> None:
             "    each repeat's median, with the host reference loop timed beside it: "
             + ", ".join(f"{us:.1f} us @ {ms:.1f} ms" for us, ms in figures["repeats"])
         )
-    print(
-        f"\nlatency proposal -> observation at {lat['offered_per_second']:,.0f}/s offered, "
-        f"{lat['samples']} samples: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms, "
-        f"max {lat['max_ms']:.1f} ms   target p99 <= 50 ms   "
-        f"{'met' if lat['p99_ms'] <= 50 else 'NOT met'}"
-    )
+    for mode, title in (("foundation", "(b) foundation gates"), ("toolsentry", "every gate")):
+        r = lat[mode]
+        print(
+            f"\nlatency proposal -> observation, {title}, at {r['offered_per_second']:,.0f}/s "
+            f"offered, {r['samples']} samples: p50 {r['p50_ms']:.1f} ms, "
+            f"p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms   target p99 <= 50 ms   "
+            f"{'met' if r['p99_ms'] <= 50 else 'NOT met'}"
+        )
     for name, r in (("(b)", b), ("(e)", e)):
         print(
             f"\nprocessor peak RSS {name}: {r['rss_mb']:.1f} MB   target <= 150 MB   "
