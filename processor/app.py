@@ -96,8 +96,10 @@ from processor.model import (
 from processor.pipeline import Gates, decide_batch, internal_error
 from processor.policy import load_policy
 from processor.results import (
+    ADMITTED,
     ResultInput,
     compensation_proposal,
+    is_compensation,
     parse_result,
     refused_compensation,
     settle_item,
@@ -105,7 +107,7 @@ from processor.results import (
 )
 from processor.state.admission import AdmissionStore, Item
 from processor.state.approvals import ApprovalStore, retain_ms
-from processor.state.connection import REDIS_ERRORS, connect
+from processor.state.connection import REDIS_ERRORS, connect, is_script_error
 from processor.state.references import ReferenceLoader, ReferenceStore
 
 logger = logging.getLogger(__name__)
@@ -640,6 +642,8 @@ class Processor:
             faults.poison(s.value for s in srcs)
             return decisions
         except REDIS_ERRORS as exc:
+            if is_script_error(exc):
+                raise  # a defect in a script, met again by waiting: the batch is split
             raise DependencyDown(f"redis: {exc}") from exc
 
     def _admit(
@@ -677,6 +681,8 @@ class Processor:
             if isinstance(x, Decision):
                 contract, budgets = extra
                 out[i] = apply_verdict(x, v, budgets, contract)
+                if is_compensation(x.proposal):
+                    x.extra[ADMITTED] = True
                 continue
             status = str(v.get("status"))
             self.metrics.results.labels(x.state, status).inc()

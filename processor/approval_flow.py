@@ -111,6 +111,7 @@ def entry_proposal(entry: dict[str, Any]) -> Proposal:
         tool_name=entry["tool_name"],
         tool_version=entry["tool_version"],
         arguments=None,
+        idempotency_key=entry.get("idempotency_key"),
         traceparent=entry.get("traceparent"),
         trace_id=entry["trace_id"],
     )

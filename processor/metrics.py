@@ -20,7 +20,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from processor.model import Decision, Outcome, TaxonomyClass
+from processor.model import Decision, Gate, Outcome, TaxonomyClass
 
 
 class Metrics:
@@ -65,6 +65,12 @@ class Metrics:
             "toolsentry_consumer_lag_records",
             "Records not yet consumed on tool.proposals, by partition (from librdkafka stats).",
             ["partition"],
+            registry=registry,
+        )
+        self.internal_errors = PCounter(
+            "toolsentry_internal_errors_total",
+            "Records a defect stopped from being decided: answered as internal errors "
+            "(UNKNOWN_ERROR, nothing routed) or dead-lettered with reason internal_error.",
             registry=registry,
         )
         self.batch_splits = PCounter(
@@ -146,6 +152,11 @@ class Metrics:
             self.decisions.labels(*labels).inc(count)
         for reason, count in t.dead.items():
             self.dead_letters.labels(reason).inc(count)
+        internal = t.dead.get("internal_error", 0) + sum(
+            count for (_, gate, _, _), count in t.kinds.items() if gate is Gate.INTERNAL
+        )
+        if internal:
+            self.internal_errors.inc(internal)
         self.batch_records.observe(len(t.latencies))
         self.batch_seconds.observe(seconds)
 

@@ -31,7 +31,7 @@ import orjson
 from processor.codec.records import decode_result
 from processor.contracts.registry import Contract, ContractSet
 from processor.contracts.validation import ArgumentValidator
-from processor.gates.budget import HANDOFF_TOOL, UNREQUESTED_COMPENSATION
+from processor.gates.budget import COMPENSATION_PREFIX, HANDOFF_TOOL, UNREQUESTED_COMPENSATION
 from processor.model import (
     Decision,
     FieldError,
@@ -47,7 +47,6 @@ from processor.model import (
 from processor.pipeline import canonical_json
 from processor.state.admission import Item
 
-COMPENSATION_PREFIX = "compensate:"
 RESUMABLE = frozenset({"idempotent_write", "retryable_post_pivot"})
 """Contract semantics whose steps a retry under the same idempotency key finishes without
 repeating: a failure after some of them is a PARTIAL_SUCCESS, not a compensation."""
@@ -68,6 +67,14 @@ class ResultInput:
     @property
     def tenant_id(self) -> str:
         return str(self.result["tenant_id"])
+
+
+ADMITTED = "admitted"
+"""``Decision.extra`` key: Redis decided this proposal (see ``refused_compensation``)."""
+
+
+def is_compensation(p: Proposal | None) -> bool:
+    return p is not None and (p.idempotency_key or "").startswith(COMPENSATION_PREFIX)
 
 
 def compensation_key(idempotency_key: str) -> str:
@@ -305,6 +312,7 @@ def settle_item(
         "ttl": 7 * 86_400_000,
         "compensation_key": compensation.key if compensation else None,
         "compensation_hash": compensation.payload_hash if compensation else None,
+        "compensation_tool": compensation.tool if compensation else None,
         "compensates": compensates,
     }
 
@@ -342,10 +350,16 @@ def compensation_proposal(item: ResultInput, comp: Compensation, token: str | No
 
 
 def refused_compensation(d: Decision) -> Decision:
-    """A compensating call the processor proposed that a gate refused is a failed
+    """A compensating call the processor proposed that a gate refuses is a failed
     compensation: nobody will propose it again, and the earlier step stays committed.
-    Its answer says so and escalates, keeping the gate's own errors; a proposal that only
-    borrowed the key (refused for it) keeps its answer."""
+    Its answer says so and escalates, keeping the gate's own errors.
+
+    Only a refusal known to be of that call counts: one Redis checked against the
+    original's record (``admitted``: the key, the tool and the payload the processor
+    proposed), one of its approvers (it was checked when parked), or its caller's token
+    having expired since (a refusal before anything is read from Redis). A copy refused
+    while the real one is in flight, and a proposal that only borrows the key, keep their
+    own answers."""
     p, rej = d.proposal, d.rejection
     if d.outcome is not Outcome.REJECTED or rej is None or p is None:
         return d
@@ -353,8 +367,18 @@ def refused_compensation(d: Decision) -> Decision:
     if (
         not key.startswith(COMPENSATION_PREFIX)
         or p.proposal_id != compensation_proposal_id(key[len(COMPENSATION_PREFIX) :])
-        or any(e.code == UNREQUESTED_COMPENSATION for e in rej.errors)
+        or rej.taxonomy is _T.IDEMPOTENCY_CONFLICT
     ):
+        return d
+    codes = {e.code for e in rej.errors}
+    if UNREQUESTED_COMPENSATION in codes:
+        return d
+    known = (
+        d.extra.get(ADMITTED) is True
+        or d.gate is Gate.APPROVAL
+        or (d.gate is Gate.IDENTITY and "token_expired" in codes)
+    )
+    if not known:
         return d
     refusal = FieldError(
         None,

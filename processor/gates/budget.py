@@ -26,9 +26,11 @@ from processor.model import (
     Final,
     Gate,
     Outcome,
+    Proposal,
     Rejection,
     TaxonomyClass,
 )
+from processor.pipeline import canonical_json
 from processor.policy import Budgets
 from processor.state.admission import Item, Verdict, call_item, rate_of
 
@@ -40,10 +42,12 @@ _REPAIRS = frozenset({
 """Refusals the model is expected to repair by proposing again with other arguments."""
 
 HANDOFF_TOOL = "handoff_to_human"
-UNREQUESTED_COMPENSATION = "compensation_not_requested"
-"""The code of the refusal of a call that borrows a compensation key (see admission.lua)."""
 """What a run out of steps or budget is told to call: never refused for steps, budgets or
 costs (its idempotency key and rate limit still apply)."""
+COMPENSATION_PREFIX = "compensate:"
+"""Idempotency keys of the compensating calls the processor proposes (see results.py)."""
+UNREQUESTED_COMPENSATION = "compensation_not_requested"
+"""The code of the refusal of a call that borrows a compensation key (see admission.lua)."""
 DAY_MS = 86_400_000
 
 
@@ -158,9 +162,20 @@ def admission_item(
             # is answered from that call's record (see pipeline._finish).
             "ikey": d.idempotency[0] if d.idempotency else "",
             "hash": d.idempotency[1] if d.idempotency else "",
+            # A refused compensation is checked against the original's record as an
+            # admitted one is: only the one the processor proposed counts as failed.
+            **_compensation_fields(p),
         }
         return tenant, step
     return None
+
+
+def _compensation_fields(p: Proposal) -> dict[str, str]:
+    key = p.idempotency_key
+    if not key or not key.startswith(COMPENSATION_PREFIX) or p.arguments is None:
+        return {}
+    digest = "sha256:" + hashlib.sha256(canonical_json(p.arguments)).hexdigest()
+    return {"comp": key, "comp_hash": digest, "tool": p.tool_name or ""}
 
 
 def release_item(d: Decision) -> tuple[str, Item]:
@@ -320,6 +335,14 @@ def apply_verdict(
             "under a key of your own, or wait for the compensating call you were told of."
         )
         return _refused(d, TaxonomyClass.PERMISSION_DENIED, Gate.IDEMPOTENCY, error, action)
+    if why == "replay_changed":
+        error = FieldError(
+            None,
+            "decided again after a failure, and differently: what it depends on changed",
+            "replay_changed",
+        )
+        action = "Nothing ran. Propose the same call again; it is decided afresh."
+        return _refused(d, TaxonomyClass.DEPENDENCY_UNAVAILABLE, Gate.IDEMPOTENCY, error, action)
     if why == "idempotent_hit":
         return cached_answer(d, verdict)
     error = FieldError(None, f"admission refused ({why})", "admission_refused")

@@ -19,15 +19,15 @@
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, c call, d deadline,
 -- w awaiting approval, a attempt, r run, t token, x result id, k compensation key,
--- kh the compensation's payload hash, v cached answer); a run's counters are JSON too. Every record and run the batch names
+-- kh and kt the compensation's payload hash and tool, v cached answer); a run's counters are JSON too. Every record and run the batch names
 -- is read before anything is decided, kept in this script while the batch is decided,
 -- and written once at the end, a hash at a time (see idem_bucket): a Redis command
 -- costs a few microseconds from Lua, and this makes the commands per batch a handful,
 -- not a few per item.
 --
--- Replay safety: every verdict is kept in the tenant's 'done' hash under its input
--- record's position (topic/partition/offset) until the batch's Kafka transaction
--- commits. A batch applied again after an aborted transaction gets the verdicts it got
+-- Replay safety: every verdict is kept, with its item's kind, in the tenant's 'done'
+-- hash under its input record's position (topic/partition/offset) until the batch's
+-- Kafka transaction commits. A batch applied again after an aborted transaction gets the verdicts it got
 -- the first time, and no counter or record moves twice.
 
 local base = KEYS[1]
@@ -53,11 +53,13 @@ local function unwire(a)
             grace = H.grace}
   elseif kind == 2 then
     return {kind = 'step', pos = a[2], run = a[3], sig = a[4], repair = a[5] == 1,
-            ikey = opt(a[6]), hash = a[7], steps = H.steps, max_repairs = H.max_repairs}
+            ikey = opt(a[6]), hash = a[7], comp = opt(a[8]), comp_hash = a[9], tool = a[10],
+            steps = H.steps, max_repairs = H.max_repairs}
   elseif kind == 3 then
     return {kind = 'result', pos = a[2], ikey = a[3], call = a[4], result_id = a[5],
             state = a[6], cached = a[7], ttl = a[8], compensation_key = opt(a[9]),
-            compensates = opt(a[10]), compensation_hash = opt(a[11])}
+            compensates = opt(a[10]), compensation_hash = opt(a[11]),
+            compensation_tool = opt(a[12])}
   end
   return {kind = 'release', pos = a[2], run = a[3], ikey = a[4], hash = a[5], call = a[6],
           deadline = a[7], ttl = a[8]}
@@ -242,17 +244,18 @@ end
 
 local COMPENSATION = 'compensate:'
 
--- A compensation key is the processor's: a call is admitted under one only when the
--- original's record names that key and this very payload (see settle).
-local function unrequested(c)
-  if string.sub(c.ikey, 1, #COMPENSATION) ~= COMPENSATION then return false end
-  local orig = record_of(string.sub(c.ikey, #COMPENSATION + 1))
-  return not (orig and orig.k == c.ikey and orig.kh == c.hash)
+-- A compensation key is the processor's: a call is admitted under one, or refused as a
+-- compensation that failed, only when the original's record names that key, this very
+-- tool and this very payload (see settle).
+local function unrequested(ikey, hash, tool)
+  if string.sub(ikey, 1, #COMPENSATION) ~= COMPENSATION then return false end
+  local orig = record_of(string.sub(ikey, #COMPENSATION + 1))
+  return not (orig and orig.k == ikey and orig.kh == hash and orig.kt == tool)
 end
 
 local function admit_call(c)
   local counters = run_of(c.run)
-  if unrequested(c) then
+  if unrequested(c.ikey, c.hash, c.tool) then
     bump(c.run, 'steps', 1)
     return refuse('compensation_unrequested')
   end
@@ -295,6 +298,10 @@ end
 
 local function admit_step(c)
   local counters = run_of(c.run)
+  if c.comp and unrequested(c.comp, c.comp_hash, c.tool) then
+    bump(c.run, 'steps', 1)
+    return refuse('compensation_unrequested')
+  end
   if c.ikey then
     -- Refused on the world's state, but maybe because this very call already ran.
     local rec = record_of(c.ikey)
@@ -333,7 +340,7 @@ local function settle(c)
   if c.compensation_key then
     -- The compensating call is proposed under this key; the original is compensated
     -- once that call completes.
-    rec.k, rec.kh = c.compensation_key, c.compensation_hash
+    rec.k, rec.kh, rec.kt = c.compensation_key, c.compensation_hash, c.compensation_tool
     if tok and tok ~= '' then verdict.tok = tok end
   end
   put_record(c.ikey, rec, c.ttl)
@@ -364,7 +371,15 @@ end
 local fresh = {}
 for i, a in ipairs(items) do
   if earlier[i] then
-    out[i] = earlier[i]
+    -- The verdict of this very position, unless the record was decided as another kind
+    -- of item this time (the world changed between the two: a refused proposal is now
+    -- a call). A call never takes a refusal's verdict: it would go with no record.
+    local kind, text = string.match(earlier[i], '^(%d)|(.*)$')
+    if tonumber(kind) == a[1] then
+      out[i] = text
+    else
+      out[i] = 'no|replay_changed|0'
+    end
   else
     local c = unwire(a)
     local verdict
@@ -379,7 +394,7 @@ for i, a in ipairs(items) do
     end
     local text = encode(verdict)
     fresh[#fresh + 1] = c.pos
-    fresh[#fresh + 1] = text
+    fresh[#fresh + 1] = a[1] .. '|' .. text
     out[i] = text
   end
 end

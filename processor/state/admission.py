@@ -190,6 +190,7 @@ def _day(now_ms: int | None) -> int:
 _RECORD_FIELDS = {
     "s": "state", "h": "hash", "c": "call", "d": "deadline", "w": "awaiting", "a": "attempt",
     "r": "run", "t": "tok", "x": "result", "k": "compensation", "kh": "compensation_hash",
+    "kt": "compensation_tool",
     "v": "cached",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
@@ -261,11 +262,13 @@ def _wire(item: Item) -> list[Any]:
                 1 if item["park"] else 0, item["tok"]]  # fmt: skip
     if kind == "step":
         return [2, item["pos"], item["run"], item["sig"], 1 if item["repair"] else 0,
-                item.get("ikey", ""), item.get("hash", "")]  # fmt: skip
+                item.get("ikey", ""), item.get("hash", ""), item.get("comp", ""),
+                item.get("comp_hash", ""), item.get("tool", "")]  # fmt: skip
     if kind == "result":
         return [3, item["pos"], item["ikey"], item["call"], item["result_id"], item["state"],
                 item["cached"], item["ttl"], item["compensation_key"] or "",
-                item["compensates"] or "", item.get("compensation_hash") or ""]  # fmt: skip
+                item["compensates"] or "", item.get("compensation_hash") or "",
+                item.get("compensation_tool") or ""]  # fmt: skip
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
             item["deadline"], item["ttl"]]  # fmt: skip
 

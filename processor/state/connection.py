@@ -44,6 +44,15 @@ raises ``RedisClusterException`` (not a ``RedisError``) when no node of the clus
 answers, so code that waits Redis out must catch both."""
 
 
+def is_script_error(exc: BaseException) -> bool:
+    """A Lua script that failed on what it was given: a defect, not Redis being
+    unreachable or busy, so waiting for Redis would only meet it again."""
+    if not isinstance(exc, redis.exceptions.ResponseError) or isinstance(exc, NoScriptError):
+        return False
+    text = str(exc)
+    return "user_script" in text or "Error running script" in text
+
+
 def is_cluster_url(url: str) -> bool:
     return url.partition("://")[0].lower() in CLUSTER_SCHEMES
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import pytest
+import redis
 
 from processor.state.admission import (
     AdmissionStore,
@@ -20,7 +21,7 @@ from processor.state.admission import (
     call_item,
     rate_of,
 )
-from processor.state.connection import connect
+from processor.state.connection import connect, is_script_error
 
 pytestmark = pytest.mark.integration
 
@@ -164,6 +165,37 @@ def test_a_replayed_batch_gets_the_same_verdicts_and_counts_nothing_twice(
     assert store.client.hlen(done) == 1
 
 
+def test_a_position_decided_again_as_another_kind_of_item_is_not_let_through(
+    store: AdmissionStore,
+) -> None:
+    # First a gate refused the proposal (a step); its transaction aborted, and decided
+    # again it passes every gate (reference data arrived meanwhile). The refusal's "ok"
+    # must not become the call's: it would go with no idempotency record and no charge.
+    refused = step(repair=False)
+    [first] = store.apply([refused])
+    assert first == {"ok": True}
+    counters = store.run_counters(TENANT, "run-1", NOW)
+    now_a_call = call(pos=refused[1]["pos"])
+    assert whys(store.apply([now_a_call])) == ["replay_changed"]
+    assert store.record(TENANT, now_a_call[1]["ikey"], NOW) == {}
+    assert store.run_counters(TENANT, "run-1", NOW) == counters
+    assert store.apply([refused]) == [first]  # the same kind gets its verdict again
+
+
+def test_a_script_that_fails_on_its_input_is_a_defect_not_redis_down(redis_backend: str) -> None:
+    client = connect(redis_backend)
+    with pytest.raises(redis.exceptions.ResponseError) as failed:
+        client.eval("return nil .. 'x'", 1, "{acme}:k")
+    assert is_script_error(failed.value)
+    down = connect("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
+    with pytest.raises(redis.exceptions.ConnectionError) as unreachable:
+        down.ping()
+    assert not is_script_error(unreachable.value)
+    with pytest.raises(redis.exceptions.ResponseError) as wrong:
+        client.execute_command("HGET", "{acme}:only-one-argument")
+    assert not is_script_error(wrong.value)
+
+
 def test_a_batch_longer_than_a_lua_stack_is_decided_whole(store: AdmissionStore) -> None:
     verdicts = store.apply([call(steps=2500, class_budget=5000) for _ in range(2600)])
     assert whys(verdicts) == [None] * 2500 + ["step_cap"] * 100
@@ -297,10 +329,11 @@ def _awaiting_compensation(store: AdmissionStore, payload: str = "h-undo") -> tu
     store.apply([original])
     comp_key = "compensate:" + key
     settled = result(original, state="FAILED_FINAL", compensation_key=comp_key,
-                     compensation_hash=payload)  # fmt: skip
+                     compensation_hash=payload, compensation_tool="refund_order")  # fmt: skip
     assert store.apply([settled]) == [{"status": "settled", "tok": "token-of-the-caller"}]
     assert "tok" not in store.record(TENANT, key, NOW)  # the token is not kept after settling
     assert store.record(TENANT, key, NOW)["compensation_hash"] == payload
+    assert store.record(TENANT, key, NOW)["compensation_tool"] == "refund_order"
     return key, comp_key
 
 
@@ -308,7 +341,7 @@ def test_a_compensated_call_is_marked_once_its_compensation_completes(
     store: AdmissionStore,
 ) -> None:
     key, comp_key = _awaiting_compensation(store)
-    compensation = call(ikey=comp_key, hash="h-undo")
+    compensation = call(ikey=comp_key, hash="h-undo", tool="refund_order")
     assert whys(store.apply([compensation])) == [None]
     done = store.apply([result(compensation, compensates=key)])
     assert done == [{"status": "settled", "compensated": key}]
@@ -316,19 +349,33 @@ def test_a_compensated_call_is_marked_once_its_compensation_completes(
     [hit] = store.apply([call(ikey=key)])
     assert hit["why"] == "idempotent_hit" and hit["state"] == "COMPENSATED"
     # The compensation's own key answers from its record, as any other.
-    [again] = store.apply([call(ikey=comp_key, hash="h-undo")])
+    [again] = store.apply([call(ikey=comp_key, hash="h-undo", tool="refund_order")])
     assert again["why"] == "idempotent_hit" and again["state"] == "COMPLETED"
 
 
 def test_only_the_proposed_compensation_is_admitted_under_its_key(store: AdmissionStore) -> None:
     key, comp_key = _awaiting_compensation(store, payload="h-undo")
-    # Another payload under the key (a refund to another account, say): refused, and it
-    # neither takes the key nor stops the real compensation.
-    other = call(ikey=comp_key, hash="h-other")
-    assert whys(store.apply([other])) == ["compensation_unrequested"]
+    # Another payload under the key (a refund to another account, say), or another tool
+    # with the same payload: refused, and neither takes the key nor stops the real one.
+    other = call(ikey=comp_key, hash="h-other", tool="refund_order")
+    elsewhere = call(ikey=comp_key, hash="h-undo", tool="search_kb")
+    assert whys(store.apply([other, elsewhere])) == ["compensation_unrequested"] * 2
     assert store.record(TENANT, comp_key, NOW) == {}
     assert store.record(TENANT, key, NOW)["compensation"] == comp_key
-    assert whys(store.apply([call(ikey=comp_key, hash="h-undo")])) == [None]
+    assert whys(store.apply([call(ikey=comp_key, hash="h-undo", tool="refund_order")])) == [None]
+
+
+def test_a_refused_compensation_is_checked_as_an_admitted_one(store: AdmissionStore) -> None:
+    # Proposals an earlier gate refused are steps; under a compensation key Redis tells the
+    # one the processor proposed (a failed compensation) from any other.
+    key, comp_key = _awaiting_compensation(store, payload="h-undo")
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_FINAL"
+    fields = {"repair": False, "comp": comp_key, "comp_hash": "h-undo", "tool": "refund_order"}
+    real = step(sig="s1", **fields)
+    borrowed = [step(sig="s2", **{**fields, "comp_hash": "h-other"}),
+                step(sig="s3", **{**fields, "tool": "search_kb"}),
+                step(sig="s4", **{**fields, "comp": "compensate:nobody"})]  # fmt: skip
+    assert whys(store.apply([real, *borrowed])) == [None] + ["compensation_unrequested"] * 3
 
 
 def test_a_compensation_key_nobody_asked_for_is_refused(store: AdmissionStore) -> None:

@@ -357,6 +357,28 @@ def test_a_compensation_a_gate_refuses_fails_and_escalates(bench: Bench) -> None
     assert compensation_key(key) not in [c.idempotency_key for c in bench.calls]
 
 
+def test_a_compensation_its_approvers_reject_fails_and_escalates(bench: Bench) -> None:
+    pid, key, _ = _charge(bench, 12.5, "WO-55507-A")
+    assert bench.result(pid)["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
+    comp = compensation_proposal_id(key)
+    parked = bench.client.wait(comp, 60)
+    assert parked["decision"] == "PENDING_APPROVAL", parked["result_payload"]["errors"]
+    no = approval(bench.settings, "ops-1", parked, decision="rejected", reason="not today")
+    publish_approvals(bench.settings, parked["run_id"], [no])
+    deadline = time.monotonic() + 60
+    while not any(o["decision"] == "REJECTED" for o in bench.client.history(comp)):
+        assert time.monotonic() < deadline, bench.client.history(comp)
+        time.sleep(0.2)
+    [refused] = [o for o in bench.client.history(comp) if o["decision"] == "REJECTED"]
+    assert (refused["gate"], refused["status"]["taxonomy_class"]) == (
+        "approval", "COMPENSATION_FAILED",
+    )  # fmt: skip
+    assert refused["status"]["escalate"] is True
+    assert refused["allowed_tools"] == ["handoff_to_human"]
+    assert [e["code"] for e in refused["result_payload"]["errors"]][-1] == "compensation_refused"
+    assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
+
+
 def test_compensation_arguments_an_executor_garbles_go_to_an_operator(
     bench: Bench, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,7 @@ from processor.codec.records import encode_result
 from processor.contracts.registry import ContractSet
 from processor.model import RESPONSE_VECTORS, Decision, Outcome, TaxonomyClass
 from processor.results import (
+    ADMITTED,
     COMPENSATION_PREFIX,
     ResultInput,
     compensation_key,
@@ -104,7 +105,10 @@ def test_a_compensation_refused_by_a_gate_fails_and_escalates(contracts: Contrac
     d = decide_envelope(_compensation_envelope(arguments=bad), contracts)
     assert d.outcome is Outcome.REJECTED and d.rejection is not None
     gate, codes = d.gate, _codes(d)
+    # Not known yet to be the processor's compensation: its answer stays.
+    assert refused_compensation(d).rejection.taxonomy is TaxonomyClass.TYPE_MISMATCH
 
+    d.extra[ADMITTED] = True  # Redis found it is the compensation the original asked for
     refused_compensation(d)
     rej = d.rejection
     assert rej.taxonomy is TaxonomyClass.COMPENSATION_FAILED
@@ -126,6 +130,7 @@ def test_a_compensation_refused_by_a_gate_fails_and_escalates(contracts: Contrac
 def test_other_refusals_keep_their_answer(contracts: ContractSet, fields: dict[str, Any]) -> None:
     bad = {**REFUND, "amount": "all of it"}
     d = decide_envelope(_compensation_envelope(arguments=bad, **fields), contracts)
+    d.extra[ADMITTED] = True
     before = d.rejection
     assert refused_compensation(d).rejection is before
     assert before is not None and before.taxonomy is TaxonomyClass.TYPE_MISMATCH
@@ -145,3 +150,29 @@ def test_a_borrowed_compensation_key_keeps_its_refusal(contracts: ContractSet) -
     assert d.call is None and d.approval_request is None
     assert refused_compensation(d).rejection.taxonomy is TaxonomyClass.PERMISSION_DENIED
     assert COMPENSATION_PREFIX in d.rejection.errors[-1].message
+
+
+def test_a_copy_refused_while_the_real_one_runs_keeps_its_answer(contracts: ContractSet) -> None:
+    from processor.gates.budget import apply_verdict
+    from processor.policy import Budgets
+
+    d = decide_envelope(_compensation_envelope(), contracts)
+    verdict = {"ok": False, "why": "in_flight", "retry_after_ms": 500}
+    d = apply_verdict(d, verdict, Budgets(), contracts.versions("refund_order")[0])
+    d.extra[ADMITTED] = True
+    assert refused_compensation(d).rejection.taxonomy is TaxonomyClass.IDEMPOTENCY_CONFLICT
+
+
+def test_an_expired_callers_token_fails_the_compensation(contracts: ContractSet) -> None:
+    # Refused before Redis is asked, so only this identity refusal is taken as the
+    # processor's compensation failing: a missing or forged token is anyone's.
+    from processor.model import FieldError, Gate, Rejection
+
+    for code, failed in (("token_expired", True), ("token_missing", False)):
+        d = decide_envelope(_compensation_envelope(), contracts)
+        d.outcome, d.gate, d.call = Outcome.REJECTED, Gate.IDENTITY, None
+        err = FieldError("principal_token", "no", code)
+        d.rejection = Rejection(TaxonomyClass.PERMISSION_DENIED, Gate.IDENTITY, (err,), "stop")
+        got = refused_compensation(d).rejection
+        assert got is not None
+        assert (got.taxonomy is TaxonomyClass.COMPENSATION_FAILED) is failed, code
