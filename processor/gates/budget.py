@@ -248,6 +248,36 @@ _BUDGET_TEXT = {
 }
 
 
+_IDEMPOTENCY_REFUSALS: dict[str, tuple[TaxonomyClass, str | None, str, str, str]] = {
+    "signature_mismatch": (
+        TaxonomyClass.SIGNATURE_MISMATCH,
+        "idempotency_key",
+        "this idempotency key was already used for a call with other arguments",
+        "idempotency_key_reused",
+        "Nothing ran. An idempotency key names one operation: use a new key for a new "
+        "operation, or resend the original arguments to retry the original one.",
+    ),
+    "compensation_unrequested": (
+        TaxonomyClass.PERMISSION_DENIED,
+        "idempotency_key",
+        "keys starting with 'compensate:' are reserved for the compensating calls the "
+        "processor proposes, and none was proposed with this key and these arguments",
+        UNREQUESTED_COMPENSATION,
+        "Nothing ran. Do not use a 'compensate:' idempotency key: propose the call under a "
+        "key of your own, or wait for the compensating call you were told of.",
+    ),
+    "replay_changed": (
+        TaxonomyClass.DEPENDENCY_UNAVAILABLE,
+        None,
+        "decided again after a failure, and differently: what it depends on changed",
+        "replay_changed",
+        "Nothing ran. Propose the same call again; it is decided afresh.",
+    ),
+}
+"""Admission's refusals on a key that wait for nothing: class, field, message, code and
+next action."""
+
+
 def _refused(
     d: Decision,
     taxonomy: TaxonomyClass,
@@ -312,37 +342,10 @@ def apply_verdict(
             f"its result, or retry with the same idempotency key after {wait / 1000:.1f} s."
         )
         return _refused(d, TaxonomyClass.IDEMPOTENCY_CONFLICT, Gate.IDEMPOTENCY, error, action)
-    if why == "signature_mismatch":
-        error = FieldError(
-            "idempotency_key",
-            "this idempotency key was already used for a call with other arguments",
-            "idempotency_key_reused",
-        )
-        action = (
-            "Nothing ran. An idempotency key names one operation: use a new key for a new "
-            "operation, or resend the original arguments to retry the original one."
-        )
-        return _refused(d, TaxonomyClass.SIGNATURE_MISMATCH, Gate.IDEMPOTENCY, error, action)
-    if why == "compensation_unrequested":
-        error = FieldError(
-            "idempotency_key",
-            "keys starting with 'compensate:' are reserved for the compensating calls the "
-            "processor proposes, and none was proposed with this key and these arguments",
-            UNREQUESTED_COMPENSATION,
-        )
-        action = (
-            "Nothing ran. Do not use a 'compensate:' idempotency key: propose the call "
-            "under a key of your own, or wait for the compensating call you were told of."
-        )
-        return _refused(d, TaxonomyClass.PERMISSION_DENIED, Gate.IDEMPOTENCY, error, action)
-    if why == "replay_changed":
-        error = FieldError(
-            None,
-            "decided again after a failure, and differently: what it depends on changed",
-            "replay_changed",
-        )
-        action = "Nothing ran. Propose the same call again; it is decided afresh."
-        return _refused(d, TaxonomyClass.DEPENDENCY_UNAVAILABLE, Gate.IDEMPOTENCY, error, action)
+    refusal = _IDEMPOTENCY_REFUSALS.get(why)
+    if refusal is not None:
+        taxonomy, field, message, code, action = refusal
+        return _refused(d, taxonomy, Gate.IDEMPOTENCY, FieldError(field, message, code), action)
     if why == "idempotent_hit":
         return cached_answer(d, verdict)
     error = FieldError(None, f"admission refused ({why})", "admission_refused")
