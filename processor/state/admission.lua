@@ -25,9 +25,9 @@
 -- costs a few microseconds from Lua, and this makes the commands per batch a handful,
 -- not a few per item.
 --
--- Replay safety: every verdict is kept, with its item's kind, in the tenant's 'done'
--- hash under its input record's position (topic/partition/offset) until the batch's
--- Kafka transaction commits. A batch applied again after an aborted transaction gets the verdicts it got
+-- Replay safety: every verdict is kept in the tenant's 'done' hash under its input
+-- record's position (topic/partition/offset) until the batch's Kafka transaction
+-- commits. A batch applied again after an aborted transaction gets the verdicts it got
 -- the first time, and no counter or record moves twice.
 
 local base = KEYS[1]
@@ -248,7 +248,10 @@ local COMPENSATION = 'compensate:'
 -- compensation that failed, only when the original's record names that key, this very
 -- tool and this very payload (see settle).
 local function unrequested(ikey, hash, tool)
-  if string.sub(ikey, 1, #COMPENSATION) ~= COMPENSATION then return false end
+  -- (the first byte first: most keys are derived ones, 'ik:...')
+  if string.byte(ikey, 1) ~= 99 or string.sub(ikey, 1, #COMPENSATION) ~= COMPENSATION then
+    return false
+  end
   local orig = record_of(string.sub(ikey, #COMPENSATION + 1))
   return not (orig and orig.k == ikey and orig.kh == hash and orig.kt == tool)
 end
@@ -372,13 +375,14 @@ local fresh = {}
 for i, a in ipairs(items) do
   if earlier[i] then
     -- The verdict of this very position, unless the record was decided as another kind
-    -- of item this time (the world changed between the two: a refused proposal is now
-    -- a call). A call never takes a refusal's verdict: it would go with no record.
-    local kind, text = string.match(earlier[i], '^(%d)|(.*)$')
-    if tonumber(kind) == a[1] then
-      out[i] = text
-    else
+    -- of item this time (the world changed between the two: a refused proposal is now a
+    -- call). A call never takes a refusal's or a release's "ok" (written 'ok|0'; a call's
+    -- own names its attempt, 1 or more): it would go with no record and no charge. Any
+    -- other verdict a call could take refuses it or answers from its key's record.
+    if a[1] == 1 and earlier[i] == 'ok|0' then
       out[i] = 'no|replay_changed|0'
+    else
+      out[i] = earlier[i]
     end
   else
     local c = unwire(a)
@@ -394,7 +398,7 @@ for i, a in ipairs(items) do
     end
     local text = encode(verdict)
     fresh[#fresh + 1] = c.pos
-    fresh[#fresh + 1] = a[1] .. '|' .. text
+    fresh[#fresh + 1] = text
     out[i] = text
   end
 end
