@@ -75,8 +75,8 @@ class Metrics:
         )
         self.batch_splits = PCounter(
             "toolsentry_batch_splits_total",
-            "Batches a defect stopped from being decided whole, then decided a record at a "
-            "time (the records that failed alone are answered as internal errors).",
+            "Batches (and halves of batches) a defect stopped from being decided whole, "
+            "then decided again in halves.",
             registry=registry,
         )
         self.dependency_errors = PCounter(
