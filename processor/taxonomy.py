@@ -27,7 +27,8 @@ RAISED_BY: dict[TaxonomyClass, str] = {
     _T.SIGNATURE_MISMATCH: "idempotency",
     _T.IDEMPOTENCY_CONFLICT: "idempotency",
     _T.TIMEOUT: "result (not started before its deadline)",
-    _T.DEPENDENCY_UNAVAILABLE: "result (retryable failure)",
+    _T.DEPENDENCY_UNAVAILABLE: "result (retryable failure); idempotency (a replay decided "
+    "otherwise)",
     _T.PARTIAL_SUCCESS: "result (failed after committing steps of a resumable tool)",
     _T.COMPENSATION_REQUIRED: "result (failed after committing steps of any other tool)",
     _T.COMPENSATION_FAILED: "result (the compensating call failed); any gate refusing the "
