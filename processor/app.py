@@ -634,7 +634,7 @@ class Processor:
             decisions = self._settle(self._admit(slots, now_ms), now_ms)
             self._admit_releases(decisions, now_ms)
             for d in decisions:
-                if d.outcome is Outcome.REJECTED:
+                if d.outcome is Outcome.REJECTED and is_compensation(d.proposal):
                     refused_compensation(d)
             faults.point("after_redis")
             faults.poison(s.value for s in srcs)

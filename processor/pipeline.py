@@ -118,11 +118,17 @@ def idempotency_key(
     return "ik:" + hashlib.sha256(material).hexdigest()
 
 
+def hash_payload(canonical: bytes) -> str:
+    """A call's payload hash, from its canonical arguments (``canonical_json``): what
+    idempotency records, approvals and compensation keys are bound to."""
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
 def _route(
     p: Proposal, contract: Contract, now_ms: int, principal: Principal | None = None
 ) -> ApprovedCall:
     args = canonical_json(p.arguments)
-    payload_hash = "sha256:" + hashlib.sha256(args).hexdigest()
+    payload_hash = hash_payload(args)
     return ApprovedCall(
         call_id=p.proposal_id,
         tool_name=contract.name,

@@ -31,7 +31,12 @@ import orjson
 from processor.codec.records import decode_result
 from processor.contracts.registry import Contract, ContractSet
 from processor.contracts.validation import ArgumentValidator
-from processor.gates.budget import COMPENSATION_PREFIX, HANDOFF_TOOL, UNREQUESTED_COMPENSATION
+from processor.gates.budget import (
+    COMPENSATION_PREFIX,
+    HANDOFF_TOOL,
+    UNREQUESTED_COMPENSATION,
+    is_compensation_key,
+)
 from processor.model import (
     Decision,
     FieldError,
@@ -44,7 +49,7 @@ from processor.model import (
     SourceRecord,
     TaxonomyClass,
 )
-from processor.pipeline import canonical_json
+from processor.pipeline import canonical_json, hash_payload
 from processor.state.admission import Item
 
 RESUMABLE = frozenset({"idempotent_write", "retryable_post_pivot"})
@@ -74,7 +79,7 @@ ADMITTED = "admitted"
 
 
 def is_compensation(p: Proposal | None) -> bool:
-    return p is not None and (p.idempotency_key or "").startswith(COMPENSATION_PREFIX)
+    return p is not None and is_compensation_key(p.idempotency_key)
 
 
 def compensation_key(idempotency_key: str) -> str:
@@ -92,11 +97,6 @@ def compensation_arguments(r: dict[str, Any]) -> dict[str, Any] | None:
     except orjson.JSONDecodeError:
         return None
     return value if isinstance(value, dict) else None
-
-
-def payload_hash(arguments: Any) -> str:
-    """The payload hash of a call with these arguments, as the route gate computes it."""
-    return "sha256:" + hashlib.sha256(canonical_json(arguments)).hexdigest()
 
 
 def compensation_proposal_id(idempotency_key: str) -> str:
@@ -148,7 +148,7 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
     """The record's new state, the failure as the taxonomy says it, the final answer."""
     attempt = int(r["attempt"])
     tool = r["tool_name"]
-    compensating = r["idempotency_key"].startswith(COMPENSATION_PREFIX)
+    compensating = is_compensation_key(r["idempotency_key"])
     if r["outcome"] == "SUCCEEDED":
         problem = _unreadable(r.get("data"), contract)
         if problem is None:
@@ -300,7 +300,7 @@ def settle_item(
 ) -> tuple[str, Item]:
     r = item.result
     key = r["idempotency_key"]
-    compensates = key[len(COMPENSATION_PREFIX) :] if key.startswith(COMPENSATION_PREFIX) else None
+    compensates = key[len(COMPENSATION_PREFIX) :] if is_compensation_key(key) else None
     return item.tenant_id, {
         "kind": "result",
         "pos": position,
@@ -328,7 +328,8 @@ def wants_compensation(item: ResultInput, contracts: ContractSet) -> Compensatio
     if contract is None or not contract.compensation_tool or arguments is None:
         return None
     key = compensation_key(r["idempotency_key"])
-    return Compensation(contract.compensation_tool, arguments, key, payload_hash(arguments))
+    digest = hash_payload(canonical_json(arguments))
+    return Compensation(contract.compensation_tool, arguments, key, digest)
 
 
 def compensation_proposal(item: ResultInput, comp: Compensation, token: str | None) -> bytes:
@@ -365,7 +366,7 @@ def refused_compensation(d: Decision) -> Decision:
         return d
     key = p.idempotency_key or ""
     if (
-        not key.startswith(COMPENSATION_PREFIX)
+        not is_compensation_key(key)
         or p.proposal_id != compensation_proposal_id(key[len(COMPENSATION_PREFIX) :])
         or rej.taxonomy is _T.IDEMPOTENCY_CONFLICT
     ):

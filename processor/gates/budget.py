@@ -30,7 +30,7 @@ from processor.model import (
     Rejection,
     TaxonomyClass,
 )
-from processor.pipeline import canonical_json
+from processor.pipeline import canonical_json, hash_payload
 from processor.policy import Budgets
 from processor.state.admission import Item, Verdict, call_item, rate_of
 
@@ -170,12 +170,16 @@ def admission_item(
     return None
 
 
+def is_compensation_key(key: str | None) -> bool:
+    return key is not None and key.startswith(COMPENSATION_PREFIX)
+
+
 def _compensation_fields(p: Proposal) -> dict[str, str]:
     key = p.idempotency_key
-    if not key or not key.startswith(COMPENSATION_PREFIX) or p.arguments is None:
+    if not is_compensation_key(key) or p.arguments is None:
         return {}
-    digest = "sha256:" + hashlib.sha256(canonical_json(p.arguments)).hexdigest()
-    return {"comp": key, "comp_hash": digest, "tool": p.tool_name or ""}
+    digest = hash_payload(canonical_json(p.arguments))
+    return {"comp": key or "", "comp_hash": digest, "tool": p.tool_name or ""}
 
 
 def release_item(d: Decision) -> tuple[str, Item]:

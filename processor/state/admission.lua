@@ -19,11 +19,11 @@
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, c call, d deadline,
 -- w awaiting approval, a attempt, r run, t token, x result id, k compensation key,
--- kh and kt the compensation's payload hash and tool, v cached answer); a run's counters are JSON too. Every record and run the batch names
--- is read before anything is decided, kept in this script while the batch is decided,
--- and written once at the end, a hash at a time (see idem_bucket): a Redis command
--- costs a few microseconds from Lua, and this makes the commands per batch a handful,
--- not a few per item.
+-- kh and kt the compensation's payload hash and tool, v cached answer); a run's counters
+-- are JSON too. Every record and run the batch names is read before anything is
+-- decided, kept in this script while the batch is decided, and written once at the end,
+-- a hash at a time (see idem_bucket): a Redis command costs a few microseconds from Lua,
+-- and this makes the commands per batch a handful, not a few per item.
 --
 -- Replay safety: every verdict is kept in the tenant's 'done' hash under its input
 -- record's position (topic/partition/offset) until the batch's Kafka transaction

@@ -39,7 +39,7 @@ from processor.client import ToolsentryClient
 from processor.codec.avro import codec
 from processor.config import Settings
 from processor.identity import TokenIssuer
-from processor.pipeline import canonical_json
+from processor.pipeline import canonical_json, hash_payload
 from processor.reference_data import publish_references, wait_until_loaded
 from processor.state.approvals import ApprovalStore
 from processor.state.connection import connect
@@ -85,7 +85,7 @@ TRANSFER = {
 
 
 def payload_hash(arguments: dict[str, Any]) -> str:
-    return "sha256:" + hashlib.sha256(canonical_json(arguments)).hexdigest()
+    return hash_payload(canonical_json(arguments))
 
 
 def new_trace() -> tuple[str, str]:

@@ -11,7 +11,17 @@ import pytest
 
 from processor.codec.records import encode_result
 from processor.contracts.registry import ContractSet
-from processor.model import RESPONSE_VECTORS, Decision, Outcome, TaxonomyClass
+from processor.gates.budget import apply_verdict
+from processor.model import (
+    RESPONSE_VECTORS,
+    Decision,
+    FieldError,
+    Gate,
+    Outcome,
+    Rejection,
+    TaxonomyClass,
+)
+from processor.policy import Budgets
 from processor.results import (
     ADMITTED,
     COMPENSATION_PREFIX,
@@ -137,9 +147,6 @@ def test_other_refusals_keep_their_answer(contracts: ContractSet, fields: dict[s
 
 
 def test_a_borrowed_compensation_key_keeps_its_refusal(contracts: ContractSet) -> None:
-    from processor.gates.budget import apply_verdict
-    from processor.policy import Budgets
-
     d = decide_envelope(_compensation_envelope(), contracts)
     assert d.outcome in (Outcome.ROUTED, Outcome.PARKED)
     verdict = {"ok": False, "why": "compensation_unrequested"}
@@ -153,9 +160,6 @@ def test_a_borrowed_compensation_key_keeps_its_refusal(contracts: ContractSet) -
 
 
 def test_a_copy_refused_while_the_real_one_runs_keeps_its_answer(contracts: ContractSet) -> None:
-    from processor.gates.budget import apply_verdict
-    from processor.policy import Budgets
-
     d = decide_envelope(_compensation_envelope(), contracts)
     verdict = {"ok": False, "why": "in_flight", "retry_after_ms": 500}
     d = apply_verdict(d, verdict, Budgets(), contracts.versions("refund_order")[0])
@@ -166,8 +170,6 @@ def test_a_copy_refused_while_the_real_one_runs_keeps_its_answer(contracts: Cont
 def test_an_expired_callers_token_fails_the_compensation(contracts: ContractSet) -> None:
     # Refused before Redis is asked, so only this identity refusal is taken as the
     # processor's compensation failing: a missing or forged token is anyone's.
-    from processor.model import FieldError, Gate, Rejection
-
     for code, failed in (("token_expired", True), ("token_missing", False)):
         d = decide_envelope(_compensation_envelope(), contracts)
         d.outcome, d.gate, d.call = Outcome.REJECTED, Gate.IDENTITY, None
