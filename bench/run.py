@@ -131,7 +131,9 @@ def with_identity(settings: Settings, directory: Path) -> tuple[Settings, list[s
     ]
     updated = settings.model_copy(
         update={
-            "identity": IdentitySettings(jwks_file=bundle.jwks),
+            "identity": IdentitySettings(
+                jwks_file=bundle.jwks, delegation_key_file=bundle.delegation
+            ),
             "approvers_file": bundle.approvers,
             "policy_file": POLICY,
         }

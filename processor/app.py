@@ -103,6 +103,7 @@ from processor.results import (
     parse_result,
     refused_compensation,
     settle_item,
+    unsigned_compensation,
     wants_compensation,
 )
 from processor.state.admission import AdmissionStore, Item
@@ -694,7 +695,12 @@ class Processor:
                 out[i] = dead_letter(x.src, "result_unknown_call", detail, Gate.RESULT)
                 continue
             if extra and status == "settled":
-                x.decision.extra["compensation"] = compensation_proposal(x, extra, v.get("tok"))
+                verifier = self.gates.verifier
+                proposal = compensation_proposal(x, extra, v.get("grant") or "", verifier)
+                if proposal is None:
+                    unsigned_compensation(x.decision, verifier)
+                else:
+                    x.decision.extra["compensation"] = proposal
             out[i] = x.decision
         for i, x in enumerate(out):
             if isinstance(x, ResultInput):  # a result nobody asked about: still answered
@@ -1013,7 +1019,8 @@ def _drain(producer: Producer) -> None:
 
 
 def _trust_files(settings: Settings) -> list[Path]:
-    files = [settings.identity.jwks_file, *settings.identity.key_files]
+    identity = settings.identity
+    files = [identity.jwks_file, *identity.key_files, identity.delegation_key_file]
     files += [settings.policy_file, settings.approvers_file]
     return [Path(f) for f in files if f is not None]
 

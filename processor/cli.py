@@ -365,6 +365,7 @@ def evaluate(
     if prepare:
         k = prepare_keys(loaded, keys)
         console.print(f"TOOLSENTRY_IDENTITY__JWKS_FILE={k.jwks.resolve()}")
+        console.print(f"TOOLSENTRY_IDENTITY__DELEGATION_KEY_FILE={k.delegation.resolve()}")
         console.print(f"TOOLSENTRY_APPROVERS_FILE={k.approvers.resolve()}")
         console.print(f"TOOLSENTRY_POLICY_FILE={loaded.policy.resolve()}")
         return
@@ -410,13 +411,17 @@ def keys_init(
         ".stack/keys"
     ),
 ) -> None:
-    """Create a development issuer key (and its JWKS) and two approvers' keys."""
+    """Create a development issuer key (and its JWKS), two approvers' keys and the
+    processor's delegation key."""
     from processor.keys import init_keys
 
     bundle = init_keys(directory)
     console.print(f"issuer private key  {bundle.issuer}")
     console.print(f"JWKS for processors {bundle.jwks}   (TOOLSENTRY_IDENTITY__JWKS_FILE)")
     console.print(f"approvers           {bundle.approvers}   (TOOLSENTRY_APPROVERS_FILE)")
+    console.print(
+        f"delegation key      {bundle.delegation}   (TOOLSENTRY_IDENTITY__DELEGATION_KEY_FILE)"
+    )
 
 
 @reference_app.command("put")

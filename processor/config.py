@@ -127,6 +127,16 @@ class IdentitySettings(BaseModel):
     """When set, tokens must carry exactly this ``iss``."""
     leeway_s: int = 30
     """Clock skew tolerated on ``exp`` and ``nbf``."""
+    delegation_key_file: Path | None = None
+    """A private JWK (Ed25519) the processor signs the compensating calls it proposes
+    with, in the original caller's name (an RFC 8693 ``act`` claim names the processor).
+    Every instance of a deployment needs the same key. Its tokens are accepted only for
+    the one compensation each is bound to. Without it, a call that needs compensating
+    cannot be compensated (``COMPENSATION_FAILED``, escalated) unless identity runs in
+    development mode."""
+    delegation_ttl_s: int = 900
+    """Lifetime of a compensating call's token: how long it may wait on
+    ``tool.proposals`` (a backlog, an outage) and still be decided."""
 
 
 class Settings(BaseSettings):

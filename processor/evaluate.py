@@ -90,9 +90,14 @@ def load_suite(directory: Path) -> Suite:
 
 @dataclass(frozen=True)
 class SuiteKeys:
-    """Where ``prepare_keys`` put things: hand ``jwks`` and ``approvers`` to the processor."""
+    """Where ``prepare_keys`` put things: hand ``jwks``, ``approvers`` and ``delegation``
+    to the processor."""
 
     directory: Path
+
+    @property
+    def delegation(self) -> Path:
+        return self.directory / "delegation.jwk"
 
     @property
     def jwks(self) -> Path:

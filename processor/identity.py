@@ -12,6 +12,12 @@ cryptography runs, which closes the algorithm-confusion attacks (an HMAC
 Verification costs tens of microseconds for the asymmetric algorithms, and an
 agent run sends many proposals under one token, so verified tokens are
 cached by their exact bytes; the time claims are checked again on every use.
+
+Compensating calls are the one kind of proposal the processor writes itself, and it
+signs them with a key of its own (``Delegator``): the original caller's claims, an
+``act`` claim naming the processor, and the one compensation key the token is good
+for. So no caller's token is kept at rest, and a compensation runs even after the
+caller's own token expired.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ DEVELOPMENT_WARNING = (
     "envelope's tenant_id"
 )
 _MAX_CACHE = 8192
+DELEGATION_ISSUER = "toolsentry"
+"""``iss`` and ``act.sub`` of the tokens the processor signs for the calls it proposes."""
 
 
 class KeyError_(ValueError):
@@ -131,20 +139,37 @@ class _Cached:
 class Verifier:
     """Turns a token into a ``Principal`` or a typed refusal."""
 
-    def __init__(self, settings: IdentitySettings, keys: dict[str, VerificationKey]) -> None:
+    def __init__(
+        self,
+        settings: IdentitySettings,
+        keys: dict[str, VerificationKey],
+        delegator: Delegator | None = None,
+    ) -> None:
         self.settings = settings
         self.keys = keys
+        self.delegator = delegator
+        """The processor's own signing key, for the compensating calls it proposes."""
         self.development = settings.mode == "development"
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
 
     @classmethod
     def from_settings(cls, settings: IdentitySettings) -> Verifier:
         keys = load_keys(settings)
+        delegator = Delegator.from_settings(settings)
+        if delegator is not None and delegator.kid in keys:
+            raise KeyError_(
+                f"the delegation key's id {delegator.kid!r} is also a trusted issuer's key id"
+            )
         if settings.mode == "development":
             logger.warning("*** %s ***", DEVELOPMENT_WARNING)
         elif not keys:
             logger.warning("no identity keys configured: every proposal will be refused")
-        return cls(settings, keys)
+        if delegator is None and settings.mode == "verify":
+            logger.warning(
+                "no identity.delegation_key_file: calls that need compensating cannot be "
+                "compensated (COMPENSATION_FAILED)"
+            )
+        return cls(settings, keys, delegator)
 
     def development_principal(self, tenant_id: str | None) -> Principal:
         return Principal(
@@ -167,7 +192,7 @@ class Verifier:
         if hit is not None:
             leeway = self.settings.leeway_s
             if now > hit.exp + leeway:
-                return _refuse("token_expired", "the principal token has expired")
+                return _expired(hit.principal.delegated_for is not None)
             if now < hit.nbf - leeway:
                 return _refuse("token_not_yet_valid", "the principal token is not valid yet")
             return hit.principal
@@ -193,23 +218,31 @@ class Verifier:
         if not isinstance(alg, str) or alg not in ALGORITHMS:
             return _refuse("token_alg_refused", f"token algorithm {alg!r} is not accepted")
         kid = header.get("kid")
-        key = self.keys.get(kid) if isinstance(kid, str) else None
+        delegated = self.delegator is not None and kid == self.delegator.kid
+        if delegated:
+            assert self.delegator is not None
+            key: VerificationKey | None = self.delegator.public
+        else:
+            key = self.keys.get(kid) if isinstance(kid, str) else None
         if key is None or not isinstance(kid, str):
             return _refuse("token_unknown_key", f"no configured key has id {kid!r}")
         if key.alg != alg:
             return _refuse("token_alg_refused", f"key {kid!r} verifies {key.alg} tokens, not {alg}")
+        required = ["exp", "iat", "aud", "sub"]
+        if delegated:
+            required += ["iss", "idempotency_key"]
         try:
             claims = jwt.decode(
                 token,
                 key.key,
                 algorithms=[key.alg],
                 audience=self.settings.audience,
-                issuer=self.settings.issuer,
+                issuer=DELEGATION_ISSUER if delegated else self.settings.issuer,
                 leeway=self.settings.leeway_s,
-                options={"require": ["exp", "iat", "aud", "sub"]},
+                options={"require": required},
             )
         except jwt.ExpiredSignatureError:
-            return _refuse("token_expired", "the principal token has expired")
+            return _expired(delegated)
         except jwt.ImmatureSignatureError:
             return _refuse("token_not_yet_valid", "the principal token is not valid yet")
         except (jwt.InvalidAudienceError, jwt.InvalidIssuerError):
@@ -222,10 +255,23 @@ class Verifier:
             return _refuse("token_claims_invalid", f"the principal token lacks {exc.claim}")
         except jwt.InvalidTokenError as exc:
             return _refuse("token_malformed", f"the principal token is unreadable: {exc}")
-        return _principal(claims, kid)
+        if not delegated:
+            return _principal(claims, kid)
+        bound = claims["idempotency_key"]
+        if claims.get("act") != {"sub": DELEGATION_ISSUER} or not isinstance(bound, str):
+            return _refuse("token_claims_invalid", "a delegation token needs its act and key")
+        return _principal(claims, kid, bound)
 
 
-def _principal(claims: dict[str, Any], kid: str) -> _Cached | FieldError:
+def _expired(delegated: bool) -> FieldError:
+    if delegated:
+        return _refuse("delegation_expired", "the compensating call's token has expired")
+    return _refuse("token_expired", "the principal token has expired")
+
+
+def _principal(
+    claims: dict[str, Any], kid: str, delegated_for: str | None = None
+) -> _Cached | FieldError:
     tenant, agent, user = claims.get("tenant_id"), claims.get("agent_id"), claims.get("sub")
     for name, value in (("tenant_id", tenant), ("agent_id", agent), ("sub", user)):
         if not isinstance(value, str) or not value:
@@ -251,6 +297,7 @@ def _principal(claims: dict[str, Any], kid: str) -> _Cached | FieldError:
         scopes=scopes,
         clearance=str(clearance),
         key_id=kid,
+        delegated_for=delegated_for,
     )
     return _Cached(principal, float(exp), float(nbf))
 
@@ -294,6 +341,72 @@ class TokenIssuer:
             **extra,
         }
         return jwt.encode(claims, self.private_key, algorithm=self.alg, headers={"kid": self.kid})
+
+
+def grant_of(principal: Principal) -> str:
+    """What a compensating call needs, later, to act in ``principal``'s name: its claims,
+    which are no credential (its token is not kept). Empty when it was not verified."""
+    if not principal.verified:
+        return ""
+    claims = {
+        "sub": principal.user_id,
+        "agent_id": principal.agent_id,
+        "scope": " ".join(sorted(principal.scopes)),
+        "clearance": principal.clearance,
+    }
+    return orjson.dumps(claims).decode()
+
+
+class Delegator:
+    """The processor's signing key for the calls it proposes itself (compensations).
+
+    A token it mints carries the original caller's claims (``grant_of``), ``act``
+    naming the processor, and the one idempotency key it is good for; the identity
+    gate refuses it under any other key, and admission admits a compensation key only
+    with the tool and payload the original's record names."""
+
+    def __init__(self, issuer: TokenIssuer, ttl_s: int) -> None:
+        self.issuer, self.ttl_s = issuer, ttl_s
+        self.kid = issuer.kid
+        public = issuer.private_key.public_key()
+        self.public = VerificationKey(issuer.kid, issuer.alg, public)
+
+    @classmethod
+    def from_settings(cls, settings: IdentitySettings) -> Delegator | None:
+        if settings.delegation_key_file is None:
+            return None
+        path = Path(settings.delegation_key_file)
+        try:
+            issuer = TokenIssuer.from_jwk_file(path, settings.audience)
+        except (OSError, ValueError, KeyError, jwt.PyJWKError) as exc:
+            raise KeyError_(f"{path}: not a private JWK: {exc}") from exc
+        if not isinstance(issuer.private_key, ed25519.Ed25519PrivateKey):
+            raise KeyError_(f"{path}: the delegation key must be a private Ed25519 key")
+        return cls(issuer, settings.delegation_ttl_s)
+
+    def mint(
+        self, tenant_id: str, grant: str, idempotency_key: str, now: float | None = None
+    ) -> str | None:
+        """A token for the call under ``idempotency_key``; None when ``grant`` is unreadable."""
+        try:
+            claims = orjson.loads(grant)
+        except orjson.JSONDecodeError:
+            return None
+        fields = ("sub", "agent_id", "scope", "clearance")
+        if not isinstance(claims, dict) or not all(isinstance(claims.get(f), str) for f in fields):
+            return None
+        return self.issuer.mint(
+            tenant_id,
+            claims["sub"],
+            claims["agent_id"],
+            claims["scope"].split(),
+            claims["clearance"],
+            ttl_s=self.ttl_s,
+            now=now,
+            iss=DELEGATION_ISSUER,
+            act={"sub": DELEGATION_ISSUER},
+            idempotency_key=idempotency_key,
+        )
 
 
 def generate_ed25519_jwk(kid: str) -> tuple[dict[str, str], dict[str, str]]:

@@ -6,7 +6,9 @@ integration tests need to run with identity verification switched *on*:
 - ``issuer.jwk``: the private Ed25519 key a stand-in identity provider signs
   principal tokens with, and ``jwks.json``, its public half for the processor;
 - one Ed25519 key per approver (``approver-<id>.jwk``) and ``approvers.yaml``
-  listing their public keys and the classes each may approve.
+  listing their public keys and the classes each may approve;
+- ``delegation.jwk``: the processor's own private key, which signs the compensating
+  calls it proposes in a caller's name.
 
 Production deployments bring their own identity provider's JWKS and their
 approvers' public keys; nothing here is meant for them.
@@ -23,6 +25,7 @@ from processor.identity import generate_ed25519_jwk
 from processor.model import SideEffectClass
 
 DEFAULT_APPROVERS = ("ops-1", "ops-2")
+DELEGATION_KID = "toolsentry-delegation"
 APPROVAL_CLASSES = (
     SideEffectClass.MEDIUM_RISK_WRITE,
     SideEffectClass.HIGH_RISK_EXTERNAL,
@@ -36,6 +39,7 @@ class KeyBundle:
     issuer: Path
     jwks: Path
     approvers: Path
+    delegation: Path
 
     def approver_key(self, approver_id: str) -> Path:
         return self.directory / f"approver-{approver_id}.jwk"
@@ -56,12 +60,18 @@ def init_keys(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     bundle = KeyBundle(
-        directory, directory / "issuer.jwk", directory / "jwks.json", directory / "approvers.yaml"
+        directory,
+        directory / "issuer.jwk",
+        directory / "jwks.json",
+        directory / "approvers.yaml",
+        directory / "delegation.jwk",
     )
     if not bundle.issuer.exists():
         private, public = generate_ed25519_jwk(issuer_kid)
         _write_private(bundle.issuer, private)
         bundle.jwks.write_text(json.dumps({"keys": [public]}, indent=2) + "\n")
+    if not bundle.delegation.exists():
+        _write_private(bundle.delegation, generate_ed25519_jwk(DELEGATION_KID)[0])
     classes = (
         approvers if isinstance(approvers, dict) else dict.fromkeys(approvers, APPROVAL_CLASSES)
     )

@@ -194,6 +194,9 @@ class Principal:
     clearance: str
     verified: bool = True
     key_id: str | None = None
+    delegated_for: str | None = None
+    """Set on a principal the processor vouches for (a compensating call it proposed in
+    the original caller's name): the only idempotency key it may act under."""
 
     @property
     def clearance_rank(self) -> int:

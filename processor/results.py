@@ -7,11 +7,13 @@ and yields the call's final observation, with the result's data on success or th
 failure mapped onto the taxonomy. A result that reports committed steps before a
 failure means the world is half changed: ``COMPENSATION_REQUIRED``, and where the
 contract names a compensation tool the compensating call is proposed on
-``tool.proposals``, under the original caller's token and a key derived from the
+``tool.proposals``, in the original caller's name (a token the processor signs with
+its delegation key, good for that one call) and under a key derived from the
 original's, so it passes through every gate like any other call. When that call
 completes, the original's record becomes COMPENSATED; when it fails, or a gate refuses
-it (the caller's token expired meanwhile, the order system says it cannot be undone,
-an approver says no), ``COMPENSATION_FAILED`` and an operator must reconcile. Only the
+it (the order system says it cannot be undone, an approver says no, its token expired
+in a backlog), or it cannot be signed, ``COMPENSATION_FAILED`` and an operator must
+reconcile. Only the
 compensation the processor proposed is admitted under its key: the original's record
 names that key and its payload hash, so a proposal that borrows the key is refused.
 
@@ -37,6 +39,7 @@ from processor.gates.budget import (
     UNREQUESTED_COMPENSATION,
     is_compensation_key,
 )
+from processor.identity import Verifier
 from processor.model import (
     Decision,
     FieldError,
@@ -332,9 +335,20 @@ def wants_compensation(item: ResultInput, contracts: ContractSet) -> Compensatio
     return Compensation(contract.compensation_tool, arguments, key, digest)
 
 
-def compensation_proposal(item: ResultInput, comp: Compensation, token: str | None) -> bytes:
-    """The compensating call, as a proposal envelope on ``tool.proposals``."""
+def compensation_proposal(
+    item: ResultInput, comp: Compensation, grant: str, verifier: Verifier
+) -> bytes | None:
+    """The compensating call, as a proposal envelope on ``tool.proposals``, signed in the
+    name ``grant`` (the original principal's claims) describes; None when it cannot be
+    signed (no delegation key, or a record kept no readable grant)."""
     r = item.result
+    token = None
+    if not verifier.development:
+        if verifier.delegator is None or not grant:
+            return None
+        token = verifier.delegator.mint(r["tenant_id"], grant, comp.key)
+        if token is None:
+            return None
     env: dict[str, Any] = {
         "proposal_id": compensation_proposal_id(r["idempotency_key"]),
         "created_at": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
@@ -350,6 +364,29 @@ def compensation_proposal(item: ResultInput, comp: Compensation, token: str | No
     return orjson.dumps(env)
 
 
+def unsigned_compensation(d: Decision, verifier: Verifier) -> Decision:
+    """A call that needs compensating whose compensation cannot be proposed: nobody can
+    sign it in the caller's name. It escalates now rather than wait for nothing."""
+    rej = d.rejection
+    assert rej is not None
+    why = (
+        "no delegation key is configured (identity.delegation_key_file)"
+        if verifier.delegator is None
+        else "its record keeps no principal to act for"
+    )
+    error = FieldError(None, f"the compensating call cannot be signed: {why}",
+                       "compensation_unsigned")  # fmt: skip
+    action = (
+        f"{d.contract_name or 'The call'} failed after committing a step, and its "
+        "compensating call cannot be proposed. Do not retry; tell the user an operator will "
+        "reconcile it and call handoff_to_human."
+    )
+    d.rejection = Rejection(
+        _T.COMPENSATION_FAILED, rej.gate, (*rej.errors, error), action, (HANDOFF_TOOL,)
+    )
+    return d
+
+
 def refused_compensation(d: Decision) -> Decision:
     """A compensating call the processor proposed that a gate refuses is a failed
     compensation: nobody will propose it again, and the earlier step stays committed.
@@ -357,8 +394,9 @@ def refused_compensation(d: Decision) -> Decision:
 
     Only a refusal known to be of that call counts: one Redis checked against the
     original's record (``admitted``: the key, the tool and the payload the processor
-    proposed), one of its approvers (it was checked when parked), or its caller's token
-    having expired since (a refusal before anything is read from Redis). A copy refused
+    proposed), one of its approvers (it was checked when parked), or the token the
+    processor signed for it having expired (a refusal before anything is read from
+    Redis; nobody else holds that key). A copy refused
     while the real one is in flight, and a proposal that only borrows the key, keep their
     own answers."""
     p, rej = d.proposal, d.rejection
@@ -377,7 +415,7 @@ def refused_compensation(d: Decision) -> Decision:
     known = (
         d.extra.get(ADMITTED) is True
         or d.gate is Gate.APPROVAL
-        or (d.gate is Gate.IDENTITY and "token_expired" in codes)
+        or (d.gate is Gate.IDENTITY and "delegation_expired" in codes)
     )
     if not known:
         return d

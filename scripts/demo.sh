@@ -12,6 +12,7 @@ mkdir -p .stack/logs
 # and two operators' keys approve what needs approval.
 $ts keys init .stack/keys
 export TOOLSENTRY_IDENTITY__JWKS_FILE=.stack/keys/jwks.json
+export TOOLSENTRY_IDENTITY__DELEGATION_KEY_FILE=.stack/keys/delegation.jwk
 export TOOLSENTRY_APPROVERS_FILE=.stack/keys/approvers.yaml
 $ts run --instance-id demo > .stack/logs/processor.log 2>&1 &
 processor=$!

@@ -25,7 +25,9 @@ def _with_identity(settings: Settings, keys_dir: Path) -> Settings:
     bundle = init_keys(keys_dir, TEST_APPROVERS)
     return settings.model_copy(
         update={
-            "identity": IdentitySettings(jwks_file=bundle.jwks),
+            "identity": IdentitySettings(
+                jwks_file=bundle.jwks, delegation_key_file=bundle.delegation
+            ),
             "approvers_file": bundle.approvers,
             "policy_file": LOAD_POLICY,
         }

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from processor.contracts.registry import Contract
+from processor.identity import grant_of
 from processor.model import (
     Decision,
     FieldError,
@@ -134,8 +135,9 @@ def admission_item(
             grace=budgets.in_flight_grace_ms,
             ttl=rt.ttl_ms,
             park=d.outcome is Outcome.PARKED,
-            # Kept only where a compensating call may have to be proposed in its name.
-            tok=(p.principal_token or "") if contract.compensation_tool else "",
+            # Kept only where a compensating call may have to be proposed in its name:
+            # the principal's claims, never its token (no credential at rest).
+            grant=grant_of(principal) if contract.compensation_tool else "",
             exempt=contract.name == HANDOFF_TOOL,
         )
         return tenant, item

@@ -35,6 +35,17 @@ def identify(p: Proposal, verifier: Verifier, now_s: float) -> Principal | Rejec
         if isinstance(verified, FieldError):
             return _deny(verified, _TOKEN_ACTION.format(reason=verified.message))
         principal = verified
+    if principal.delegated_for is not None and principal.delegated_for != p.idempotency_key:
+        return _deny(
+            FieldError(
+                "principal_token",
+                "the token was issued for another call",
+                "delegation_misused",
+                expected=principal.delegated_for,
+                actual=p.idempotency_key,
+            ),
+            "Do not retry: a token the processor issued is good for its own call only.",
+        )
     if p.tenant_id != principal.tenant_id:
         return _deny(
             FieldError(

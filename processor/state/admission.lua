@@ -13,17 +13,18 @@
 -- ARGV[3]  how long a run's counters live after the day of their last use (ms)
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
--- "hit|<state>|<call>|<cached answer>", or a result's "settled[|tok|<token>]",
+-- "hit|<state>|<call>|<cached answer>", or a result's "settled[|grant|<claims>]",
 -- "settled|compensated|<key>", "duplicate", "stale|<state>", "unknown". Short strings,
 -- not JSON: decoding and encoding are most of a script's cost per item.
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, c call, d deadline,
--- w awaiting approval, a attempt, r run, t token, x result id, k compensation key,
--- kh and kt the compensation's payload hash and tool, v cached answer); a run's counters
--- are JSON too. Every record and run the batch names is read before anything is
--- decided, kept in this script while the batch is decided, and written once at the end,
--- a hash at a time (see idem_bucket): a Redis command costs a few microseconds from Lua,
--- and this makes the commands per batch a handful, not a few per item.
+-- w awaiting approval, a attempt, r run, t the principal's claims a compensation would
+-- act for (never a token), x result id, k compensation key, kh and kt the compensation's
+-- payload hash and tool, v cached answer); a run's counters are JSON too. Every record
+-- and run the batch names is read before anything is decided, kept in this script while
+-- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
+-- a Redis command costs a few microseconds from Lua, and this makes the commands per
+-- batch a handful, not a few per item.
 --
 -- Replay safety: every verdict is kept in the tenant's 'done' hash under its input
 -- record's position (topic/partition/offset) until the batch's Kafka transaction
@@ -46,7 +47,7 @@ local function unwire(a)
     local t = H.tools[a[4]]
     return {kind = 'call', pos = a[2], run = a[3], tool = a[4], group = a[5], sig = a[6],
             ikey = a[7], hash = a[8], call = a[9], deadline = a[10], park = a[11] == 1,
-            tok = a[12], cost = t[1], rate = t[2] > 0 and {t[2], t[3]} or nil, ttl = t[4],
+            grant = a[12], cost = t[1], rate = t[2] > 0 and {t[2], t[3]} or nil, ttl = t[4],
             exempt = t[5] == 1,
             class_budget = H.classes[a[5]] or 0, steps = H.steps, repeats = H.repeats,
             cost_cap = H.cost_cap, day_cap = opt(H.day_cap), day = H.day, now = H.now,
@@ -67,7 +68,7 @@ end
 
 local function encode(v)
   if v.status then
-    if v.tok then return 'settled|tok|' .. v.tok end
+    if v.grant then return 'settled|grant|' .. v.grant end
     if v.compensated then return 'settled|compensated|' .. v.compensated end
     if v.state then return v.status .. '|' .. v.state end
     return v.status
@@ -295,7 +296,7 @@ local function admit_call(c)
   if not charged then charge(c) end
   local next_attempt = charged and math.max(attempt, 1) or attempt + 1
   put_record(c.ikey, {s = 'PENDING', h = c.hash, c = c.call, d = c.deadline,
-                      w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.tok}, c.ttl)
+                      w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant}, c.ttl)
   return {ok = true, attempt = next_attempt}
 end
 
@@ -337,14 +338,14 @@ local function settle(c)
   if not rec then return {status = 'unknown'} end
   if rec.x == c.result_id then return {status = 'duplicate'} end
   if rec.c ~= c.call or rec.s ~= 'PENDING' then return {status = 'stale', state = rec.s} end
-  local tok = rec.t
+  local grant = rec.t
   rec.s, rec.x, rec.v, rec.w, rec.t = c.state, c.result_id, c.cached, 0, nil
   local verdict = {status = 'settled'}
   if c.compensation_key then
     -- The compensating call is proposed under this key; the original is compensated
     -- once that call completes.
     rec.k, rec.kh, rec.kt = c.compensation_key, c.compensation_hash, c.compensation_tool
-    if tok and tok ~= '' then verdict.tok = tok end
+    if grant and grant ~= '' then verdict.grant = grant end
   end
   put_record(c.ikey, rec, c.ttl)
   if c.compensates and c.state == 'COMPLETED' then

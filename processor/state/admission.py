@@ -55,7 +55,7 @@ Verdict = dict[str, Any]
 # Every optional field is always sent: a missing one would read as nil in Lua, not null.
 _CALL_FIELDS = ("pos", "run", "tool", "group", "cost", "sig", "now", "rate", "steps",
                 "class_budget", "cost_cap", "day_cap", "day", "repeats", "ikey", "hash",
-                "call", "deadline", "grace", "ttl", "park", "tok", "exempt")  # fmt: skip
+                "call", "deadline", "grace", "ttl", "park", "grant", "exempt")  # fmt: skip
 
 
 def rate_of(window_sec: int, max_requests: int) -> tuple[int, int] | None:
@@ -189,7 +189,7 @@ def _day(now_ms: int | None) -> int:
 
 _RECORD_FIELDS = {
     "s": "state", "h": "hash", "c": "call", "d": "deadline", "w": "awaiting", "a": "attempt",
-    "r": "run", "t": "tok", "x": "result", "k": "compensation", "kh": "compensation_hash",
+    "r": "run", "t": "grant", "x": "result", "k": "compensation", "kh": "compensation_hash",
     "kt": "compensation_tool",
     "v": "cached",
 }  # fmt: skip
@@ -259,7 +259,7 @@ def _wire(item: Item) -> list[Any]:
     if kind == "call":
         return [1, item["pos"], item["run"], item["tool"], item["group"], item["sig"],
                 item["ikey"], item["hash"], item["call"], item["deadline"],
-                1 if item["park"] else 0, item["tok"]]  # fmt: skip
+                1 if item["park"] else 0, item["grant"]]  # fmt: skip
     if kind == "step":
         return [2, item["pos"], item["run"], item["sig"], 1 if item["repair"] else 0,
                 item.get("ikey", ""), item.get("hash", ""), item.get("comp", ""),
@@ -288,8 +288,8 @@ def parse_verdict(raw: bytes | str) -> Verdict:
                 "cached": cached}  # fmt: skip
     if head == "settled":
         what, _, value = rest.partition("|")
-        if what == "tok":
-            return {"status": "settled", "tok": value}
+        if what == "grant":
+            return {"status": "settled", "grant": value}
         if what == "compensated":
             return {"status": "settled", "compensated": value}
         return {"status": "settled"}

@@ -44,7 +44,7 @@ def call(**kw: Any) -> tuple[str, Item]:
         "cost": 0.0, "sig": uuid.uuid4().hex, "now": NOW, "rate": None, "steps": 1000,
         "class_budget": 1000, "cost_cap": 1e9, "day_cap": None, "day": "20270115",
         "repeats": 1000, "ikey": uuid.uuid4().hex, "hash": "h1", "call": uuid.uuid4().hex,
-        "deadline": NOW + 8000, "grace": 1000, "ttl": 3_600_000, "park": False, "tok": "",
+        "deadline": NOW + 8000, "grace": 1000, "ttl": 3_600_000, "park": False, "grant": "",
         "exempt": False,
     }  # fmt: skip
     tenant = kw.pop("tenant", TENANT)
@@ -324,14 +324,16 @@ def test_a_parked_call_is_released_once_whichever_path_comes_first(store: Admiss
 def _awaiting_compensation(store: AdmissionStore, payload: str = "h-undo") -> tuple[str, str]:
     """A call that failed after a committed step, its compensation proposed with the
     payload hash ``payload``: (the call's key, the compensation's key)."""
-    original = call(tok="token-of-the-caller")
+    grant = '{"sub":"u-1","agent_id":"a-1","scope":"orders:refund","clearance":"internal"}'
+    original = call(grant=grant)
     key = original[1]["ikey"]
     store.apply([original])
+    assert store.record(TENANT, key, NOW)["grant"] == grant
     comp_key = "compensate:" + key
     settled = result(original, state="FAILED_FINAL", compensation_key=comp_key,
                      compensation_hash=payload, compensation_tool="refund_order")  # fmt: skip
-    assert store.apply([settled]) == [{"status": "settled", "tok": "token-of-the-caller"}]
-    assert "tok" not in store.record(TENANT, key, NOW)  # the token is not kept after settling
+    assert store.apply([settled]) == [{"status": "settled", "grant": grant}]
+    assert "grant" not in store.record(TENANT, key, NOW)  # not kept once it was handed out
     assert store.record(TENANT, key, NOW)["compensation_hash"] == payload
     assert store.record(TENANT, key, NOW)["compensation_tool"] == "refund_order"
     return key, comp_key

@@ -26,6 +26,7 @@ def test_the_conformance_suite_passes_at_100_percent(
     keys = prepare_keys(suite, tmp_path / "keys")
     trust = {
         "TOOLSENTRY_IDENTITY__JWKS_FILE": str(keys.jwks),
+        "TOOLSENTRY_IDENTITY__DELEGATION_KEY_FILE": str(keys.delegation),
         "TOOLSENTRY_APPROVERS_FILE": str(keys.approvers),
         "TOOLSENTRY_POLICY_FILE": str(suite.policy),
     }

@@ -20,7 +20,7 @@ def test_the_demo_plays_every_step_as_scripted(stack_settings: Settings, tmp_pat
     keys = init_keys(tmp_path / "keys")
     settings = isolated(stack_settings, "demo").model_copy(
         update={
-            "identity": IdentitySettings(jwks_file=keys.jwks),
+            "identity": IdentitySettings(jwks_file=keys.jwks, delegation_key_file=keys.delegation),
             "approvers_file": keys.approvers,
             "policy_file": ROOT / "policy" / "policy.yaml",
         }

@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import pytest
 
+from processor import b64url
 from processor.approval_flow import publish_approvals
 from processor.client import ToolsentryClient
 from processor.codec.records import decode_approved_call, decode_result, encode_result
@@ -337,6 +338,60 @@ def test_a_failed_compensation_escalates(bench: Bench) -> None:
     assert failed["status"]["escalate"] is True
     assert failed["allowed_tools"] == ["handoff_to_human"]
     assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
+
+
+def _redis_values(bench: Bench) -> bytes:
+    """Everything the processor keeps in Redis under its namespace, as one blob."""
+    r = connect(bench.settings.redis_url)
+    blob = []
+    for k in r.scan_iter(f"{bench.settings.redis_namespace}:*", count=1000):
+        kind = r.type(k)
+        if kind == b"hash":
+            blob += [b for kv in r.hgetall(k).items() for b in kv]
+        elif kind == b"string":
+            blob.append(r.get(k) or b"")
+        elif kind == b"zset":
+            blob += [m for m, _ in r.zrange(k, 0, -1, withscores=True)]
+        elif kind in (b"list", b"set"):
+            blob += list(r.lrange(k, 0, -1) if kind == b"list" else r.smembers(k))
+    return b"\n".join(blob)
+
+
+def test_a_compensation_acts_for_its_caller_without_keeping_the_callers_token(
+    bench: Bench,
+) -> None:
+    # The caller's token is good for a few more seconds (the verifier allows 30 s of
+    # skew past exp): long enough to propose the charge, gone when its result comes.
+    short = token(bench.settings, TENANT, user="u-short", ttl_s=3600, now=time.time() - 3622)
+    client = ToolsentryClient(bench.settings, TENANT, principal_token=short)
+    try:
+        mine = dataclasses.replace(bench, client=client)
+        pid, key, _ = _charge(mine, 12.5, "WO-55508-A")
+        assert short.encode() not in _redis_values(bench)  # no bearer credential at rest
+        while time.time() < orjson.loads(b64url.decode(short.split(".")[1]))["exp"] + 31:
+            time.sleep(0.5)
+        gone = client.wait(mine.propose("lookup_order", {"order_id": "WO-55502-A"}), 60)
+        assert [e["code"] for e in gone["result_payload"]["errors"]] == ["token_expired"]
+
+        assert mine.result(pid)["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
+        comp = _release_compensation(mine, key)
+        done = mine.result(comp)
+        assert done["decision"] == "COMPLETED", done["result_payload"]["errors"]
+        assert bench.store.record(TENANT, key)["state"] == "COMPENSATED"
+    finally:
+        client.close()
+    # The compensating proposal was signed by the processor, in the caller's name, for
+    # that one key.
+    [proposal] = [
+        orjson.loads(m.value())
+        for m in read_all(bench.settings, bench.settings.topics.proposals, idle=1)
+        if m.value() and compensation_key(key).encode() in m.value()
+    ]
+    claims = orjson.loads(b64url.decode(proposal["principal_token"].split(".")[1]))
+    assert (claims["sub"], claims["tenant_id"], claims["iss"]) == ("u-short", TENANT, "toolsentry")
+    assert claims["act"] == {"sub": "toolsentry"}
+    assert claims["idempotency_key"] == compensation_key(key)
+    assert short.encode() not in _redis_values(bench)
 
 
 def test_a_compensation_a_gate_refuses_fails_and_escalates(bench: Bench) -> None:

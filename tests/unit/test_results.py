@@ -10,8 +10,10 @@ import orjson
 import pytest
 
 from processor.codec.records import encode_result
+from processor.config import IdentitySettings
 from processor.contracts.registry import ContractSet
 from processor.gates.budget import apply_verdict
+from processor.identity import Verifier
 from processor.model import (
     RESPONSE_VECTORS,
     Decision,
@@ -79,7 +81,11 @@ def test_the_compensation_is_admitted_under_the_hash_its_route_gate_computes(
 
     # The record keeps comp.payload_hash; admission compares it with the hash of the call
     # the proposal becomes. They must be the same, or every compensation would be refused.
-    proposed = orjson.loads(compensation_proposal(item, comp, token=None))
+    development = Verifier(IdentitySettings(mode="development"), {})
+    proposal = compensation_proposal(item, comp, "", development)
+    assert proposal is not None
+    proposed = orjson.loads(proposal)
+    assert "principal_token" not in proposed
     assert proposed["proposal_id"] == compensation_proposal_id(KEY)
     decided = decide_envelope(proposed, contracts)
     assert decided.outcome in (Outcome.ROUTED, Outcome.PARKED), decided.rejection
@@ -167,10 +173,12 @@ def test_a_copy_refused_while_the_real_one_runs_keeps_its_answer(contracts: Cont
     assert refused_compensation(d).rejection.taxonomy is TaxonomyClass.IDEMPOTENCY_CONFLICT
 
 
-def test_an_expired_callers_token_fails_the_compensation(contracts: ContractSet) -> None:
+def test_an_expired_delegation_token_fails_the_compensation(contracts: ContractSet) -> None:
     # Refused before Redis is asked, so only this identity refusal is taken as the
-    # processor's compensation failing: a missing or forged token is anyone's.
-    for code, failed in (("token_expired", True), ("token_missing", False)):
+    # processor's compensation failing: only the processor signs delegation tokens, while
+    # an expired, missing or forged caller's token is anyone's.
+    cases = (("delegation_expired", True), ("token_expired", False), ("token_missing", False))
+    for code, failed in cases:
         d = decide_envelope(_compensation_envelope(), contracts)
         d.outcome, d.gate, d.call = Outcome.REJECTED, Gate.IDENTITY, None
         err = FieldError("principal_token", "no", code)

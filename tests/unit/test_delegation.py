@@ -1,0 +1,181 @@
+"""The processor's own tokens for the compensating calls it proposes: signed with its
+delegation key, in the original caller's name, good for one idempotency key only, and
+never a caller's token kept at rest. Pure: keys in a temp dir, no broker, no Redis."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import jwt
+import orjson
+import pytest
+
+from processor.config import IdentitySettings
+from processor.contracts.registry import ContractSet
+from processor.gates.identity import identify
+from processor.gates.parse import Limits, parse_proposal
+from processor.identity import (
+    DELEGATION_ISSUER,
+    Delegator,
+    KeyError_,
+    TokenIssuer,
+    Verifier,
+    grant_of,
+)
+from processor.keys import init_keys
+from processor.model import FieldError, Principal, Proposal, Rejection, TaxonomyClass
+from processor.results import (
+    compensation_key,
+    compensation_proposal,
+    unsigned_compensation,
+    wants_compensation,
+)
+from tests.unit.helpers import envelope, record
+from tests.unit.test_results import KEY, _charge_result
+
+TENANT = "tenant-1"
+COMP_KEY = compensation_key(KEY)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Any:
+    return init_keys(tmp_path / "keys")
+
+
+@pytest.fixture
+def verifier(keys: Any) -> Verifier:
+    return Verifier.from_settings(
+        IdentitySettings(jwks_file=keys.jwks, delegation_key_file=keys.delegation)
+    )
+
+
+def _caller(keys: Any, **kw: Any) -> str:
+    issuer = TokenIssuer.from_jwk_file(keys.issuer)
+    return issuer.mint(TENANT, "user-7", "agent-3", ["orders:refund", "orders:read"], **kw)
+
+
+def _proposal(key: str | None, token: str) -> Proposal:
+    env = envelope("refund_order", principal_token=token)
+    if key:
+        env["idempotency_key"] = key
+    parsed = parse_proposal(record(orjson.dumps(env)), Limits())
+    assert isinstance(parsed, tuple) and parsed[1] is None, parsed
+    return parsed[0]
+
+
+def _grant(verifier: Verifier, keys: Any) -> str:
+    principal = verifier.verify(_caller(keys))
+    assert isinstance(principal, Principal), principal
+    return grant_of(principal)
+
+
+def test_a_delegation_token_acts_for_the_caller_under_one_key(
+    verifier: Verifier, keys: Any
+) -> None:
+    assert verifier.delegator is not None
+    token = verifier.delegator.mint(TENANT, _grant(verifier, keys), COMP_KEY)
+    assert token is not None
+    claims = jwt.decode(token, options={"verify_signature": False})
+    assert claims["act"] == {"sub": DELEGATION_ISSUER} and claims["iss"] == DELEGATION_ISSUER
+    assert claims["idempotency_key"] == COMP_KEY
+    assert claims["exp"] - claims["iat"] == 900
+
+    got = verifier.verify(token)
+    assert isinstance(got, Principal), got
+    assert (got.tenant_id, got.user_id, got.agent_id) == (TENANT, "user-7", "agent-3")
+    assert got.scopes == {"orders:refund", "orders:read"}
+    assert got.delegated_for == COMP_KEY
+
+    assert identify(_proposal(COMP_KEY, token), verifier, time.time()) == got
+    for other in ("k-something-else", None):
+        refused = identify(_proposal(other, token), verifier, time.time())
+        assert isinstance(refused, Rejection)
+        assert refused.taxonomy is TaxonomyClass.PERMISSION_DENIED
+        assert [e.code for e in refused.errors] == ["delegation_misused"]
+
+
+def test_a_grant_is_claims_not_a_credential(verifier: Verifier, keys: Any) -> None:
+    token = _caller(keys)
+    grant = _grant(verifier, keys)
+    assert token not in grant and "." not in grant.replace("orders:", "")
+    assert orjson.loads(grant) == {
+        "sub": "user-7", "agent_id": "agent-3", "scope": "orders:read orders:refund",
+        "clearance": "internal",
+    }  # fmt: skip
+    development = Verifier(IdentitySettings(mode="development"), {})
+    assert grant_of(development.development_principal(TENANT)) == ""
+
+
+def test_an_expired_delegation_token_says_so(verifier: Verifier, keys: Any) -> None:
+    assert verifier.delegator is not None
+    old = time.time() - 7200
+    token = verifier.delegator.mint(TENANT, _grant(verifier, keys), COMP_KEY, now=old)
+    assert token is not None
+    for _ in range(2):  # first verified, then from the cache
+        got = verifier.verify(token)
+        assert isinstance(got, FieldError) and got.code == "delegation_expired"
+    fresh = verifier.delegator.mint(TENANT, _grant(verifier, keys), COMP_KEY)
+    assert isinstance(verifier.verify(fresh), Principal)
+    assert isinstance(verifier.verify(fresh, now=time.time() + 3600), FieldError)
+
+
+def test_the_delegation_key_signs_only_delegation_tokens(verifier: Verifier, keys: Any) -> None:
+    """Signed with the delegation key but without its claims: refused. An issuer's token
+    that copies the claims is an ordinary principal, good for nothing more."""
+    assert verifier.delegator is not None
+    raw = verifier.delegator.issuer
+    bare = raw.mint(TENANT, "user-7", "agent-3", ["orders:refund"])
+    no_act = raw.mint(TENANT, "u", "a", iss=DELEGATION_ISSUER, idempotency_key=COMP_KEY)
+    no_key = raw.mint(TENANT, "u", "a", iss=DELEGATION_ISSUER, act={"sub": DELEGATION_ISSUER})
+    for token in (bare, no_act, no_key):
+        got = verifier.verify(token)
+        assert isinstance(got, FieldError), token
+        assert got.code in ("token_claims_invalid", "token_wrong_audience"), got
+    copied = _caller(keys, act={"sub": DELEGATION_ISSUER}, idempotency_key=COMP_KEY)
+    got = verifier.verify(copied)
+    assert isinstance(got, Principal) and got.delegated_for is None
+    forged = TokenIssuer(raw.kid, "EdDSA", TokenIssuer.from_jwk_file(keys.issuer).private_key)
+    token = forged.mint(TENANT, "u", "a", iss=DELEGATION_ISSUER,
+                        act={"sub": DELEGATION_ISSUER}, idempotency_key=COMP_KEY)  # fmt: skip
+    got = verifier.verify(token)
+    assert isinstance(got, FieldError) and got.code == "token_signature_invalid"
+
+
+def test_a_delegation_key_must_not_be_a_trusted_issuer(keys: Any, tmp_path: Path) -> None:
+    with pytest.raises(KeyError_, match="also a trusted issuer"):
+        Verifier.from_settings(
+            IdentitySettings(jwks_file=keys.jwks, delegation_key_file=keys.issuer)
+        )
+    public_only = tmp_path / "public.jwk"
+    doc = orjson.loads(keys.delegation.read_bytes())
+    del doc["d"]
+    public_only.write_bytes(orjson.dumps(doc))
+    with pytest.raises(KeyError_):
+        Delegator.from_settings(IdentitySettings(delegation_key_file=public_only))
+
+
+def test_a_compensation_is_signed_or_escalates(
+    contracts: ContractSet, verifier: Verifier, keys: Any
+) -> None:
+    item = _charge_result(contracts)
+    comp = wants_compensation(item, contracts)
+    assert comp is not None
+    grant = _grant(verifier, keys)
+
+    signed = compensation_proposal(item, comp, grant, verifier)
+    assert signed is not None
+    token = orjson.loads(signed)["principal_token"]
+    principal = verifier.verify(token)
+    assert isinstance(principal, Principal) and principal.delegated_for == comp.key
+
+    unsigned = Verifier.from_settings(IdentitySettings(jwks_file=keys.jwks))
+    assert unsigned.delegator is None
+    for who, what in ((unsigned, grant), (verifier, ""), (verifier, "eyJ.old.token")):
+        assert compensation_proposal(item, comp, what, who) is None
+    d = unsigned_compensation(item.decision, unsigned)
+    assert d.rejection is not None
+    assert d.rejection.taxonomy is TaxonomyClass.COMPENSATION_FAILED
+    assert [e.code for e in d.rejection.errors][-1] == "compensation_unsigned"
+    assert d.rejection.allowed_tools == ("handoff_to_human",)
