@@ -31,6 +31,7 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -302,6 +303,8 @@ class Processor:
         self._stuck_producers: list[Producer] = []
         self.admission = AdmissionStore(self.redis, settings.redis_namespace)
         self._admitted: list[tuple[str, Item]] = []
+        self._events: Counter[tuple[str, ...]] = Counter()
+        """What deciding the batch in hand did besides its decisions (see BatchTally)."""
         """Admission items of the batch being decided; their replay markers go once it
         commits."""
         self._to_forget: list[tuple[str, Item]] = []
@@ -492,10 +495,12 @@ class Processor:
             if isinstance(failure, Fenced):
                 raise failure from exc
             return
+        counted = tally(decisions)
+        counted.events, self._events = self._events, Counter()
         batch = _Batch(
             len(records),
             firsts,
-            tally(decisions),
+            counted,
             self._admitted,
             group,
             offsets,
@@ -589,16 +594,16 @@ class Processor:
                 m = records[0]
                 logger.exception("record %s/%s@%s could not be decided",
                                  m.topic(), m.partition(), m.offset())  # fmt: skip
-                self._admitted = []
+                self._admitted, self._events = [], Counter()
                 return [self._internal_error(m, exc)]
             logger.warning("a batch of %d records could not be decided (%s: %s); deciding "
                            "its halves", len(records), type(exc).__name__, exc)  # fmt: skip
             self.metrics.batch_splits.inc()
         half = len(records) // 2
         first = self.decide_batch(records[:half])
-        admitted = self._admitted
+        admitted, events = self._admitted, self._events
         second = self.decide_batch(records[half:])
-        self._admitted = admitted + self._admitted
+        self._admitted, self._events = admitted + self._admitted, events + self._events
         return first + second
 
     def _internal_error(self, m: Message, exc: Exception) -> Decision:
@@ -612,7 +617,7 @@ class Processor:
 
     def _decide(self, records: list[Message]) -> list[Decision]:
         now_ms = int(time.time() * 1000)
-        self._admitted = []
+        self._admitted, self._events = [], Counter()
         srcs = [_source(m) for m in records]
         topics = self.settings.topics
         proposals = [s for s in srcs if s.topic not in (topics.approvals, topics.results)]
@@ -684,7 +689,7 @@ class Processor:
                     x.extra[ADMITTED] = True
                 continue
             status = str(v.get("status"))
-            self.metrics.results.labels(x.state, status).inc()
+            self._count("results", x.state, status)
             if status == "duplicate":
                 out[i] = ignored(x.src, "result_duplicate")
                 continue
@@ -750,10 +755,14 @@ class Processor:
                 continue
             if result.status == "reused":
                 out[i] = _reused(x, result.detail)
-                self.metrics.approvals.labels("reused").inc()
+                self._count("approvals", "reused")
             elif x.outcome is Outcome.PARKED:
-                self.metrics.approvals.labels("requested").inc()
+                self._count("approvals", "requested")
         return [d for d in out if d is not None]
+
+    def _count(self, *event: str) -> None:
+        """Count an event of the batch being decided, once it commits (see BatchTally)."""
+        self._events[event] += 1
 
     def _approval_op(
         self,
@@ -772,12 +781,12 @@ class Processor:
         entry = entries.get((item.tenant_id, item.request_id))
         if entry is None:
             out[i] = dead_letter(item.src, "approval_unknown_request", item.request_id)
-            self.metrics.approvals.labels("refused").inc()
+            self._count("approvals", "refused")
             return None
         verified = verify_decision(item, entry, self.gates.approvers, now_ms)
         if isinstance(verified, FieldError):
             out[i] = dead_letter(item.src, verified.code, verified.message)
-            self.metrics.approvals.labels("refused").inc()
+            self._count("approvals", "refused")
             logger.warning("approval for %s refused: %s", item.request_id, verified.message)
             return None
         op = {
@@ -804,14 +813,14 @@ class Processor:
             "unknown": "approval_unknown_request",
         }
         if item.kind != EXPIRY_CHECK and result.status in refused:
-            self.metrics.approvals.labels("refused").inc()
+            self._count("approvals", "refused")
             return dead_letter(item.src, refused[result.status], item.request_id)
         decision = outcome_decision(item, result, now_ms)
         if decision is None:
             label = "pending" if result.status == "pending" else "ignored"
-            self.metrics.approvals.labels(label).inc()
+            self._count("approvals", label)
             return ignored(item.src, result.status)
-        self.metrics.approvals.labels(result.status).inc()
+        self._count("approvals", result.status)
         return decision
 
     def _wait_for_redis(
@@ -861,7 +870,7 @@ class Processor:
         compensation = d.extra.get("compensation")
         if compensation is not None:
             out.append((topics.proposals, key, compensation, None))
-            self.metrics.compensations.inc()
+            self._count("compensations")
         out.append((topics.observations, key, observation, None))
 
     @staticmethod

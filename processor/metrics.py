@@ -11,7 +11,7 @@ import threading
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram, start_http_server
@@ -157,6 +157,9 @@ class Metrics:
         )
         if internal:
             self.internal_errors.inc(internal)
+        for event, count in t.events.items():
+            counter = getattr(self, event[0])
+            (counter.labels(*event[1:]) if len(event) > 1 else counter).inc(count)
         self.batch_records.observe(len(t.latencies))
         self.batch_seconds.observe(seconds)
 
@@ -169,6 +172,10 @@ class BatchTally:
     latencies: list[float]
     kinds: Counter[tuple[Any, ...]]
     dead: Counter[str]
+    events: Counter[tuple[str, ...]] = field(default_factory=Counter)
+    """What deciding it did besides its decisions: (counter, *labels) -> count, of the
+    ``results``, ``approvals`` and ``compensations`` counters. Counted only once it
+    commits, so a batch decided again (aborted, or split around a defect) counts once."""
 
 
 def tally(decisions: Iterable[Decision]) -> BatchTally:

@@ -34,8 +34,8 @@ MARKER = "poison-7c1e"
 POISONED = 7
 
 
-def _result_with_marker(tenant: str) -> bytes:
-    """An executor's result for a call nobody routed, its message carrying the marker."""
+def _result(tenant: str, message: str) -> bytes:
+    """An executor's result for a call nobody routed."""
     return encode_result(
         {
             "result_id": uuid.uuid4().hex, "call_id": "call-x", "proposal_id": "prop-x",
@@ -43,7 +43,7 @@ def _result_with_marker(tenant: str) -> bytes:
             "tool_name": "search_kb", "tool_version": "1.0.0", "side_effect_class": "READ_ONLY",
             "idempotency_key": "k-x", "payload_hash": "sha256:00", "attempt": 1,
             "outcome": "FAILED", "retryable": False, "error_code": "boom",
-            "error_message": f"message with {MARKER}", "taxonomy_class": None,
+            "error_message": message, "taxonomy_class": None,
             "committed_steps": [], "data": None, "compensation_arguments": None,
             "started_at": 1, "finished_at": 2, "executor_id": "exec-x", "contract_set": "x",
         }
@@ -77,20 +77,23 @@ def test_a_record_that_trips_a_defect_is_answered_and_its_batch_goes_on(
         others = [answers[p]["decision"] for i, p in enumerate(pids) if i != POISONED]
         assert others == ["ROUTED"] * 19
 
-        # A result that trips it goes to the DLQ, with the reason.
+        # A result that trips it goes to the DLQ, with the reason; the results sent with it
+        # (for calls nobody routed) are counted once each, though their batch was decided
+        # more than once.
         producer = Producer({"bootstrap.servers": settings.bootstrap_servers})
-        producer.produce(settings.topics.results, _result_with_marker("acme"), b"run-x")
+        for i in range(6):
+            text = f"message with {MARKER}" if i == 3 else f"message {i}"
+            producer.produce(settings.topics.results, _result("acme", text), b"run-x")
         producer.flush(30)
         after = client.propose("search_kb", {"query": "after", "limit": 3}, run_id="run-after")
         assert client.wait(after, 60)["decision"] == "ROUTED"
         assert proc.alive(), proc.log()[-3000:]
 
-        dead = read_all(settings, settings.topics.dlq, idle=1.5)
-        reasons = [dict(m.headers() or [])["toolsentry.error.reason"] for m in dead]
-        assert reasons == [b"internal_error"]
-        assert dict(dead[0].headers() or [])["toolsentry.source.topic"] == (
-            settings.topics.results.encode()
-        )
+        dead = [dict(m.headers() or []) for m in read_all(settings, settings.topics.dlq, idle=1.5)]
+        reasons = Counter(h["toolsentry.error.reason"] for h in dead)
+        assert reasons == {b"internal_error": 1, b"result_unknown_call": 5}
+        assert {h["toolsentry.source.topic"] for h in dead} == {settings.topics.results.encode()}
+        assert metric_total(port, "toolsentry_results_total") == 5
         seen = Counter(
             codec("observation").decode(m.value())["proposal_id"]
             for m in read_all(settings, settings.topics.observations, idle=1.5)

@@ -73,3 +73,18 @@ def test_a_batch_of_decisions_is_counted_by_tool_gate_class_and_outcome(
     assert value("toolsentry_decision_seconds_count") == 8
     assert value("toolsentry_batch_records_count") == 2
     assert value("toolsentry_batch_records_sum") == 8
+
+
+def test_what_deciding_a_batch_did_is_counted_when_it_commits() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    batch = tally([])
+    batch.events[("results", "COMPLETED", "settled")] += 2
+    batch.events[("approvals", "requested")] += 1
+    batch.events[("compensations",)] += 3
+    assert registry.get_sample_value("toolsentry_compensations_total") == 0
+    metrics.record_tally(batch, 0.01)
+    results = {"state": "COMPLETED", "status": "settled"}
+    assert registry.get_sample_value("toolsentry_results_total", results) == 2
+    assert registry.get_sample_value("toolsentry_approvals_total", {"result": "requested"}) == 1
+    assert registry.get_sample_value("toolsentry_compensations_total") == 3
