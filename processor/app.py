@@ -107,7 +107,7 @@ from processor.results import (
     unsigned_compensation,
     wants_compensation,
 )
-from processor.state.admission import AdmissionStore, Item
+from processor.state.admission import AdmissionStore, Item, void_item
 from processor.state.approvals import ApprovalStore, retain_ms
 from processor.state.connection import REDIS_ERRORS, connect, is_script_error
 from processor.state.references import ReferenceLoader, ReferenceStore
@@ -304,6 +304,8 @@ class Processor:
         self.admission = AdmissionStore(self.redis, settings.redis_namespace)
         self._admitted: list[tuple[str, Item]] = []
         self._events: Counter[tuple[str, ...]] = Counter()
+        self._parked: list[tuple[str, str, str]] = []
+        """(tenant, request id, position) of the calls the batch in hand parked."""
         """What deciding the batch in hand did besides its decisions (see BatchTally)."""
         """Admission items of the batch being decided; their replay markers go once it
         commits."""
@@ -594,7 +596,9 @@ class Processor:
                 m = records[0]
                 logger.exception("record %s/%s@%s could not be decided",
                                  m.topic(), m.partition(), m.offset())  # fmt: skip
-                self._admitted, self._events = [], Counter()
+                # Its markers stay in _admitted: they go once the batch commits.
+                self._void()
+                self._events = Counter()
                 return [self._internal_error(m, exc)]
             logger.warning("a batch of %d records could not be decided (%s: %s); deciding "
                            "its halves", len(records), type(exc).__name__, exc)  # fmt: skip
@@ -605,6 +609,23 @@ class Processor:
         second = self.decide_batch(records[half:])
         self._admitted, self._events = admitted + self._admitted, events + self._events
         return first + second
+
+    def _void(self) -> None:
+        """End what the record that just failed alone left in Redis waiting for it: the
+        idempotency record its call took (FAILED_RETRYABLE: nothing ran) and the approval
+        request it parked (so no expiry answers it a second time). Its budgets stay spent:
+        it was a step of its run."""
+        now_ms = int(time.time() * 1000)
+        voids = [(t, v) for t, item in self._admitted if (v := void_item(item)) is not None]
+        ends = [(t, {"op": "void", "rid": rid, "pos": pos, "now": now_ms})
+                for t, rid, pos in self._parked]  # fmt: skip
+        try:
+            self.admission.apply(voids)
+            self.approval_store.apply(ends)
+        except REDIS_ERRORS as exc:
+            if not is_script_error(exc):
+                raise DependencyDown(f"redis: {exc}") from exc
+            logger.exception("could not end what a failed record left in Redis")
 
     def _internal_error(self, m: Message, exc: Exception) -> Decision:
         src = _source(m)
@@ -617,7 +638,7 @@ class Processor:
 
     def _decide(self, records: list[Message]) -> list[Decision]:
         now_ms = int(time.time() * 1000)
-        self._admitted, self._events = [], Counter()
+        self._admitted, self._events, self._parked = [], Counter(), []
         srcs = [_source(m) for m in records]
         topics = self.settings.topics
         proposals = [s for s in srcs if s.topic not in (topics.approvals, topics.results)]
@@ -745,6 +766,8 @@ class Processor:
                 op = self._approval_op(x, entries, out, i, now_ms)
             else:
                 op = _proposal_op(x, now_ms)
+                if op is not None and op[1]["op"] == "park":
+                    self._parked.append((op[0], op[1]["rid"], op[1]["pos"]))
             if op is not None:
                 ops.append(op)
                 owners.append(i)

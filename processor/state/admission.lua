@@ -10,6 +10,8 @@
 --          2 step     a proposal an earlier gate refused (it still is a step of its run)
 --          3 result   an executor's result for a routed call
 --          4 release  a parked call its approvers released
+--          5 void     a call or release whose record failed alone on a defect after it
+--                     was admitted (answered UNKNOWN_ERROR, never routed)
 -- ARGV[3]  how long a run's counters live after the day of their last use (ms)
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
@@ -61,6 +63,8 @@ local function unwire(a)
             state = a[6], cached = a[7], ttl = a[8], compensation_key = opt(a[9]),
             compensates = opt(a[10]), compensation_hash = opt(a[11]),
             compensation_tool = opt(a[12])}
+  elseif kind == 5 then
+    return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5]}
   end
   return {kind = 'release', pos = a[2], run = a[3], ikey = a[4], hash = a[5], call = a[6],
           deadline = a[7], ttl = a[8]}
@@ -125,7 +129,7 @@ local function ikey_of(a)
   local kind = a[1]
   if kind == 1 then return a[7] end
   if kind == 2 then return opt(a[6]) end
-  if kind == 3 then return a[3] end
+  if kind == 3 or kind == 5 then return a[3] end
   return a[4]
 end
 
@@ -372,6 +376,18 @@ local function release(c)
   return {ok = true}
 end
 
+-- A call admitted for a record that then failed alone on a defect: it was answered
+-- UNKNOWN_ERROR and never routed, so its record must not wait for a result that will not
+-- come (a retry under its key would meet IDEMPOTENCY_CONFLICT until its deadline). Nothing
+-- ran: a retry may run it. Idempotent, so it keeps no verdict of its own.
+local function void(c)
+  local rec = record_of(c.ikey)
+  if not (rec and rec.c == c.call and rec.s == 'PENDING') then return {status = 'unchanged'} end
+  rec.s, rec.w = 'FAILED_RETRYABLE', 0
+  put_record(c.ikey, rec, c.ttl)
+  return {status = 'voided'}
+end
+
 local fresh = {}
 for i, a in ipairs(items) do
   if earlier[i] then
@@ -394,12 +410,16 @@ for i, a in ipairs(items) do
       verdict = admit_step(c)
     elseif c.kind == 'release' then
       verdict = release(c)
+    elseif c.kind == 'void' then
+      verdict = void(c)
     else
       verdict = settle(c)
     end
     local text = encode(verdict)
-    fresh[#fresh + 1] = c.pos
-    fresh[#fresh + 1] = text
+    if c.kind ~= 'void' then
+      fresh[#fresh + 1] = c.pos
+      fresh[#fresh + 1] = text
+    end
     out[i] = text
   end
 end

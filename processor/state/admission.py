@@ -49,7 +49,8 @@ RUN_TTL_MS = 24 * 3600 * 1000
 """How long a run's counters outlive its last proposal."""
 
 Item = dict[str, Any]
-"""One script input: ``kind`` (call, step, result), ``pos`` and the kind's fields."""
+"""One script input: ``kind`` (call, step, result, release, void), ``pos`` and the kind's
+fields."""
 Verdict = dict[str, Any]
 
 # Every optional field is always sent: a missing one would read as nil in Lua, not null.
@@ -269,6 +270,8 @@ def _wire(item: Item) -> list[Any]:
                 item["cached"], item["ttl"], item["compensation_key"] or "",
                 item["compensates"] or "", item.get("compensation_hash") or "",
                 item.get("compensation_tool") or ""]  # fmt: skip
+    if kind == "void":
+        return [5, item["pos"], item["ikey"], item["call"], item["ttl"]]
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
             item["deadline"], item["ttl"]]  # fmt: skip
 
@@ -306,3 +309,16 @@ def call_item(**fields: Any) -> Item:
 
 
 _CALL_FIELD_SET = frozenset(_CALL_FIELDS)
+
+
+def void_item(item: Item) -> Item | None:
+    """Undo what admitting ``item`` (a call or a release) left waiting, for a record that
+    then failed alone on a defect: its key's record, if this call holds it and it is still
+    PENDING, becomes FAILED_RETRYABLE (nothing ran). None for other kinds."""
+    if item["kind"] not in ("call", "release"):
+        return None
+    void = {"kind": "void", "pos": "void:" + item["pos"], "ikey": item["ikey"],
+            "call": item["call"], "ttl": item["ttl"]}  # fmt: skip
+    if "now" in item:  # the clock its record was written under
+        void["now"] = item["now"]
+    return void

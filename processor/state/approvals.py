@@ -165,6 +165,13 @@ for i, op in ipairs(ops) do
         end
       end
     end
+  elseif kind == 'void' then
+    -- Parked for a proposal that then failed alone on a defect: it was answered
+    -- UNKNOWN_ERROR, and its approval request was never sent. Ended now, so that neither
+    -- an expiry nor a stray decision answers that proposal a second time.
+    local e = state(op.rid)
+    if e ~= nil and e.state == 'parked' then finish(op.rid, 'voided', op.pos, op.now) end
+    out[i] = {'voided'}
   else
     out[i] = {'bad_op'}
   end

@@ -20,6 +20,7 @@ from processor.state.admission import (
     _segments,
     call_item,
     rate_of,
+    void_item,
 )
 from processor.state.connection import connect, is_script_error
 
@@ -292,6 +293,33 @@ def test_a_result_for_an_older_attempt_settles_nothing(store: AdmissionStore) ->
     assert store.record(TENANT, key, NOW)["state"] == "PENDING"
     assert store.apply([result(retry)]) == [{"status": "settled"}]
     assert store.apply([result(call())]) == [{"status": "unknown"}]
+
+
+def test_a_call_whose_record_failed_alone_does_not_hold_its_key(store: AdmissionStore) -> None:
+    """Admitted, then its record failed on a defect (answered UNKNOWN_ERROR, never routed):
+    the key's record must not stay PENDING, blocking a retry until its deadline."""
+    admitted = call()
+    key = admitted[1]["ikey"]
+    assert whys(store.apply([admitted])) == [None]
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
+    void = void_item(admitted[1])
+    assert void is not None
+    assert store.apply([(TENANT, void)]) == [{"status": "voided"}]
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+    assert store.apply([(TENANT, void)]) == [{"status": "unchanged"}]  # idempotent
+    # The original verdict of its position is still what a replay of its batch gets.
+    assert whys(store.apply([admitted])) == [None]
+    # Nothing ran: the same call may go again under its key.
+    retry = call(ikey=key, run="run-2")
+    assert store.apply([retry]) == [{"ok": True, "attempt": 2}]
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
+    # A void for a call that does not hold the key (another took it, or it completed)
+    # changes nothing.
+    assert store.apply([(TENANT, void)]) == [{"status": "unchanged"}]
+    store.apply([result(retry)])
+    assert store.apply([(TENANT, void_item(retry[1]))]) == [{"status": "unchanged"}]
+    assert store.record(TENANT, key, NOW)["state"] == "COMPLETED"
+    assert void_item(step()[1]) is None
 
 
 def test_a_parked_call_is_released_once_whichever_path_comes_first(store: AdmissionStore) -> None:

@@ -12,16 +12,23 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import orjson
 import pytest
 from confluent_kafka import Producer
 
+from processor.approval_flow import EXPIRY_CHECK
 from processor.client import ToolsentryClient
 from processor.codec.avro import codec
 from processor.codec.records import encode_result
 from processor.config import Settings
+from processor.reference_data import publish_references, wait_until_loaded
 from processor.stack.local import free_ports
+from processor.state.admission import AdmissionStore
+from processor.state.approvals import ApprovalStore
+from processor.state.connection import connect
 from tests.integration.harness import (
     ProcessorProcess,
+    existing,
     isolated,
     metric_total,
     read_all,
@@ -111,6 +118,57 @@ def test_a_record_that_trips_a_defect_is_answered_and_its_batch_goes_on(
         assert proc.log().count("could not be decided") == 2 + int(
             metric_total(port, "toolsentry_batch_splits_total")
         )
+    finally:
+        client.close()
+        proc.terminate()
+
+
+CHARGE = {
+    "customer_id": "CUS-004211", "payment_method_id": "PM-7Q2K9X4M1A",
+    "order_id": "WO-55601-A", "amount": 12.5, "currency": "USD", "reason_code": "balance_due",
+}  # fmt: skip
+
+
+def test_what_a_failed_record_left_in_redis_does_not_answer_it_again(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """Admitted and parked, then failed alone: its key is free to retry (nothing ran), and
+    its approval request is ended, so an expiry cannot answer the proposal a second time."""
+    settings = isolated(stack_settings, f"defects-{uuid.uuid4().hex[:6]}")
+    proc = ProcessorProcess(settings, "defects-2", tmp_path, TOOLSENTRY_FAULT_POISON=MARKER)
+    proc.start().wait_ready()
+    publish_references(settings, existing("acme", "charge_customer_card_v2", CHARGE))
+    wait_until_loaded(settings)
+    client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
+    redis = connect(settings.redis_url)
+    try:
+        key = f"k-{uuid.uuid4().hex}"
+        search = client.propose("search_kb", {"query": "refunds", "limit": 3},
+                                run_id=f"run-{MARKER}-1", idempotency_key=key)  # fmt: skip
+        charge = client.propose("charge_customer_card_v2", CHARGE, run_id=f"run-{MARKER}-2")
+        for pid in (search, charge):
+            answer = client.wait(pid, 60)
+            assert (answer["decision"], answer["gate"]) == ("REJECTED", "internal"), answer
+        assert AdmissionStore(redis, settings.redis_namespace).record("acme", key)["state"] == (
+            "FAILED_RETRYABLE"
+        )
+        approvals = ApprovalStore(redis, settings.redis_namespace)
+        [entry] = [e for e in approvals.list_parked(True) if e["proposal_id"] == charge]
+        assert entry["state"] == "voided"
+
+        # The sweeper's check of its expiry, sent now: the proposal is not answered again.
+        check = {"type": EXPIRY_CHECK, "tenant_id": "acme", "request_id": entry["request_id"]}
+        producer = Producer({"bootstrap.servers": settings.bootstrap_servers})
+        producer.produce(settings.topics.approvals, orjson.dumps(check), b"x")
+        producer.flush(30)
+        after = client.propose("search_kb", {"query": "after", "limit": 3}, run_id="run-after")
+        assert client.wait(after, 60)["decision"] == "ROUTED"
+        seen = Counter(
+            codec("observation").decode(m.value())["proposal_id"]
+            for m in read_all(settings, settings.topics.observations, idle=1.5)
+        )
+        assert seen == Counter([search, charge, after])
+        assert proc.alive(), proc.log()[-3000:]
     finally:
         client.close()
         proc.terminate()
