@@ -99,12 +99,14 @@ from processor.policy import load_policy
 from processor.results import (
     ADMITTED,
     ResultInput,
+    cached_blob,
     compensation_proposal,
     is_compensation,
     parse_result,
     refused_compensation,
     settle_item,
     unsigned_compensation,
+    unsigned_rejection,
     wants_compensation,
 )
 from processor.state.admission import AdmissionStore, Item, void_item
@@ -303,12 +305,12 @@ class Processor:
         self._stuck_producers: list[Producer] = []
         self.admission = AdmissionStore(self.redis, settings.redis_namespace)
         self._admitted: list[tuple[str, Item]] = []
-        self._events: Counter[tuple[str, ...]] = Counter()
-        self._parked: list[tuple[str, str, str]] = []
-        """(tenant, request id, position) of the calls the batch in hand parked."""
-        """What deciding the batch in hand did besides its decisions (see BatchTally)."""
         """Admission items of the batch being decided; their replay markers go once it
         commits."""
+        self._events: Counter[tuple[str, ...]] = Counter()
+        """What deciding the batch in hand did besides its decisions (see BatchTally)."""
+        self._parked: list[tuple[str, str, str]] = []
+        """(tenant, request id, position) of the calls the batch in hand parked."""
         self._to_forget: list[tuple[str, Item]] = []
         """Items of committed batches whose markers the next admission call drops."""
 
@@ -602,12 +604,12 @@ class Processor:
                 return [self._internal_error(m, exc)]
             logger.warning("a batch of %d records could not be decided (%s: %s); deciding "
                            "its halves", len(records), type(exc).__name__, exc)  # fmt: skip
-            self.metrics.batch_splits.inc()
         half = len(records) // 2
         first = self.decide_batch(records[:half])
         admitted, events = self._admitted, self._events
         second = self.decide_batch(records[half:])
         self._admitted, self._events = admitted + self._admitted, events + self._events
+        self._count("batch_splits")
         return first + second
 
     def _void(self) -> None:
@@ -678,7 +680,7 @@ class Processor:
         settling of its results: one script call per tenant, one round trip."""
         items: list[tuple[str, Item]] = []
         owners: list[tuple[int, Any, Any]] = []
-        policy = self.gates.policy
+        policy, verifier = self.gates.policy, self.gates.verifier
         for i, x in enumerate(slots):
             if isinstance(x, Decision):
                 contract = (
@@ -691,7 +693,14 @@ class Processor:
                 extra: Any = (contract, budgets)
             elif isinstance(x, ResultInput):
                 comp = wants_compensation(x, self.contracts)
-                item = settle_item(x, position(x.src), comp)
+                unsigned = None
+                if comp is not None and not verifier.development:
+                    if verifier.delegator is None:  # it cannot be signed, whatever Redis keeps
+                        unsigned_compensation(x.decision, verifier)
+                        comp = None
+                    else:  # kept by Redis if the record has no claims to sign with
+                        unsigned = cached_blob(x.decision, unsigned_rejection(x.decision, verifier))
+                item = settle_item(x, position(x.src), comp, unsigned)
                 extra = comp
             else:
                 continue
@@ -721,8 +730,9 @@ class Processor:
                 out[i] = dead_letter(x.src, "result_unknown_call", detail, Gate.RESULT)
                 continue
             if extra and status == "settled":
-                verifier = self.gates.verifier
-                proposal = compensation_proposal(x, extra, v.get("grant") or "", verifier)
+                proposal = None
+                if not v.get("unsigned"):
+                    proposal = compensation_proposal(x, extra, v.get("grant") or "", verifier)
                 if proposal is None:
                     unsigned_compensation(x.decision, verifier)
                 else:

@@ -178,13 +178,17 @@ class Executor:
         settings: Settings,
         handlers: Mapping[str, Handler],
         classes: Iterable[str] | None = None,
-        group_id: str = "toolsentry-executor",
+        group_id: str | None = None,
         executor_id: str | None = None,
         clock: Callable[[], float] = time.time,
         metrics_registry: CollectorRegistry | None = None,
         batch_max_records: int = 100,
     ) -> None:
-        """``batch_max_records`` is far below the processor's: handlers run while the batch
+        """``group_id`` defaults to the deployment's group (``settings.group_id``) plus
+        ``-executor``: executors of two deployments on one cluster (their own topic
+        prefixes) do not share a group, whose rebalances would wait on each other.
+
+        ``batch_max_records`` is far below the processor's: handlers run while the batch
         is held, and a batch must finish within the consumer's ``max.poll.interval.ms``,
         or the group moves its partitions away and the whole batch runs again elsewhere."""
         self.handlers = dict(handlers)
@@ -199,7 +203,10 @@ class Executor:
         # same enforced exactly-once settings, and transactional.id
         # "<group_id>-<executor_id>", stable so a restart fences its predecessor.
         self.settings = settings.model_copy(
-            update={"group_id": group_id, "instance_id": self.executor_id}
+            update={
+                "group_id": group_id or f"{settings.group_id}-executor",
+                "instance_id": self.executor_id,
+            }
         )
         self.clock = clock
         self.metrics = ExecutorMetrics(metrics_registry or CollectorRegistry())

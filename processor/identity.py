@@ -50,6 +50,8 @@ DEVELOPMENT_WARNING = (
 _MAX_CACHE = 8192
 DELEGATION_ISSUER = "toolsentry"
 """``iss`` and ``act.sub`` of the tokens the processor signs for the calls it proposes."""
+DELEGATION_BINDING = ("idempotency_key", "proposal_id", "run_id")
+"""The claims binding a delegation token to the one proposal it was signed for."""
 
 
 class KeyError_(ValueError):
@@ -144,11 +146,16 @@ class Verifier:
         settings: IdentitySettings,
         keys: dict[str, VerificationKey],
         delegator: Delegator | None = None,
+        delegation_keys: dict[str, VerificationKey] | None = None,
     ) -> None:
         self.settings = settings
         self.keys = keys
         self.delegator = delegator
         """The processor's own signing key, for the compensating calls it proposes."""
+        self.delegation_keys: dict[str, VerificationKey] = dict(delegation_keys or {})
+        """What verifies delegation tokens: the delegator's public key and those rotated out."""
+        if delegator is not None:
+            self.delegation_keys[delegator.kid] = delegator.public
         self.development = settings.mode == "development"
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
 
@@ -156,10 +163,12 @@ class Verifier:
     def from_settings(cls, settings: IdentitySettings) -> Verifier:
         keys = load_keys(settings)
         delegator = Delegator.from_settings(settings)
-        if delegator is not None and delegator.kid in keys:
-            raise KeyError_(
-                f"the delegation key's id {delegator.kid!r} is also a trusted issuer's key id"
-            )
+        previous = {
+            k.kid: k for k in map(_delegation_public, settings.delegation_previous_key_files)
+        }
+        for kid in [*previous, *([delegator.kid] if delegator else [])]:
+            if kid in keys:
+                raise KeyError_(f"the delegation key id {kid!r} is also a trusted issuer's key id")
         if settings.mode == "development":
             logger.warning("*** %s ***", DEVELOPMENT_WARNING)
         elif not keys:
@@ -169,7 +178,7 @@ class Verifier:
                 "no identity.delegation_key_file: calls that need compensating cannot be "
                 "compensated (COMPENSATION_FAILED)"
             )
-        return cls(settings, keys, delegator)
+        return cls(settings, keys, delegator, previous)
 
     def development_principal(self, tenant_id: str | None) -> Principal:
         return Principal(
@@ -189,20 +198,26 @@ class Verifier:
                 "token_missing", "the proposal carries no principal_token; identity is required"
             )
         hit = self._cache.get(token)
-        if hit is not None:
-            leeway = self.settings.leeway_s
-            if now > hit.exp + leeway:
-                return _expired(hit.principal.delegated_for is not None)
-            if now < hit.nbf - leeway:
-                return _refuse("token_not_yet_valid", "the principal token is not valid yet")
-            return hit.principal
-        result = self._verify(token, now)
-        if isinstance(result, _Cached):
-            self._cache[token] = result
+        if hit is None:
+            result = self._verify(token, now)
+            if isinstance(result, FieldError):
+                return result
+            hit = self._cache[token] = result
             if len(self._cache) > _MAX_CACHE:
                 self._cache.popitem(last=False)
-            return result.principal
-        return result
+        leeway = self.settings.leeway_s
+        if now > hit.exp + leeway:
+            return _expired(hit.principal.delegated_for is not None)
+        if now < hit.nbf - leeway:
+            return _refuse("token_not_yet_valid", "the principal token is not valid yet")
+        return hit.principal
+
+    def delegation_of(self, token: str | None) -> Principal | None:
+        """The principal a delegation token (verified, possibly expired since) acts as."""
+        hit = self._cache.get(token) if token is not None else None
+        if hit is None or hit.principal.delegated_for is None:
+            return None
+        return hit.principal
 
     def _verify(self, token: str, now: float) -> _Cached | FieldError:
         parts = token.split(".")
@@ -218,19 +233,19 @@ class Verifier:
         if not isinstance(alg, str) or alg not in ALGORITHMS:
             return _refuse("token_alg_refused", f"token algorithm {alg!r} is not accepted")
         kid = header.get("kid")
-        delegated = self.delegator is not None and kid == self.delegator.kid
-        if delegated:
-            assert self.delegator is not None
-            key: VerificationKey | None = self.delegator.public
-        else:
-            key = self.keys.get(kid) if isinstance(kid, str) else None
-        if key is None or not isinstance(kid, str):
+        if not isinstance(kid, str):
+            return _refuse("token_unknown_key", f"no configured key has id {kid!r}")
+        delegated = kid in self.delegation_keys
+        key = (self.delegation_keys if delegated else self.keys).get(kid)
+        if key is None:
             return _refuse("token_unknown_key", f"no configured key has id {kid!r}")
         if key.alg != alg:
             return _refuse("token_alg_refused", f"key {kid!r} verifies {key.alg} tokens, not {alg}")
         required = ["exp", "iat", "aud", "sub"]
         if delegated:
-            required += ["iss", "idempotency_key"]
+            # Its expiry is checked by verify(), once its binding is known: an expired one
+            # is still told apart from one sent for another call (see gates.identity).
+            required += ["iss", "act", *DELEGATION_BINDING]
         try:
             claims = jwt.decode(
                 token,
@@ -239,7 +254,7 @@ class Verifier:
                 audience=self.settings.audience,
                 issuer=DELEGATION_ISSUER if delegated else self.settings.issuer,
                 leeway=self.settings.leeway_s,
-                options={"require": required},
+                options={"require": required, "verify_exp": not delegated},
             )
         except jwt.ExpiredSignatureError:
             return _expired(delegated)
@@ -257,9 +272,11 @@ class Verifier:
             return _refuse("token_malformed", f"the principal token is unreadable: {exc}")
         if not delegated:
             return _principal(claims, kid)
-        bound = claims["idempotency_key"]
-        if claims.get("act") != {"sub": DELEGATION_ISSUER} or not isinstance(bound, str):
-            return _refuse("token_claims_invalid", "a delegation token needs its act and key")
+        bound = tuple(claims[c] for c in DELEGATION_BINDING)
+        if claims["act"] != {"sub": DELEGATION_ISSUER} or not all(
+            isinstance(b, str) for b in bound
+        ):
+            return _refuse("token_claims_invalid", "a delegation token needs its act and binding")
         return _principal(claims, kid, bound)
 
 
@@ -270,7 +287,7 @@ def _expired(delegated: bool) -> FieldError:
 
 
 def _principal(
-    claims: dict[str, Any], kid: str, delegated_for: str | None = None
+    claims: dict[str, Any], kid: str, delegated_for: tuple[str, ...] | None = None
 ) -> _Cached | FieldError:
     tenant, agent, user = claims.get("tenant_id"), claims.get("agent_id"), claims.get("sub")
     for name, value in (("tenant_id", tenant), ("agent_id", agent), ("sub", user)):
@@ -279,10 +296,12 @@ def _principal(
     scope = claims.get("scope", "")
     if isinstance(scope, str):
         scopes = frozenset(scope.split())
-    elif isinstance(scope, list) and all(isinstance(s, str) for s in scope):
+    elif isinstance(scope, list) and all(isinstance(s, str) and s.split() == [s] for s in scope):
         scopes = frozenset(scope)
     else:
-        return _refuse("token_claims_invalid", "scope must be a space-separated string")
+        return _refuse(
+            "token_claims_invalid", "scope must be a space-separated string, or a list of scopes"
+        )
     clearance = claims.get("clearance", CLEARANCE_LEVELS[0])
     if clearance not in CLEARANCE_LEVELS:
         return _refuse("token_claims_invalid", f"unknown clearance {clearance!r}")
@@ -343,6 +362,20 @@ class TokenIssuer:
         return jwt.encode(claims, self.private_key, algorithm=self.alg, headers={"kid": self.kid})
 
 
+def _delegation_public(path: Path) -> VerificationKey:
+    """A delegation key rotated out (its JWK, private or public): verification only."""
+    try:
+        jwk = orjson.loads(Path(path).read_bytes())
+        key = jwt.PyJWK(jwk, algorithm="EdDSA").key
+    except (OSError, ValueError, KeyError, jwt.PyJWKError) as exc:
+        raise KeyError_(f"{path}: not an Ed25519 JWK: {exc}") from exc
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        key = key.public_key()
+    if not isinstance(key, ed25519.Ed25519PublicKey) or not isinstance(jwk.get("kid"), str):
+        raise KeyError_(f"{path}: a delegation key is an Ed25519 JWK with a kid")
+    return VerificationKey(jwk["kid"], "EdDSA", key)
+
+
 def grant_of(principal: Principal) -> str:
     """What a compensating call needs, later, to act in ``principal``'s name: its claims,
     which are no credential (its token is not kept). Empty when it was not verified."""
@@ -361,9 +394,10 @@ class Delegator:
     """The processor's signing key for the calls it proposes itself (compensations).
 
     A token it mints carries the original caller's claims (``grant_of``), ``act``
-    naming the processor, and the one idempotency key it is good for; the identity
-    gate refuses it under any other key, and admission admits a compensation key only
-    with the tool and payload the original's record names."""
+    naming the processor, and the one proposal it is good for (its idempotency key,
+    proposal id and run: ``DELEGATION_BINDING``); the identity gate refuses it on any
+    other, and admission admits a compensation key only with the tool and payload the
+    original's record names."""
 
     def __init__(self, issuer: TokenIssuer, ttl_s: int) -> None:
         self.issuer, self.ttl_s = issuer, ttl_s
@@ -385,9 +419,15 @@ class Delegator:
         return cls(issuer, settings.delegation_ttl_s)
 
     def mint(
-        self, tenant_id: str, grant: str, idempotency_key: str, now: float | None = None
+        self,
+        tenant_id: str,
+        grant: str,
+        idempotency_key: str,
+        proposal_id: str,
+        run_id: str,
+        now: float | None = None,
     ) -> str | None:
-        """A token for the call under ``idempotency_key``; None when ``grant`` is unreadable."""
+        """A token for that one proposal; None when ``grant`` is unreadable."""
         try:
             claims = orjson.loads(grant)
         except orjson.JSONDecodeError:
@@ -406,6 +446,8 @@ class Delegator:
             iss=DELEGATION_ISSUER,
             act={"sub": DELEGATION_ISSUER},
             idempotency_key=idempotency_key,
+            proposal_id=proposal_id,
+            run_id=run_id,
         )
 
 

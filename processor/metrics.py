@@ -174,8 +174,9 @@ class BatchTally:
     dead: Counter[str]
     events: Counter[tuple[str, ...]] = field(default_factory=Counter)
     """What deciding it did besides its decisions: (counter, *labels) -> count, of the
-    ``results``, ``approvals`` and ``compensations`` counters. Counted only once it
-    commits, so a batch decided again (aborted, or split around a defect) counts once."""
+    ``results``, ``approvals``, ``compensations`` and ``batch_splits`` counters. Counted
+    only once it commits, so a batch decided again (aborted, or split around a defect)
+    counts once."""
 
 
 def tally(decisions: Iterable[Decision]) -> BatchTally:

@@ -194,9 +194,10 @@ class Principal:
     clearance: str
     verified: bool = True
     key_id: str | None = None
-    delegated_for: str | None = None
+    delegated_for: tuple[str, ...] | None = None
     """Set on a principal the processor vouches for (a compensating call it proposed in
-    the original caller's name): the only idempotency key it may act under."""
+    the original caller's name): the one proposal it may act for, as (idempotency key,
+    proposal id, run id)."""
 
     @property
     def clearance_rank(self) -> int:

@@ -269,10 +269,11 @@ _NEXT = {
 }
 
 
-def cached_blob(d: Decision) -> str:
-    """What a retry with the same key gets back: the final answer, as stored in Redis."""
+def cached_blob(d: Decision, rejection: Rejection | None = None) -> str:
+    """What a retry with the same key gets back: the final answer, as stored in Redis
+    (``rejection``: in place of ``d``'s own)."""
     assert d.final is not None
-    rej = d.rejection
+    rej = rejection or d.rejection
     return orjson.dumps(
         {
             "class": rej.taxonomy.value if rej else _T.SUCCESS.value,
@@ -299,8 +300,13 @@ class Compensation:
 
 
 def settle_item(
-    item: ResultInput, position: str, compensation: Compensation | None
+    item: ResultInput,
+    position: str,
+    compensation: Compensation | None,
+    unsigned: str | None = None,
 ) -> tuple[str, Item]:
+    """The result as admission settles it. ``unsigned``: the answer to keep instead when
+    the compensation needs signing and the record has no principal claims to sign with."""
     r = item.result
     key = r["idempotency_key"]
     compensates = key[len(COMPENSATION_PREFIX) :] if is_compensation_key(key) else None
@@ -317,6 +323,7 @@ def settle_item(
         "compensation_hash": compensation.payload_hash if compensation else None,
         "compensation_tool": compensation.tool if compensation else None,
         "compensates": compensates,
+        "cached_unsigned": unsigned or "",
     }
 
 
@@ -342,15 +349,16 @@ def compensation_proposal(
     name ``grant`` (the original principal's claims) describes; None when it cannot be
     signed (no delegation key, or a record kept no readable grant)."""
     r = item.result
+    pid = compensation_proposal_id(r["idempotency_key"])
     token = None
     if not verifier.development:
-        if verifier.delegator is None or not grant:
+        if verifier.delegator is None:
             return None
-        token = verifier.delegator.mint(r["tenant_id"], grant, comp.key)
+        token = verifier.delegator.mint(r["tenant_id"], grant, comp.key, pid, r["run_id"])
         if token is None:
             return None
     env: dict[str, Any] = {
-        "proposal_id": compensation_proposal_id(r["idempotency_key"]),
+        "proposal_id": pid,
         "created_at": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "tenant_id": r["tenant_id"],
         "run_id": r["run_id"],
@@ -367,12 +375,19 @@ def compensation_proposal(
 def unsigned_compensation(d: Decision, verifier: Verifier) -> Decision:
     """A call that needs compensating whose compensation cannot be proposed: nobody can
     sign it in the caller's name. It escalates now rather than wait for nothing."""
+    d.rejection = unsigned_rejection(d, verifier)
+    return d
+
+
+def unsigned_rejection(d: Decision, verifier: Verifier) -> Rejection:
+    """``d``'s answer when its compensation cannot be signed (see unsigned_compensation)."""
     rej = d.rejection
     assert rej is not None
     why = (
         "no delegation key is configured (identity.delegation_key_file)"
         if verifier.delegator is None
-        else "its record keeps no principal to act for"
+        else "its record keeps no principal the processor can act for (an earlier version "
+        "kept a token instead)"
     )
     error = FieldError(None, f"the compensating call cannot be signed: {why}",
                        "compensation_unsigned")  # fmt: skip
@@ -381,10 +396,9 @@ def unsigned_compensation(d: Decision, verifier: Verifier) -> Decision:
         "compensating call cannot be proposed. Do not retry; tell the user an operator will "
         "reconcile it and call handoff_to_human."
     )
-    d.rejection = Rejection(
+    return Rejection(
         _T.COMPENSATION_FAILED, rej.gate, (*rej.errors, error), action, (HANDOFF_TOOL,)
     )
-    return d
 
 
 def refused_compensation(d: Decision) -> Decision:

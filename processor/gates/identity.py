@@ -22,6 +22,24 @@ def _deny(error: FieldError, next_action: str) -> Rejection:
     return Rejection(TaxonomyClass.PERMISSION_DENIED, Gate.IDENTITY, (error,), next_action)
 
 
+def _bound_to(principal: Principal | None, p: Proposal) -> bool:
+    """Whether a delegation token's principal is that of this very proposal."""
+    return (
+        principal is not None
+        and principal.tenant_id == p.tenant_id
+        and principal.delegated_for == (p.idempotency_key, p.proposal_id, p.run_id)
+    )
+
+
+def _misused() -> Rejection:
+    return _deny(
+        FieldError(
+            "principal_token", "the token was issued for another call", "delegation_misused"
+        ),
+        "Do not retry: a token the processor issued is good for its own call only.",
+    )
+
+
 def identify(p: Proposal, verifier: Verifier, now_s: float) -> Principal | Rejection:
     """Who is asking: the token's principal, which must be of the proposal's tenant.
 
@@ -33,19 +51,16 @@ def identify(p: Proposal, verifier: Verifier, now_s: float) -> Principal | Rejec
     else:
         verified = verifier.verify(p.principal_token, now_s)
         if isinstance(verified, FieldError):
+            # An expired delegation token counts as the processor's own compensation
+            # failing (see results.refused_compensation) only on the proposal it was
+            # signed for: copied onto another, it is misused, expired or not.
+            bound = verifier.delegation_of(p.principal_token)
+            if verified.code == "delegation_expired" and not _bound_to(bound, p):
+                return _misused()
             return _deny(verified, _TOKEN_ACTION.format(reason=verified.message))
         principal = verified
-    if principal.delegated_for is not None and principal.delegated_for != p.idempotency_key:
-        return _deny(
-            FieldError(
-                "principal_token",
-                "the token was issued for another call",
-                "delegation_misused",
-                expected=principal.delegated_for,
-                actual=p.idempotency_key,
-            ),
-            "Do not retry: a token the processor issued is good for its own call only.",
-        )
+    if principal.delegated_for is not None and not _bound_to(principal, p):
+        return _misused()
     if p.tenant_id != principal.tenant_id:
         return _deny(
             FieldError(

@@ -16,7 +16,8 @@
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
 -- "hit|<state>|<call>|<cached answer>", or a result's "settled[|grant|<claims>]",
--- "settled|compensated|<key>", "duplicate", "stale|<state>", "unknown". Short strings,
+-- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
+-- "unknown"; a void's "voided" or "unchanged". Short strings,
 -- not JSON: decoding and encoding are most of a script's cost per item.
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, c call, d deadline,
@@ -62,7 +63,7 @@ local function unwire(a)
     return {kind = 'result', pos = a[2], ikey = a[3], call = a[4], result_id = a[5],
             state = a[6], cached = a[7], ttl = a[8], compensation_key = opt(a[9]),
             compensates = opt(a[10]), compensation_hash = opt(a[11]),
-            compensation_tool = opt(a[12])}
+            compensation_tool = opt(a[12]), unsigned = opt(a[13])}
   elseif kind == 5 then
     return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5]}
   end
@@ -73,6 +74,7 @@ end
 local function encode(v)
   if v.status then
     if v.grant then return 'settled|grant|' .. v.grant end
+    if v.unsigned then return 'settled|unsigned' end
     if v.compensated then return 'settled|compensated|' .. v.compensated end
     if v.state then return v.status .. '|' .. v.state end
     return v.status
@@ -345,7 +347,13 @@ local function settle(c)
   local grant = rec.t
   rec.s, rec.x, rec.v, rec.w, rec.t = c.state, c.result_id, c.cached, 0, nil
   local verdict = {status = 'settled'}
-  if c.compensation_key then
+  if c.compensation_key and c.unsigned and string.sub(grant or '', 1, 1) ~= '{' then
+    -- It must be signed in the caller's name, and the record keeps no claims to sign
+    -- with (an earlier version kept a token): nothing is proposed, it escalates, and a
+    -- retry of the original gets that answer.
+    rec.v = c.unsigned
+    verdict.unsigned = true
+  elseif c.compensation_key then
     -- The compensating call is proposed under this key; the original is compensated
     -- once that call completes.
     rec.k, rec.kh, rec.kt = c.compensation_key, c.compensation_hash, c.compensation_tool

@@ -269,7 +269,7 @@ def _wire(item: Item) -> list[Any]:
         return [3, item["pos"], item["ikey"], item["call"], item["result_id"], item["state"],
                 item["cached"], item["ttl"], item["compensation_key"] or "",
                 item["compensates"] or "", item.get("compensation_hash") or "",
-                item.get("compensation_tool") or ""]  # fmt: skip
+                item.get("compensation_tool") or "", item.get("cached_unsigned") or ""]  # fmt: skip
     if kind == "void":
         return [5, item["pos"], item["ikey"], item["call"], item["ttl"]]
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
@@ -293,6 +293,8 @@ def parse_verdict(raw: bytes | str) -> Verdict:
         what, _, value = rest.partition("|")
         if what == "grant":
             return {"status": "settled", "grant": value}
+        if what == "unsigned":
+            return {"status": "settled", "unsigned": True}
         if what == "compensated":
             return {"status": "settled", "compensated": value}
         return {"status": "settled"}

@@ -367,6 +367,36 @@ def _awaiting_compensation(store: AdmissionStore, payload: str = "h-undo") -> tu
     return key, comp_key
 
 
+def test_a_compensation_nobody_can_sign_escalates_and_a_retry_is_told_so(
+    store: AdmissionStore,
+) -> None:
+    """A record an earlier version wrote keeps the caller's token, not its claims: the
+    processor cannot sign the compensation. The record keeps the escalation as its answer
+    (not the one that says a compensation is on its way), and names no compensation."""
+    for kept in ("eyJhbGciOiJFZERTQSJ9.eyJzdWIiOiJ1In0.c2ln", ""):
+        original = call(grant=kept)
+        key = original[1]["ikey"]
+        store.apply([original])
+        settled = result(original, state="FAILED_FINAL", compensation_key="compensate:" + key,
+                         compensation_hash="h-undo", compensation_tool="refund_order",
+                         cached_unsigned='{"class":"COMPENSATION_FAILED"}')  # fmt: skip
+        assert store.apply([settled]) == [{"status": "settled", "unsigned": True}]
+        rec = store.record(TENANT, key, NOW)
+        assert rec["cached"] == '{"class":"COMPENSATION_FAILED"}'
+        assert "compensation" not in rec and "grant" not in rec
+        assert store.apply([settled]) == [{"status": "settled", "unsigned": True}]  # replayed
+    # With claims to sign with, the same result asks for the compensation.
+    grant = '{"sub":"u-1","agent_id":"a-1","scope":"","clearance":"internal"}'
+    original = call(grant=grant)
+    store.apply([original])
+    key = original[1]["ikey"]
+    settled = result(original, state="FAILED_FINAL", compensation_key="compensate:" + key,
+                     compensation_hash="h-undo", compensation_tool="refund_order",
+                     cached_unsigned='{"class":"COMPENSATION_FAILED"}')  # fmt: skip
+    assert store.apply([settled]) == [{"status": "settled", "grant": grant}]
+    assert store.record(TENANT, key, NOW)["compensation"] == "compensate:" + key
+
+
 def test_a_compensated_call_is_marked_once_its_compensation_completes(
     store: AdmissionStore,
 ) -> None:

@@ -8,6 +8,7 @@ topics or the processor's Redis records.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -151,14 +152,20 @@ def _handlers(calls: list[Call], flaky_seen: set[str]) -> dict[str, Handler]:
 @pytest.fixture(scope="module")
 def bench(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bench]:
     settings = isolated(stack_settings, "results")
-    logs: Path = tmp_path_factory.mktemp("results-logs")
-    proc = ProcessorProcess(settings, "results-1", logs).start().wait_ready()
+    with _running(settings, "results-1", tmp_path_factory.mktemp("results-logs")) as b:
+        yield b
+
+
+@contextlib.contextmanager
+def _running(settings: Settings, name: str, logs: Path) -> Iterator[Bench]:
+    """A processor, an executor and a client on ``settings``' topics."""
+    proc = ProcessorProcess(settings, name, logs).start().wait_ready()
     refs = existing(TENANT, "lookup_order", {"order_id": "WO-55502-A"})
     publish_references(settings, refs)
     wait_until_loaded(settings)
     calls: list[Call] = []
     flaky: set[str] = set()
-    executor = Executor(settings, _handlers(calls, flaky), executor_id="results-exec")
+    executor = Executor(settings, _handlers(calls, flaky), executor_id=f"{name}-exec")
     client = ToolsentryClient(settings, TENANT, principal_token=token(settings, TENANT))
     store = AdmissionStore(connect(settings.redis_url), settings.redis_namespace)
     try:
@@ -392,6 +399,30 @@ def test_a_compensation_acts_for_its_caller_without_keeping_the_callers_token(
     assert claims["act"] == {"sub": "toolsentry"}
     assert claims["idempotency_key"] == compensation_key(key)
     assert short.encode() not in _redis_values(bench)
+
+
+def test_without_a_delegation_key_a_compensation_escalates_at_once(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """Nobody can sign the compensating call in the caller's name: nothing is proposed,
+    the call escalates, and a retry of it is told the same, not to wait for a refund."""
+    settings = isolated(stack_settings, "results-unsigned")
+    identity = settings.identity.model_copy(update={"delegation_key_file": None})
+    settings = settings.model_copy(update={"identity": identity})
+    with _running(settings, "results-unsigned-1", tmp_path) as mine:
+        pid, key, args = _charge(mine, 12.5, "WO-55509-A")
+        failed = mine.result(pid)
+        assert failed["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
+        assert failed["status"]["escalate"] is True
+        assert failed["allowed_tools"] == ["handoff_to_human"]
+        codes = [e["code"] for e in failed["result_payload"]["errors"]]
+        assert codes == ["receipt_failed", "partially_committed", "compensation_unsigned"]
+        again = mine.client.wait(mine.propose("charge_customer_card_v2", args,
+                                              idempotency_key=key), 60)  # fmt: skip
+        assert again["execution_metadata"]["idempotency_hit"] is True
+        assert again["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
+        assert "compensation" not in mine.store.record(TENANT, key)
+        assert mine.client.history(compensation_proposal_id(key)) == []
 
 
 def test_a_compensation_a_gate_refuses_fails_and_escalates(bench: Bench) -> None:

@@ -22,6 +22,7 @@ from processor.identity import (
     KeyError_,
     TokenIssuer,
     Verifier,
+    generate_ed25519_jwk,
     grant_of,
 )
 from processor.keys import init_keys
@@ -29,6 +30,7 @@ from processor.model import FieldError, Principal, Proposal, Rejection, Taxonomy
 from processor.results import (
     compensation_key,
     compensation_proposal,
+    compensation_proposal_id,
     unsigned_compensation,
     wants_compensation,
 )
@@ -37,6 +39,8 @@ from tests.unit.test_results import KEY, _charge_result
 
 TENANT = "tenant-1"
 COMP_KEY = compensation_key(KEY)
+COMP_ID = compensation_proposal_id(KEY)
+BINDING = (COMP_KEY, COMP_ID, "run-1")
 
 
 @pytest.fixture
@@ -56,8 +60,8 @@ def _caller(keys: Any, **kw: Any) -> str:
     return issuer.mint(TENANT, "user-7", "agent-3", ["orders:refund", "orders:read"], **kw)
 
 
-def _proposal(key: str | None, token: str) -> Proposal:
-    env = envelope("refund_order", principal_token=token)
+def _proposal(key: str | None, token: str, **fields: Any) -> Proposal:
+    env = envelope("refund_order", **{"principal_token": token, "proposal_id": COMP_ID, **fields})
     if key:
         env["idempotency_key"] = key
     parsed = parse_proposal(record(orjson.dumps(env)), Limits())
@@ -75,22 +79,29 @@ def test_a_delegation_token_acts_for_the_caller_under_one_key(
     verifier: Verifier, keys: Any
 ) -> None:
     assert verifier.delegator is not None
-    token = verifier.delegator.mint(TENANT, _grant(verifier, keys), COMP_KEY)
+    token = verifier.delegator.mint(TENANT, _grant(verifier, keys), *BINDING)
     assert token is not None
     claims = jwt.decode(token, options={"verify_signature": False})
     assert claims["act"] == {"sub": DELEGATION_ISSUER} and claims["iss"] == DELEGATION_ISSUER
-    assert claims["idempotency_key"] == COMP_KEY
+    assert (claims["idempotency_key"], claims["proposal_id"], claims["run_id"]) == BINDING
     assert claims["exp"] - claims["iat"] == 900
 
     got = verifier.verify(token)
     assert isinstance(got, Principal), got
     assert (got.tenant_id, got.user_id, got.agent_id) == (TENANT, "user-7", "agent-3")
     assert got.scopes == {"orders:refund", "orders:read"}
-    assert got.delegated_for == COMP_KEY
+    assert got.delegated_for == BINDING
 
     assert identify(_proposal(COMP_KEY, token), verifier, time.time()) == got
-    for other in ("k-something-else", None):
-        refused = identify(_proposal(other, token), verifier, time.time())
+    elsewhere = [
+        _proposal("k-something-else", token),
+        _proposal(None, token),
+        _proposal(COMP_KEY, token, proposal_id="p-other"),
+        _proposal(COMP_KEY, token, run_id="run-other"),
+        _proposal(COMP_KEY, token, tenant_id="tenant-2"),
+    ]
+    for p in elsewhere:
+        refused = identify(p, verifier, time.time())
         assert isinstance(refused, Rejection)
         assert refused.taxonomy is TaxonomyClass.PERMISSION_DENIED
         assert [e.code for e in refused.errors] == ["delegation_misused"]
@@ -111,14 +122,23 @@ def test_a_grant_is_claims_not_a_credential(verifier: Verifier, keys: Any) -> No
 def test_an_expired_delegation_token_says_so(verifier: Verifier, keys: Any) -> None:
     assert verifier.delegator is not None
     old = time.time() - 7200
-    token = verifier.delegator.mint(TENANT, _grant(verifier, keys), COMP_KEY, now=old)
+    token = verifier.delegator.mint(TENANT, _grant(verifier, keys), *BINDING, now=old)
     assert token is not None
     for _ in range(2):  # first verified, then from the cache
         got = verifier.verify(token)
         assert isinstance(got, FieldError) and got.code == "delegation_expired"
-    fresh = verifier.delegator.mint(TENANT, _grant(verifier, keys), COMP_KEY)
+    fresh = verifier.delegator.mint(TENANT, _grant(verifier, keys), *BINDING)
     assert isinstance(verifier.verify(fresh), Principal)
     assert isinstance(verifier.verify(fresh, now=time.time() + 3600), FieldError)
+    # Expired, it is the processor's failed compensation only on its own proposal: copied
+    # onto another (a key, a tenant anyone can name), it is misused.
+    now = time.time()
+    own = identify(_proposal(COMP_KEY, token), verifier, now)
+    assert isinstance(own, Rejection) and [e.code for e in own.errors] == ["delegation_expired"]
+    for p in (_proposal("compensate:k-other", token), _proposal(COMP_KEY, token, tenant_id="t2")):
+        moved = identify(p, verifier, now)
+        assert isinstance(moved, Rejection)
+        assert [e.code for e in moved.errors] == ["delegation_misused"]
 
 
 def test_the_delegation_key_signs_only_delegation_tokens(verifier: Verifier, keys: Any) -> None:
@@ -127,18 +147,22 @@ def test_the_delegation_key_signs_only_delegation_tokens(verifier: Verifier, key
     assert verifier.delegator is not None
     raw = verifier.delegator.issuer
     bare = raw.mint(TENANT, "user-7", "agent-3", ["orders:refund"])
-    no_act = raw.mint(TENANT, "u", "a", iss=DELEGATION_ISSUER, idempotency_key=COMP_KEY)
+    binding = dict(zip(("idempotency_key", "proposal_id", "run_id"), BINDING, strict=True))
+    no_act = raw.mint(TENANT, "u", "a", iss=DELEGATION_ISSUER, **binding)
     no_key = raw.mint(TENANT, "u", "a", iss=DELEGATION_ISSUER, act={"sub": DELEGATION_ISSUER})
-    for token in (bare, no_act, no_key):
+    no_run = raw.mint(TENANT, "u", "a", iss=DELEGATION_ISSUER, act={"sub": DELEGATION_ISSUER},
+                      idempotency_key=COMP_KEY, proposal_id=COMP_ID)  # fmt: skip
+    wrong_act = raw.mint(TENANT, "u", "a", iss=DELEGATION_ISSUER, act={"sub": "x"}, **binding)
+    for token in (bare, no_act, no_key, no_run, wrong_act):
         got = verifier.verify(token)
         assert isinstance(got, FieldError), token
         assert got.code in ("token_claims_invalid", "token_wrong_audience"), got
-    copied = _caller(keys, act={"sub": DELEGATION_ISSUER}, idempotency_key=COMP_KEY)
+    copied = _caller(keys, act={"sub": DELEGATION_ISSUER}, **binding)
     got = verifier.verify(copied)
     assert isinstance(got, Principal) and got.delegated_for is None
     forged = TokenIssuer(raw.kid, "EdDSA", TokenIssuer.from_jwk_file(keys.issuer).private_key)
     token = forged.mint(TENANT, "u", "a", iss=DELEGATION_ISSUER,
-                        act={"sub": DELEGATION_ISSUER}, idempotency_key=COMP_KEY)  # fmt: skip
+                        act={"sub": DELEGATION_ISSUER}, **binding)  # fmt: skip
     got = verifier.verify(token)
     assert isinstance(got, FieldError) and got.code == "token_signature_invalid"
 
@@ -168,7 +192,8 @@ def test_a_compensation_is_signed_or_escalates(
     assert signed is not None
     token = orjson.loads(signed)["principal_token"]
     principal = verifier.verify(token)
-    assert isinstance(principal, Principal) and principal.delegated_for == comp.key
+    assert isinstance(principal, Principal)
+    assert principal.delegated_for == (comp.key, COMP_ID, "run-1")
 
     unsigned = Verifier.from_settings(IdentitySettings(jwks_file=keys.jwks))
     assert unsigned.delegator is None
@@ -179,3 +204,40 @@ def test_a_compensation_is_signed_or_escalates(
     assert d.rejection.taxonomy is TaxonomyClass.COMPENSATION_FAILED
     assert [e.code for e in d.rejection.errors][-1] == "compensation_unsigned"
     assert d.rejection.allowed_tools == ("handoff_to_human",)
+
+
+def test_a_rotated_delegation_key_still_verifies_what_it_signed(keys: Any, tmp_path: Path) -> None:
+    before = Verifier.from_settings(
+        IdentitySettings(jwks_file=keys.jwks, delegation_key_file=keys.delegation)
+    )
+    assert before.delegator is not None
+    token = before.delegator.mint(TENANT, _grant(before, keys), *BINDING)
+    assert token is not None
+
+    new_key = tmp_path / "delegation-2.jwk"
+    new_key.write_bytes(orjson.dumps(generate_ed25519_jwk("toolsentry-delegation-2")[0]))
+    rotated = IdentitySettings(jwks_file=keys.jwks, delegation_key_file=new_key)
+    after = Verifier.from_settings(rotated)
+    got = after.verify(token)
+    assert isinstance(got, FieldError) and got.code == "token_unknown_key"
+    keeping = Verifier.from_settings(
+        rotated.model_copy(update={"delegation_previous_key_files": (keys.delegation,)})
+    )
+    got = keeping.verify(token)
+    assert isinstance(got, Principal) and got.delegated_for == BINDING
+    assert keeping.delegator is not None and keeping.delegator.kid == "toolsentry-delegation-2"
+    with pytest.raises(KeyError_, match="also a trusted issuer"):
+        Verifier.from_settings(
+            rotated.model_copy(update={"delegation_previous_key_files": (keys.issuer,)})
+        )
+
+
+def test_a_scope_list_entry_must_be_one_scope(verifier: Verifier, keys: Any) -> None:
+    """A grant keeps scopes space-separated: an entry with a space in it would become two
+    real scopes in a delegation token, so such a token is refused to begin with."""
+    issuer = TokenIssuer.from_jwk_file(keys.issuer)
+    bad = issuer.mint(TENANT, "u", "a", scope=["orders:read orders:refund"])
+    got = verifier.verify(bad)
+    assert isinstance(got, FieldError) and got.code == "token_claims_invalid"
+    good = verifier.verify(issuer.mint(TENANT, "u", "a", scope=["orders:read", "orders:refund"]))
+    assert isinstance(good, Principal) and good.scopes == {"orders:read", "orders:refund"}
