@@ -621,13 +621,13 @@ class Processor:
         voids = [(t, v) for t, item in self._admitted if (v := void_item(item)) is not None]
         ends = [(t, {"op": "void", "rid": rid, "pos": pos, "now": now_ms})
                 for t, rid, pos in self._parked]  # fmt: skip
-        try:
-            self.admission.apply(voids)
-            self.approval_store.apply(ends)
-        except REDIS_ERRORS as exc:
-            if not is_script_error(exc):
-                raise DependencyDown(f"redis: {exc}") from exc
-            logger.exception("could not end what a failed record left in Redis")
+        for store, ops in ((self.admission, voids), (self.approval_store, ends)):
+            try:
+                store.apply(ops)
+            except REDIS_ERRORS as exc:
+                if not is_script_error(exc):
+                    raise DependencyDown(f"redis: {exc}") from exc
+                logger.exception("could not end what a failed record left in Redis")
 
     def _internal_error(self, m: Message, exc: Exception) -> Decision:
         src = _source(m)
@@ -1063,6 +1063,7 @@ def _drain(producer: Producer) -> None:
 def _trust_files(settings: Settings) -> list[Path]:
     identity = settings.identity
     files = [identity.jwks_file, *identity.key_files, identity.delegation_key_file]
+    files += identity.delegation_previous_key_files
     files += [settings.policy_file, settings.approvers_file]
     return [Path(f) for f in files if f is not None]
 

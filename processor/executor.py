@@ -178,15 +178,14 @@ class Executor:
         settings: Settings,
         handlers: Mapping[str, Handler],
         classes: Iterable[str] | None = None,
-        group_id: str | None = None,
+        group_id: str = "toolsentry-executor",
         executor_id: str | None = None,
         clock: Callable[[], float] = time.time,
         metrics_registry: CollectorRegistry | None = None,
         batch_max_records: int = 100,
     ) -> None:
-        """``group_id`` defaults to the deployment's group (``settings.group_id``) plus
-        ``-executor``: executors of two deployments on one cluster (their own topic
-        prefixes) do not share a group, whose rebalances would wait on each other.
+        """``group_id``: executors of two deployments on one cluster (their own topic
+        prefixes) need groups of their own, or their rebalances wait on each other.
 
         ``batch_max_records`` is far below the processor's: handlers run while the batch
         is held, and a batch must finish within the consumer's ``max.poll.interval.ms``,
@@ -204,7 +203,7 @@ class Executor:
         # "<group_id>-<executor_id>", stable so a restart fences its predecessor.
         self.settings = settings.model_copy(
             update={
-                "group_id": group_id or f"{settings.group_id}-executor",
+                "group_id": group_id,
                 "instance_id": self.executor_id,
             }
         )

@@ -354,7 +354,10 @@ def apply_verdict(
         return _refused(d, taxonomy, Gate.IDEMPOTENCY, FieldError(field, message, code), action)
     if why == "idempotent_hit":
         return cached_answer(d, verdict)
-    error = FieldError(None, f"admission refused ({why})", "admission_refused")
+    if why == "voided":  # decided again after it failed alone on a defect (see Processor._void)
+        error = FieldError(None, "an earlier attempt to decide it met a defect", "internal_error")
+    else:
+        error = FieldError(None, f"admission refused ({why})", "admission_refused")
     return _refused(
         d, TaxonomyClass.UNKNOWN_ERROR, Gate.INTERNAL, error,
         "Nothing was executed; do not retry this call automatically, hand off to a human.",

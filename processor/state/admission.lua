@@ -10,8 +10,8 @@
 --          2 step     a proposal an earlier gate refused (it still is a step of its run)
 --          3 result   an executor's result for a routed call
 --          4 release  a parked call its approvers released
---          5 void     a call or release whose record failed alone on a defect after it
---                     was admitted (answered UNKNOWN_ERROR, never routed)
+--          5 void     a call whose record failed alone on a defect after it was admitted
+--                     (answered UNKNOWN_ERROR, never routed)
 -- ARGV[3]  how long a run's counters live after the day of their last use (ms)
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
@@ -65,7 +65,7 @@ local function unwire(a)
             compensates = opt(a[10]), compensation_hash = opt(a[11]),
             compensation_tool = opt(a[12]), unsigned = opt(a[13])}
   elseif kind == 5 then
-    return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5]}
+    return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6]}
   end
   return {kind = 'release', pos = a[2], run = a[3], ikey = a[4], hash = a[5], call = a[6],
           deadline = a[7], ttl = a[8]}
@@ -386,13 +386,22 @@ end
 
 -- A call admitted for a record that then failed alone on a defect: it was answered
 -- UNKNOWN_ERROR and never routed, so its record must not wait for a result that will not
--- come (a retry under its key would meet IDEMPOTENCY_CONFLICT until its deadline). Nothing
--- ran: a retry may run it. Idempotent, so it keeps no verdict of its own.
+-- come (a retry under its key would meet IDEMPOTENCY_CONFLICT until its deadline). Only
+-- what this very position took is undone: its verdict must be "ok" with the attempt the
+-- record is at (a copy refused as in flight holds nothing). Its verdict becomes a refusal,
+-- so a replay of its batch refuses it too, even should the defect not recur. Nothing ran:
+-- a retry under the key is not blocked. Idempotent.
 local function void(c)
+  local was = redis.call('HGET', done_key, c.of)
+  local attempt = was and tonumber(string.match(was, '^ok|(%d+)$'))
   local rec = record_of(c.ikey)
-  if not (rec and rec.c == c.call and rec.s == 'PENDING') then return {status = 'unchanged'} end
+  if not (attempt and attempt >= 1 and rec and rec.c == c.call and rec.a == attempt
+          and rec.s == 'PENDING') then
+    return {status = 'unchanged'}
+  end
   rec.s, rec.w = 'FAILED_RETRYABLE', 0
   put_record(c.ikey, rec, c.ttl)
+  redis.call('HSET', done_key, c.of, 'no|voided|0')
   return {status = 'voided'}
 end
 

@@ -271,7 +271,7 @@ def _wire(item: Item) -> list[Any]:
                 item["compensates"] or "", item.get("compensation_hash") or "",
                 item.get("compensation_tool") or "", item.get("cached_unsigned") or ""]  # fmt: skip
     if kind == "void":
-        return [5, item["pos"], item["ikey"], item["call"], item["ttl"]]
+        return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"]]
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
             item["deadline"], item["ttl"]]  # fmt: skip
 
@@ -314,13 +314,14 @@ _CALL_FIELD_SET = frozenset(_CALL_FIELDS)
 
 
 def void_item(item: Item) -> Item | None:
-    """Undo what admitting ``item`` (a call or a release) left waiting, for a record that
-    then failed alone on a defect: its key's record, if this call holds it and it is still
-    PENDING, becomes FAILED_RETRYABLE (nothing ran). None for other kinds."""
-    if item["kind"] not in ("call", "release"):
+    """Undo what admitting the call ``item`` left waiting, for a record that then failed
+    alone on a defect: its key's record, if this position took it and it is still PENDING,
+    becomes FAILED_RETRYABLE (nothing ran), and the position's verdict a refusal (see
+    admission.lua, void). None for other kinds."""
+    if item["kind"] != "call":
         return None
     void = {"kind": "void", "pos": "void:" + item["pos"], "ikey": item["ikey"],
-            "call": item["call"], "ttl": item["ttl"]}  # fmt: skip
+            "call": item["call"], "ttl": item["ttl"], "of": item["pos"]}  # fmt: skip
     if "now" in item:  # the clock its record was written under
         void["now"] = item["now"]
     return void

@@ -167,11 +167,18 @@ for i, op in ipairs(ops) do
     end
   elseif kind == 'void' then
     -- Parked for a proposal that then failed alone on a defect: it was answered
-    -- UNKNOWN_ERROR, and its approval request was never sent. Ended now, so that neither
-    -- an expiry nor a stray decision answers that proposal a second time.
+    -- UNKNOWN_ERROR, and its approval request was never sent. Forgotten, so that neither
+    -- an expiry nor a stray decision answers that proposal a second time, and the same
+    -- proposal sent again (the same request id) parks afresh.
     local e = state(op.rid)
-    if e ~= nil and e.state == 'parked' then finish(op.rid, 'voided', op.pos, op.now) end
-    out[i] = {'voided'}
+    if e ~= nil and e.state == 'parked' then
+      redis.call('HDEL', base .. ':parked', op.rid)
+      redis.call('DEL', park_key(op.rid))
+      redis.call('ZREM', base .. ':parkexp', op.rid)
+      out[i] = {'voided'}
+    else
+      out[i] = {'unchanged'}
+    end
   else
     out[i] = {'bad_op'}
   end

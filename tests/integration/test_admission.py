@@ -304,11 +304,20 @@ def test_a_call_whose_record_failed_alone_does_not_hold_its_key(store: Admission
     assert store.record(TENANT, key, NOW)["state"] == "PENDING"
     void = void_item(admitted[1])
     assert void is not None
+    # A copy of it refused as in flight holds nothing: voiding that copy changes nothing.
+    copy = call(ikey=key, call=admitted[1]["call"])
+    assert whys(store.apply([copy])) == ["in_flight"]
+    copy_void = void_item(copy[1])
+    assert copy_void is not None
+    assert store.apply([(TENANT, copy_void)]) == [{"status": "unchanged"}]
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
+
     assert store.apply([(TENANT, void)]) == [{"status": "voided"}]
     assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
     assert store.apply([(TENANT, void)]) == [{"status": "unchanged"}]  # idempotent
-    # The original verdict of its position is still what a replay of its batch gets.
-    assert whys(store.apply([admitted])) == [None]
+    # A replay of its batch refuses it too, even should the defect not recur: it must not
+    # go with its record no longer waiting for it.
+    assert whys(store.apply([admitted])) == ["voided"]
     # Nothing ran: the same call may go again under its key.
     retry = call(ikey=key, run="run-2")
     assert store.apply([retry]) == [{"ok": True, "attempt": 2}]
@@ -320,6 +329,9 @@ def test_a_call_whose_record_failed_alone_does_not_hold_its_key(store: Admission
     assert store.apply([(TENANT, void_item(retry[1]))]) == [{"status": "unchanged"}]
     assert store.record(TENANT, key, NOW)["state"] == "COMPLETED"
     assert void_item(step()[1]) is None
+    release = {"kind": "release", "pos": "a/0/1", "run": "r", "ikey": key, "hash": "h1",
+               "call": "c", "deadline": NOW, "ttl": 1}  # fmt: skip
+    assert void_item(release) is None
 
 
 def test_a_parked_call_is_released_once_whichever_path_comes_first(store: AdmissionStore) -> None:

@@ -165,7 +165,8 @@ def _running(settings: Settings, name: str, logs: Path) -> Iterator[Bench]:
     wait_until_loaded(settings)
     calls: list[Call] = []
     flaky: set[str] = set()
-    executor = Executor(settings, _handlers(calls, flaky), executor_id=f"{name}-exec")
+    handlers = _handlers(calls, flaky)
+    executor = Executor(settings, handlers, group_id=f"{name}-exec", executor_id=f"{name}-exec")
     client = ToolsentryClient(settings, TENANT, principal_token=token(settings, TENANT))
     store = AdmissionStore(connect(settings.redis_url), settings.redis_namespace)
     try:

@@ -143,6 +143,17 @@ def test_rate_limits_and_conflicts_carry_a_retry_after(contracts: ContractSet) -
     assert out.call is None
 
 
+def test_a_call_voided_after_a_defect_is_refused_on_replay(contracts: ContractSet) -> None:
+    """Its record failed alone once (see Processor._void): decided again, it does not go."""
+    d = _decide(contracts)
+    out = apply_verdict(d, {"ok": False, "why": "voided", "retry_after_ms": 0}, BUDGETS, None)
+    assert out.outcome is Outcome.REJECTED and out.call is None
+    assert out.rejection and out.rejection.taxonomy is TaxonomyClass.UNKNOWN_ERROR
+    assert out.gate is Gate.INTERNAL
+    assert [e.code for e in out.rejection.errors] == ["internal_error"]
+    assert "hand off to a human" in out.rejection.next_action
+
+
 def test_an_admitted_call_keeps_its_route_and_takes_its_attempt(contracts: ContractSet) -> None:
     d = _decide(contracts)
     out = apply_verdict(d, {"ok": True, "attempt": 3}, BUDGETS, _contract(contracts, d))
