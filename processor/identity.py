@@ -15,9 +15,9 @@ cached by their exact bytes; the time claims are checked again on every use.
 
 Compensating calls are the one kind of proposal the processor writes itself, and it
 signs them with a key of its own (``Delegator``): the original caller's claims, an
-``act`` claim naming the processor, and the one compensation key the token is good
-for. So no caller's token is kept at rest, and a compensation runs even after the
-caller's own token expired.
+``act`` claim naming the processor, and the one proposal the token is good for. So no
+caller's token is kept at rest, and a compensation runs even after the caller's own
+token expired.
 """
 
 from __future__ import annotations

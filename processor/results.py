@@ -386,8 +386,8 @@ def unsigned_rejection(d: Decision, verifier: Verifier) -> Rejection:
     why = (
         "no delegation key is configured (identity.delegation_key_file)"
         if verifier.delegator is None
-        else "its record keeps no principal the processor can act for (an earlier version "
-        "kept a token instead)"
+        else "its record keeps no principal the processor can act for (it was written by "
+        "an earlier version, which kept a token, or with identity in development mode)"
     )
     error = FieldError(None, f"the compensating call cannot be signed: {why}",
                        "compensation_unsigned")  # fmt: skip
