@@ -51,7 +51,7 @@ def calls(n: int, tenants: int = 4) -> list[tuple[str, Item]]:
                 grace=30_000,
                 ttl=3_600_000,
                 park=False,
-                tok="",
+                grant="",
                 exempt=False,
             ),
         )

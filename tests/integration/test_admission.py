@@ -13,6 +13,7 @@ import orjson
 import pytest
 import redis
 
+from bench.admission import calls as bench_calls
 from processor.state.admission import (
     AdmissionStore,
     Item,
@@ -476,3 +477,9 @@ def test_a_batch_of_calls_and_refusals_is_one_script_call() -> None:
     assert len(_segments(batch)) == 1
     assert len(_segments([*batch, call(tenant="globex")])) == 2
     assert len(_segments([*batch, call(steps=5)])) == 2  # another limit: its own call
+
+
+def test_the_benchmarks_calls_are_what_the_script_takes(store: AdmissionStore) -> None:
+    """bench.admission builds its calls by hand: they must stay valid items."""
+    batch = bench_calls(12, tenants=1)
+    assert whys(store.apply([(TENANT, item) for _, item in batch])) == [None] * 12
