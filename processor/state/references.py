@@ -15,7 +15,10 @@ Redis, where all instances read the same answers:
 The loader keeps its own position in Redis (``<ns>:refpos:<group>``; ``<ns>`` is the
 configured namespace, ``ts`` by default), written
 after the values it covers, and resumes from it; re-applying a record is
-harmless because the last value of a key wins either way.
+harmless because the last value of a key wins either way. The position is the
+consumer's, past the transaction markers a transactional publisher (the reference
+executor) leaves after its records: otherwise a partition ending in a marker would
+never look loaded up to its end.
 """
 
 from __future__ import annotations
@@ -147,15 +150,19 @@ def apply_records(
     records: list[tuple[str, int, int, bytes | None, bytes | None]],
     group: str,
     ns: str = "ts",
+    past: dict[tuple[str, int], int] | None = None,
 ) -> tuple[int, int]:
     """Write a batch of (topic, partition, offset, key, value); positions last.
+    ``past``: the consumer's positions after the batch, which may be beyond its last
+    record (transaction markers).
 
     Returns (applied, refused)."""
     pipe = client.pipeline(transaction=False)
     positions: dict[str | bytes, int] = {}
     applied = refused = 0
+    past = past or {}
     for topic, partition, offset, key, value in records:
-        positions[f"{topic}/{partition}"] = offset + 1
+        positions[f"{topic}/{partition}"] = max(offset + 1, past.get((topic, partition), 0))
         try:
             rec = parse_reference(key, value)
         except BadReference as exc:
@@ -195,6 +202,8 @@ class ReferenceLoader:
         self.metrics = metrics
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reference-loader", daemon=True)
+        self._stored: dict[tuple[str, int], int] = {}
+        """The positions last written to Redis, per assigned partition."""
 
     def start(self) -> None:
         self._thread.start()
@@ -211,8 +220,11 @@ class ReferenceLoader:
         except REDIS_ERRORS:
             logger.warning("cannot read reference positions; starting from the beginning")
             known = {}
+        self._stored = {}
         for tp in partitions:
             tp.offset = known.get((tp.topic, tp.partition), OFFSET_BEGINNING)
+            if tp.offset >= 0:
+                self._stored[(tp.topic, tp.partition)] = tp.offset
         consumer.assign(partitions)
 
     def _run(self) -> None:
@@ -247,13 +259,42 @@ class ReferenceLoader:
                 ]
                 if records:
                     self._apply(consumer, records)
+                else:
+                    self._advance(consumer)
         finally:
             consumer.close()
+
+    def _positions(
+        self, consumer: Consumer, partitions: Iterable[tuple[str, int]]
+    ) -> dict[tuple[str, int], int]:
+        wanted = [TopicPartition(t, p) for t, p in partitions]
+        return {(tp.topic, tp.partition): tp.offset for tp in consumer.position(wanted)}
+
+    def _advance(self, consumer: Consumer) -> None:
+        """Idle: move the stored positions past what the consumer skipped since (the
+        markers of transactions whose records were applied earlier)."""
+        try:
+            now = self._positions(consumer, self._stored)
+        except KafkaException:
+            return
+        ahead = {tp: o for tp, o in now.items() if o > self._stored.get(tp, o)}
+        if not ahead:
+            return
+        key = position_key(self.settings.redis_namespace, self.settings.reference_group_id)
+        try:
+            self.client.hset(key, mapping={f"{t}/{p}": o for (t, p), o in ahead.items()})
+        except REDIS_ERRORS:
+            return  # tried again when next idle
+        self._stored.update(ahead)
 
     def _apply(
         self, consumer: Consumer, records: list[tuple[Any, Any, Any, bytes | None, bytes | None]]
     ) -> None:
         delay = 0.2
+        try:
+            past = self._positions(consumer, {(r[0], r[1]) for r in records})
+        except KafkaException:
+            past = {}  # the records' own positions, then; _advance catches up
         while not self._stop.is_set():
             try:
                 applied, refused = apply_records(
@@ -261,7 +302,11 @@ class ReferenceLoader:
                     records,
                     self.settings.reference_group_id,
                     self.settings.redis_namespace,
+                    past,
                 )
+                for topic, partition, offset, _, _ in records:
+                    tp = (topic, partition)
+                    self._stored[tp] = max(offset + 1, past.get(tp, 0))
                 self.metrics.references.labels("applied").inc(applied)
                 self.metrics.references.labels("refused").inc(refused)
                 return

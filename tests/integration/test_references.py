@@ -1,0 +1,72 @@
+"""The reference loader against a real broker and Redis: what it has loaded is what is on
+``tool.reference``, transaction markers included.
+
+A transactional publisher (the reference executor updates order states in the same
+transaction as its results) leaves a marker after its records. The marker takes an
+offset but is never handed to a consumer, so a loader that counted only its records
+would never look loaded up to the partition's end: ``wait_until_loaded`` (the demo, the
+tests, operators) then timed out on every later run of the demo.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import orjson
+import pytest
+from confluent_kafka import Producer
+from prometheus_client import CollectorRegistry
+
+from processor.config import Settings
+from processor.metrics import Metrics
+from processor.reference_data import publish_references, wait_until_loaded
+from processor.state.connection import connect
+from processor.state.references import ReferenceLoader, entity_key
+from tests.integration.harness import isolated
+
+pytestmark = pytest.mark.integration
+
+
+def _publish_in_a_transaction(settings: Settings, entities: dict[str, dict[str, str]]) -> None:
+    producer = Producer(
+        settings.client_config(**{"transactional.id": f"ref-publisher-{uuid.uuid4().hex}"})
+    )
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    for key, value in entities.items():
+        producer.produce(settings.topics.reference, orjson.dumps(value), key.encode())
+    producer.commit_transaction(30)
+
+
+def test_records_published_in_transactions_count_as_loaded(stack_settings: Settings) -> None:
+    settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
+    redis = connect(settings.redis_url)
+    ns = settings.redis_namespace
+    # Every partition gets records and then a marker.
+    orders = {f"acme/order/WO-{i:05d}-A": {"state": "processing"} for i in range(24)}
+    _publish_in_a_transaction(settings, orders)
+    loader = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
+    loader.start()
+    try:
+        wait_until_loaded(settings, timeout=30)
+        assert redis.get(entity_key(ns, "acme", "order", "WO-00007-A")) == b'{"state":"processing"}'
+
+        # Ordinary records after the markers, then more transactions: still in step.
+        publish_references(settings, [("acme/order/WO-00007-A", {"state": "shipped"})])
+        wait_until_loaded(settings, timeout=30)
+        _publish_in_a_transaction(settings, {"acme/order/WO-00008-A": {"state": "cancelled"}})
+        wait_until_loaded(settings, timeout=30)
+        assert redis.get(entity_key(ns, "acme", "order", "WO-00007-A")) == b'{"state":"shipped"}'
+        assert redis.get(entity_key(ns, "acme", "order", "WO-00008-A")) == (
+            b'{"state":"cancelled"}'
+        )
+    finally:
+        loader.stop()
+
+    # A loader started again resumes from its position, which is at the end.
+    again = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
+    again.start()
+    try:
+        wait_until_loaded(settings, timeout=30)
+    finally:
+        again.stop()
