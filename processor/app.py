@@ -465,12 +465,12 @@ class Processor:
             return
         try:
             decisions = self.decide_batch(records)
+            outputs = self.encode_batch(records, decisions)
         except DependencyDown as exc:
             if self._settle_inflight(consumer, records):
                 self._wait_for_redis(consumer, records, exc)
             return
         self._redis_backoff = 0.0
-        outputs = self.encode_batch(records, decisions)
         if not self._settle_inflight(consumer, records):
             return  # the previous batch aborted: both were rewound, and are decided again
         try:
@@ -599,9 +599,15 @@ class Processor:
                 logger.exception("record %s/%s@%s could not be decided",
                                  m.topic(), m.partition(), m.offset())  # fmt: skip
                 # Its markers stay in _admitted: they go once the batch commits.
-                self._void()
+                voided = self._void()
                 self._events = Counter()
-                return [self._internal_error(m, exc)]
+                d = self._internal_error(m, exc)
+                if voided and is_compensation(d.proposal):
+                    # The processor's own compensation (admission took it under the key
+                    # the original's record names): it will not be proposed again.
+                    d.extra[ADMITTED] = True
+                    refused_compensation(d)
+                return [d]
             logger.warning("a batch of %d records could not be decided (%s: %s); deciding "
                            "its halves", len(records), type(exc).__name__, exc)  # fmt: skip
         half = len(records) // 2
@@ -612,22 +618,33 @@ class Processor:
         self._count("batch_splits")
         return first + second
 
-    def _void(self) -> None:
-        """End what the record that just failed alone left in Redis waiting for it: the
-        idempotency record its call took (FAILED_RETRYABLE: nothing ran) and the approval
-        request it parked (so no expiry answers it a second time). Its budgets stay spent:
-        it was a step of its run."""
+    def _void(self, at: str | None = None) -> bool:
+        """End what the record that just failed alone (or the one at position ``at``) left
+        in Redis waiting for it: the idempotency record its call took (FAILED_RETRYABLE:
+        nothing ran) and the approval request it parked (so no expiry answers it a second
+        time). Its budgets stay spent: it was a step of its run. True when its call had
+        been admitted (and is now voided).
+
+        The request goes first: should Redis fail between the two, the batch is decided
+        again with the call still admitted, and parks it again."""
         now_ms = int(time.time() * 1000)
-        voids = [(t, v) for t, item in self._admitted if (v := void_item(item)) is not None]
         ends = [(t, {"op": "void", "rid": rid, "pos": pos, "now": now_ms})
-                for t, rid, pos in self._parked]  # fmt: skip
-        for store, ops in ((self.admission, voids), (self.approval_store, ends)):
+                for t, rid, pos in self._parked if at in (None, pos)]  # fmt: skip
+        voids = [
+            (t, v)
+            for t, item in self._admitted
+            if at in (None, item["pos"]) and (v := void_item(item)) is not None
+        ]
+        verdicts: list[Any] = []
+        for store, ops in ((self.approval_store, ends), (self.admission, voids)):
             try:
-                store.apply(ops)
+                verdicts = store.apply(ops)
             except REDIS_ERRORS as exc:
                 if not is_script_error(exc):
                     raise DependencyDown(f"redis: {exc}") from exc
                 logger.exception("could not end what a failed record left in Redis")
+                verdicts = []
+        return any(v.get("status") == "voided" for v in verdicts)
 
     def _internal_error(self, m: Message, exc: Exception) -> Decision:
         src = _source(m)
@@ -883,6 +900,7 @@ class Processor:
             return
         key = d.proposal.run_id.encode() if d.proposal else m.key()
         try:
+            faults.poison_encoding(m.value())
             call = request = None
             if d.outcome is Outcome.ROUTED and d.side_effect_class is not None:
                 call = encode_approved_call(d, fp)
@@ -892,8 +910,12 @@ class Processor:
         except Exception as exc:
             # Not expected; but a record we cannot encode must neither stop the
             # consumer nor be routed: it is parked in the DLQ with the reason.
+            # What its admission took in Redis is given back, as for a record that fails
+            # alone while it is decided (a DependencyDown here decides the batch again).
             logger.exception("cannot encode the outputs of %s@%s", m.partition(), m.offset())
             d.dlq_reason, d.dlq_detail = "encoding_failed", f"{type(exc).__name__}: {exc}"[:500]
+            d.outcome = Outcome.DEAD_LETTER
+            self._void(position(d.source))
             out.append((topics.dlq, m.key(), dlq_value(m.value()), dlq_headers(d)))
             return
         if call is not None and d.side_effect_class is not None:
@@ -1063,7 +1085,7 @@ def _drain(producer: Producer) -> None:
 def _trust_files(settings: Settings) -> list[Path]:
     identity = settings.identity
     files = [identity.jwks_file, *identity.key_files, identity.delegation_key_file]
-    files += identity.delegation_previous_key_files
+    files += identity.delegation_trusted_key_files
     files += [settings.policy_file, settings.approvers_file]
     return [Path(f) for f in files if f is not None]
 

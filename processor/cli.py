@@ -424,6 +424,21 @@ def keys_init(
     )
 
 
+@keys_app.command("delegation")
+def keys_delegation(
+    path: Annotated[Path, typer.Argument(help="Where to write the new private key (JWK).")],
+) -> None:
+    """Create a new delegation key with a kid of its own, for a rotation (README: In whose
+    name). Refuses to overwrite a file."""
+    from processor.keys import new_delegation_key
+
+    if path.exists():
+        console.print(f"[red]{path} exists[/red]: pick a new file")
+        raise typer.Exit(2)
+    kid = new_delegation_key(path)
+    console.print(f"delegation key {path} (kid {kid})")
+
+
 @reference_app.command("put")
 def reference_put(
     key: Annotated[str, typer.Argument(help="tenant/entity/id, e.g. acme/order/WO-12345-A")],

@@ -134,10 +134,10 @@ class IdentitySettings(BaseModel):
     the one compensation each is bound to. Without it, a call that needs compensating
     cannot be compensated (``COMPENSATION_FAILED``, escalated) unless identity runs in
     development mode."""
-    delegation_previous_key_files: tuple[Path, ...] = ()
-    """Delegation keys rotated out (JWKs, public halves suffice): tokens they signed still
-    verify, so compensations proposed before a rotation are still decided. Keep one for
-    at least ``delegation_ttl_s`` after the rotation (and until lag is gone)."""
+    delegation_trusted_key_files: tuple[Path, ...] = ()
+    """Other delegation keys whose tokens verify (JWKs, public halves suffice; each with
+    a kid of its own): during a rotation, the next key before any instance signs with
+    it, and the previous one for ``delegation_ttl_s`` (and until lag is gone) after."""
     delegation_ttl_s: int = 900
     """Lifetime of a compensating call's token: how long it may wait on
     ``tool.proposals`` (a backlog, an outage) and still be decided."""

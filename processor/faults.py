@@ -13,6 +13,8 @@ process, which its exit status (-9, as for any SIGKILL) does not say.
 ``TOOLSENTRY_FAULT_POISON=<marker>`` makes ``poison(values)`` raise, as a defect would,
 when one of the batch's record values contains the marker: a test of what the loop
 does with a record it cannot decide. Unset, ``poison`` returns at once.
+``TOOLSENTRY_FAULT_POISON_ENCODING=<marker>`` does the same for ``poison_encoding(value)``,
+called while a decided record's outputs are encoded.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ for part in filter(None, _SPEC.split(",")):
     name, _, chance = part.partition(":")
     _POINTS[name.strip()] = float(chance or 1.0)
 _POISON = os.environ.get("TOOLSENTRY_FAULT_POISON", "").encode()
+_POISON_ENCODING = os.environ.get("TOOLSENTRY_FAULT_POISON_ENCODING", "").encode()
 
 
 class Poisoned(RuntimeError):
@@ -44,3 +47,8 @@ def point(name: str) -> None:
 def poison(values: Iterable[bytes | None]) -> None:
     if _POISON and any(v is not None and _POISON in v for v in values):
         raise Poisoned("fault poison: a record carries the marker")
+
+
+def poison_encoding(value: bytes | None) -> None:
+    if _POISON_ENCODING and value is not None and _POISON_ENCODING in value:
+        raise Poisoned("fault poison: a record carries the encoding marker")

@@ -163,12 +163,22 @@ class Verifier:
     def from_settings(cls, settings: IdentitySettings) -> Verifier:
         keys = load_keys(settings)
         delegator = Delegator.from_settings(settings)
-        previous = {
-            k.kid: k for k in map(_delegation_public, settings.delegation_previous_key_files)
-        }
-        for kid in [*previous, *([delegator.kid] if delegator else [])]:
+        trusted = {k.kid: k for k in map(_delegation_public, settings.delegation_trusted_key_files)}
+        for kid in [*trusted, *([delegator.kid] if delegator else [])]:
             if kid in keys:
                 raise KeyError_(f"the delegation key id {kid!r} is also a trusted issuer's key id")
+        # The same kid for two keys: the signing key's would shadow the other, and what the
+        # other signed would no longer verify. (The signing key listed again is fine.)
+        same_kid = trusted.get(delegator.kid) if delegator is not None else None
+        if (
+            delegator is not None
+            and same_kid is not None
+            and _raw(same_kid) != _raw(delegator.public)
+        ):
+            raise KeyError_(
+                f"the delegation key id {delegator.kid!r} names two keys; give each "
+                "delegation key a kid of its own"
+            )
         if settings.mode == "development":
             logger.warning("*** %s ***", DEVELOPMENT_WARNING)
         elif not keys:
@@ -178,7 +188,7 @@ class Verifier:
                 "no identity.delegation_key_file: calls that need compensating cannot be "
                 "compensated (COMPENSATION_FAILED)"
             )
-        return cls(settings, keys, delegator, previous)
+        return cls(settings, keys, delegator, trusted)
 
     def development_principal(self, tenant_id: str | None) -> Principal:
         return Principal(
@@ -360,6 +370,11 @@ class TokenIssuer:
             **extra,
         }
         return jwt.encode(claims, self.private_key, algorithm=self.alg, headers={"kid": self.kid})
+
+
+def _raw(key: VerificationKey) -> bytes:
+    raw: bytes = key.key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return raw
 
 
 def _delegation_public(path: Path) -> VerificationKey:

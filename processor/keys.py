@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from processor.model import SideEffectClass
 
 DEFAULT_APPROVERS = ("ops-1", "ops-2")
 DELEGATION_KID = "toolsentry-delegation"
+"""The prefix of a delegation key's kid; each key gets a suffix of its own (rotation)."""
 APPROVAL_CLASSES = (
     SideEffectClass.MEDIUM_RISK_WRITE,
     SideEffectClass.HIGH_RISK_EXTERNAL,
@@ -51,6 +53,13 @@ def _write_private(path: Path, doc: dict[str, str]) -> None:
         json.dump(doc, f)
 
 
+def new_delegation_key(path: Path) -> str:
+    """Write a new private delegation key (Ed25519 JWK) with a kid of its own; its kid."""
+    kid = f"{DELEGATION_KID}-{secrets.token_hex(4)}"
+    _write_private(Path(path), generate_ed25519_jwk(kid)[0])
+    return kid
+
+
 def init_keys(
     directory: Path,
     approvers: tuple[str, ...] | dict[str, tuple[SideEffectClass, ...]] = DEFAULT_APPROVERS,
@@ -71,7 +80,7 @@ def init_keys(
         _write_private(bundle.issuer, private)
         bundle.jwks.write_text(json.dumps({"keys": [public]}, indent=2) + "\n")
     if not bundle.delegation.exists():
-        _write_private(bundle.delegation, generate_ed25519_jwk(DELEGATION_KID)[0])
+        new_delegation_key(bundle.delegation)
     classes = (
         approvers if isinstance(approvers, dict) else dict.fromkeys(approvers, APPROVAL_CLASSES)
     )

@@ -152,8 +152,10 @@ class Metrics:
             self.decisions.labels(*labels).inc(count)
         for reason, count in t.dead.items():
             self.dead_letters.labels(reason).inc(count)
-        internal = t.dead.get("internal_error", 0) + sum(
-            count for (_, gate, _, _), count in t.kinds.items() if gate is Gate.INTERNAL
+        internal = (
+            t.dead.get("internal_error", 0)
+            + t.dead.get("encoding_failed", 0)
+            + sum(count for (_, gate, _, _), count in t.kinds.items() if gate is Gate.INTERNAL)
         )
         if internal:
             self.internal_errors.inc(internal)

@@ -390,9 +390,10 @@ end
 -- what this very position took is undone: its verdict must be "ok" with the attempt the
 -- record is at (a copy refused as in flight holds nothing). Its verdict becomes a refusal,
 -- so a replay of its batch refuses it too, even should the defect not recur. Nothing ran:
--- a retry under the key is not blocked. Idempotent.
+-- a retry under the key is not blocked. Idempotent: a position voided before says so.
 local function void(c)
   local was = redis.call('HGET', done_key, c.of)
+  if was == 'no|voided|0' then return {status = 'voided'} end
   local attempt = was and tonumber(string.match(was, '^ok|(%d+)$'))
   local rec = record_of(c.ikey)
   if not (attempt and attempt >= 1 and rec and rec.c == c.call and rec.a == attempt

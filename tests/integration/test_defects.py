@@ -166,3 +166,35 @@ def test_what_a_failed_record_left_in_redis_does_not_answer_it_again(
     finally:
         client.close()
         proc.terminate()
+
+
+def test_a_record_whose_outputs_cannot_be_encoded_gives_back_what_it_took(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """Decided and admitted, then its outputs could not be encoded: it goes to the DLQ,
+    counts as an internal error, and its key is not left PENDING."""
+    settings = isolated(stack_settings, f"defects-{uuid.uuid4().hex[:6]}")
+    (port,) = free_ports(1)
+    proc = ProcessorProcess(
+        settings, "defects-3", tmp_path,
+        TOOLSENTRY_METRICS_PORT=str(port), TOOLSENTRY_FAULT_POISON_ENCODING=MARKER,
+    )  # fmt: skip
+    proc.start().wait_ready()
+    client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
+    try:
+        key = f"k-{uuid.uuid4().hex}"
+        client.propose("search_kb", {"query": "refunds", "limit": 3},
+                       run_id=f"run-{MARKER}-enc", idempotency_key=key)  # fmt: skip
+        after = client.propose("search_kb", {"query": "after", "limit": 3}, run_id="run-after")
+        assert client.wait(after, 60)["decision"] == "ROUTED"
+        dead = [dict(m.headers() or []) for m in read_all(settings, settings.topics.dlq, idle=1.5)]
+        assert [h["toolsentry.error.reason"] for h in dead] == [b"encoding_failed"]
+        store = AdmissionStore(connect(settings.redis_url), settings.redis_namespace)
+        assert store.record("acme", key)["state"] == "FAILED_RETRYABLE"
+        assert metric_total(port, "toolsentry_internal_errors_total") == 1
+        routed = read_all(settings, settings.topics.execution("READ_ONLY"), idle=1)
+        assert [codec("approved_call").decode(m.value())["proposal_id"] for m in routed] == [after]
+        assert proc.alive(), proc.log()[-3000:]
+    finally:
+        client.close()
+        proc.terminate()

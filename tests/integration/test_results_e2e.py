@@ -157,9 +157,10 @@ def bench(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @contextlib.contextmanager
-def _running(settings: Settings, name: str, logs: Path) -> Iterator[Bench]:
-    """A processor, an executor and a client on ``settings``' topics."""
-    proc = ProcessorProcess(settings, name, logs).start().wait_ready()
+def _running(settings: Settings, name: str, logs: Path, **env: str) -> Iterator[Bench]:
+    """A processor (``env``: more of its environment), an executor and a client on
+    ``settings``' topics."""
+    proc = ProcessorProcess(settings, name, logs, **env).start().wait_ready()
     refs = existing(TENANT, "lookup_order", {"order_id": "WO-55502-A"})
     publish_references(settings, refs)
     wait_until_loaded(settings)
@@ -424,6 +425,29 @@ def test_without_a_delegation_key_a_compensation_escalates_at_once(
         assert again["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
         assert "compensation" not in mine.store.record(TENANT, key)
         assert mine.client.history(compensation_proposal_id(key)) == []
+
+
+def test_a_compensation_that_trips_a_defect_fails_and_escalates(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """The processor's own compensating call fails alone on a defect (the fault hook trips
+    on every compensating proposal: only those have 'comp_' ids). Nobody will propose it
+    again, so its answer is COMPENSATION_FAILED, not a bare internal error."""
+    settings = isolated(stack_settings, "results-defect")
+    poisoned = {"TOOLSENTRY_FAULT_POISON": "comp_"}
+    with _running(settings, "results-defect-1", tmp_path, **poisoned) as mine:
+        pid, key, _ = _charge(mine, 12.5, "WO-55510-A")
+        assert mine.result(pid)["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
+        failed = mine.client.wait(compensation_proposal_id(key), 60)
+        assert (failed["decision"], failed["gate"]) == ("REJECTED", "internal")
+        assert failed["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
+        assert failed["status"]["escalate"] is True
+        codes = [e["code"] for e in failed["result_payload"]["errors"]]
+        assert codes == ["internal_error", "compensation_refused"]
+        # Its key was given back, and nothing of it was parked or routed.
+        assert mine.store.record(TENANT, compensation_key(key))["state"] == "FAILED_RETRYABLE"
+        mine.drain()
+        assert compensation_key(key) not in [c.idempotency_key for c in mine.calls]
 
 
 def test_a_compensation_a_gate_refuses_fails_and_escalates(bench: Bench) -> None:

@@ -221,15 +221,28 @@ def test_a_rotated_delegation_key_still_verifies_what_it_signed(keys: Any, tmp_p
     got = after.verify(token)
     assert isinstance(got, FieldError) and got.code == "token_unknown_key"
     keeping = Verifier.from_settings(
-        rotated.model_copy(update={"delegation_previous_key_files": (keys.delegation,)})
+        rotated.model_copy(update={"delegation_trusted_key_files": (keys.delegation,)})
     )
     got = keeping.verify(token)
     assert isinstance(got, Principal) and got.delegated_for == BINDING
     assert keeping.delegator is not None and keeping.delegator.kid == "toolsentry-delegation-2"
     with pytest.raises(KeyError_, match="also a trusted issuer"):
         Verifier.from_settings(
-            rotated.model_copy(update={"delegation_previous_key_files": (keys.issuer,)})
+            rotated.model_copy(update={"delegation_trusted_key_files": (keys.issuer,)})
         )
+    # Listing the signing key again is harmless; another key under its kid is refused.
+    again = rotated.model_copy(update={"delegation_trusted_key_files": (new_key,)})
+    assert Verifier.from_settings(again).delegator is not None
+    impostor = tmp_path / "impostor.jwk"
+    impostor.write_bytes(orjson.dumps(generate_ed25519_jwk("toolsentry-delegation-2")[1]))
+    with pytest.raises(KeyError_, match="names two keys"):
+        Verifier.from_settings(
+            rotated.model_copy(update={"delegation_trusted_key_files": (impostor,)})
+        )
+    # Every key init writes a delegation key with a kid of its own.
+    other = init_keys(tmp_path / "other-keys").delegation
+    kids = {orjson.loads(p.read_bytes())["kid"] for p in (keys.delegation, other)}
+    assert len(kids) == 2 and all(k.startswith("toolsentry-delegation-") for k in kids)
 
 
 def test_a_scope_list_entry_must_be_one_scope(verifier: Verifier, keys: Any) -> None:
