@@ -8,8 +8,10 @@ batch's Redis effects, when a record of the batch carries the marker.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,18 +57,30 @@ def _result(tenant: str, message: str) -> bytes:
     )  # fmt: skip
 
 
-def test_a_record_that_trips_a_defect_is_answered_and_its_batch_goes_on(
-    stack_settings: Settings, tmp_path: Path
-) -> None:
+@contextlib.contextmanager
+def _processor(
+    stack_settings: Settings, tmp_path: Path, name: str, **faults: str
+) -> Iterator[tuple[Settings, int, ProcessorProcess, ToolsentryClient]]:
+    """A processor with these fault hooks on topics of its own, its metrics port, and a
+    client of tenant acme."""
     settings = isolated(stack_settings, f"defects-{uuid.uuid4().hex[:6]}")
     (port,) = free_ports(1)
-    proc = ProcessorProcess(
-        settings, "defects-1", tmp_path,
-        TOOLSENTRY_METRICS_PORT=str(port), TOOLSENTRY_FAULT_POISON=MARKER,
-    )  # fmt: skip
+    proc = ProcessorProcess(settings, name, tmp_path, TOOLSENTRY_METRICS_PORT=str(port), **faults)
     proc.start().wait_ready()
     client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
     try:
+        yield settings, port, proc, client
+    finally:
+        client.close()
+        proc.terminate()
+
+
+def test_a_record_that_trips_a_defect_is_answered_and_its_batch_goes_on(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    with _processor(stack_settings, tmp_path, "defects-1", TOOLSENTRY_FAULT_POISON=MARKER) as (
+        settings, port, proc, client,
+    ):  # fmt: skip
         # Sent back to back to an idle processor: they arrive in a batch or a few.
         queries = [f"return policy {i}" + (f" {MARKER}" * (i == POISONED)) for i in range(20)]
         pids = [
@@ -116,9 +130,6 @@ def test_a_record_that_trips_a_defect_is_answered_and_its_batch_goes_on(
         assert proc.log().count("could not be decided") == 2 + int(
             metric_total(port, "toolsentry_batch_splits_total")
         )
-    finally:
-        client.close()
-        proc.terminate()
 
 
 CHARGE = {
@@ -132,14 +143,12 @@ def test_what_a_failed_record_left_in_redis_does_not_answer_it_again(
 ) -> None:
     """Admitted and parked, then failed alone: its key is free to retry (nothing ran), and
     its approval request, never sent, is forgotten: no expiry answers the proposal again."""
-    settings = isolated(stack_settings, f"defects-{uuid.uuid4().hex[:6]}")
-    proc = ProcessorProcess(settings, "defects-2", tmp_path, TOOLSENTRY_FAULT_POISON=MARKER)
-    proc.start().wait_ready()
-    publish_references(settings, existing("acme", "charge_customer_card_v2", CHARGE))
-    wait_until_loaded(settings)
-    client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
-    redis = connect(settings.redis_url)
-    try:
+    with _processor(stack_settings, tmp_path, "defects-2", TOOLSENTRY_FAULT_POISON=MARKER) as (
+        settings, _, proc, client,
+    ):  # fmt: skip
+        publish_references(settings, existing("acme", "charge_customer_card_v2", CHARGE))
+        wait_until_loaded(settings)
+        redis = connect(settings.redis_url)
         key = f"k-{uuid.uuid4().hex}"
         search = client.propose("search_kb", {"query": "refunds", "limit": 3},
                                 run_id=f"run-{MARKER}-1", idempotency_key=key)  # fmt: skip
@@ -163,9 +172,6 @@ def test_what_a_failed_record_left_in_redis_does_not_answer_it_again(
         )
         assert seen == Counter([search, charge, after])
         assert proc.alive(), proc.log()[-3000:]
-    finally:
-        client.close()
-        proc.terminate()
 
 
 def test_a_record_whose_outputs_cannot_be_encoded_gives_back_what_it_took(
@@ -173,15 +179,10 @@ def test_a_record_whose_outputs_cannot_be_encoded_gives_back_what_it_took(
 ) -> None:
     """Decided and admitted, then its outputs could not be encoded: it goes to the DLQ,
     counts as an internal error, and its key is not left PENDING."""
-    settings = isolated(stack_settings, f"defects-{uuid.uuid4().hex[:6]}")
-    (port,) = free_ports(1)
-    proc = ProcessorProcess(
-        settings, "defects-3", tmp_path,
-        TOOLSENTRY_METRICS_PORT=str(port), TOOLSENTRY_FAULT_POISON_ENCODING=MARKER,
-    )  # fmt: skip
-    proc.start().wait_ready()
-    client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
-    try:
+    poisoned = {"TOOLSENTRY_FAULT_POISON_ENCODING": MARKER}
+    with _processor(stack_settings, tmp_path, "defects-3", **poisoned) as (
+        settings, port, proc, client,
+    ):  # fmt: skip
         key = f"k-{uuid.uuid4().hex}"
         client.propose("search_kb", {"query": "refunds", "limit": 3},
                        run_id=f"run-{MARKER}-enc", idempotency_key=key)  # fmt: skip
@@ -195,6 +196,3 @@ def test_a_record_whose_outputs_cannot_be_encoded_gives_back_what_it_took(
         routed = read_all(settings, settings.topics.execution("READ_ONLY"), idle=1)
         assert [codec("approved_call").decode(m.value())["proposal_id"] for m in routed] == [after]
         assert proc.alive(), proc.log()[-3000:]
-    finally:
-        client.close()
-        proc.terminate()
