@@ -99,15 +99,12 @@ from processor.policy import load_policy
 from processor.results import (
     ADMITTED,
     ResultInput,
-    cached_blob,
-    compensation_proposal,
+    compensation_plan,
     is_compensation,
     parse_result,
+    propose_compensation,
     refused_compensation,
     settle_item,
-    unsigned_compensation,
-    unsigned_rejection,
-    wants_compensation,
 )
 from processor.state.admission import AdmissionStore, Item, void_item
 from processor.state.approvals import ApprovalStore, retain_ms
@@ -635,15 +632,8 @@ class Processor:
             for t, item in self._admitted
             if at in (None, item["pos"]) and (v := void_item(item)) is not None
         ]
-        verdicts: list[Any] = []
-        for store, ops in ((self.approval_store, ends), (self.admission, voids)):
-            try:
-                verdicts = store.apply(ops)
-            except REDIS_ERRORS as exc:
-                if not is_script_error(exc):
-                    raise DependencyDown(f"redis: {exc}") from exc
-                logger.exception("could not end what a failed record left in Redis")
-                verdicts = []
+        _ending(self.approval_store.apply, ends)
+        verdicts = _ending(self.admission.apply, voids)
         return any(v.get("status") == "voided" for v in verdicts)
 
     def _internal_error(self, m: Message, exc: Exception) -> Decision:
@@ -709,14 +699,7 @@ class Processor:
                 item = admission_item(x, contract, budgets, now_ms) if budgets else None
                 extra: Any = (contract, budgets)
             elif isinstance(x, ResultInput):
-                comp = wants_compensation(x, self.contracts)
-                unsigned = None
-                if comp is not None and not verifier.development:
-                    if verifier.delegator is None:  # it cannot be signed, whatever Redis keeps
-                        unsigned_compensation(x.decision, verifier)
-                        comp = None
-                    else:  # kept by Redis if the record has no claims to sign with
-                        unsigned = cached_blob(x.decision, unsigned_rejection(x.decision, verifier))
+                comp, unsigned = compensation_plan(x, self.contracts, verifier)
                 item = settle_item(x, position(x.src), comp, unsigned)
                 extra = comp
             else:
@@ -747,13 +730,7 @@ class Processor:
                 out[i] = dead_letter(x.src, "result_unknown_call", detail, Gate.RESULT)
                 continue
             if extra and status == "settled":
-                proposal = None
-                if not v.get("unsigned"):
-                    proposal = compensation_proposal(x, extra, v.get("grant") or "", verifier)
-                if proposal is None:
-                    unsigned_compensation(x.decision, verifier)
-                else:
-                    x.decision.extra["compensation"] = proposal
+                propose_compensation(x, extra, v, verifier)
             out[i] = x.decision
         for i, x in enumerate(out):
             if isinstance(x, ResultInput):  # a result nobody asked about: still answered
@@ -900,7 +877,8 @@ class Processor:
             return
         key = d.proposal.run_id.encode() if d.proposal else m.key()
         try:
-            faults.poison_encoding(m.value())
+            if faults.POISON_ENCODING:
+                faults.poison_encoding(m.value())
             call = request = None
             if d.outcome is Outcome.ROUTED and d.side_effect_class is not None:
                 call = encode_approved_call(d, fp)
@@ -1080,6 +1058,18 @@ def _drain(producer: Producer) -> None:
     delivering (its transaction is aborted) and raises its fatal error instead."""
     with contextlib.suppress(KafkaException):
         producer.flush(5)
+
+
+def _ending(apply: Callable[[list[Any]], list[Any]], ops: list[Any]) -> list[Any]:
+    """One of ``Processor._void``'s Redis calls. Redis down decides the batch again later;
+    a script error is a defect of its own, logged, and what it was to end stays."""
+    try:
+        return apply(ops)
+    except REDIS_ERRORS as exc:
+        if not is_script_error(exc):
+            raise DependencyDown(f"redis: {exc}") from exc
+        logger.exception("could not end what a failed record left in Redis")
+        return []
 
 
 def _trust_files(settings: Settings) -> list[Path]:

@@ -30,7 +30,8 @@ for part in filter(None, _SPEC.split(",")):
     name, _, chance = part.partition(":")
     _POINTS[name.strip()] = float(chance or 1.0)
 _POISON = os.environ.get("TOOLSENTRY_FAULT_POISON", "").encode()
-_POISON_ENCODING = os.environ.get("TOOLSENTRY_FAULT_POISON_ENCODING", "").encode()
+POISON_ENCODING = os.environ.get("TOOLSENTRY_FAULT_POISON_ENCODING", "").encode()
+"""The encoding marker; empty (false) when unset, so callers skip the call per record."""
 
 
 class Poisoned(RuntimeError):
@@ -50,5 +51,5 @@ def poison(values: Iterable[bytes | None]) -> None:
 
 
 def poison_encoding(value: bytes | None) -> None:
-    if _POISON_ENCODING and value is not None and _POISON_ENCODING in value:
+    if POISON_ENCODING and value is not None and POISON_ENCODING in value:
         raise Poisoned("fault poison: a record carries the encoding marker")

@@ -372,6 +372,36 @@ def compensation_proposal(
     return orjson.dumps(env)
 
 
+def compensation_plan(
+    item: ResultInput, contracts: ContractSet, verifier: Verifier
+) -> tuple[Compensation | None, str | None]:
+    """The compensation to ask admission for, and the answer Redis keeps instead should
+    the record hold no claims to sign it with (see admission.lua, settle). Without a
+    delegation key it cannot be signed at all: the result escalates now and asks for
+    none."""
+    comp = wants_compensation(item, contracts)
+    if comp is None or verifier.development:
+        return comp, None
+    if verifier.delegator is None:
+        unsigned_compensation(item.decision, verifier)
+        return None, None
+    return comp, cached_blob(item.decision, unsigned_rejection(item.decision, verifier))
+
+
+def propose_compensation(
+    item: ResultInput, comp: Compensation, verdict: dict[str, Any], verifier: Verifier
+) -> None:
+    """Once admission settled the result: the compensating call goes with its decision,
+    or, when it cannot be signed, the decision escalates (as Redis recorded)."""
+    proposal = None
+    if not verdict.get("unsigned"):
+        proposal = compensation_proposal(item, comp, verdict.get("grant") or "", verifier)
+    if proposal is None:
+        unsigned_compensation(item.decision, verifier)
+    else:
+        item.decision.extra["compensation"] = proposal
+
+
 def unsigned_compensation(d: Decision, verifier: Verifier) -> Decision:
     """A call that needs compensating whose compensation cannot be proposed: nobody can
     sign it in the caller's name. It escalates now rather than wait for nothing."""
