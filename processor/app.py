@@ -1000,9 +1000,14 @@ class Processor:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._rebalanced = True
         self._assigned |= {(tp.topic, tp.partition) for tp in partitions}
-        self.metrics.assigned_partitions.set(len(self._assigned))
+        self._count_assigned()
         logger.info("assigned %s", sorted(p for _, p in self._assigned))
         self._forget_committed(consumer, partitions)
+
+    def _count_assigned(self) -> None:
+        proposals = self.settings.topics.proposals
+        owned = sum(1 for topic, _ in self._assigned if topic == proposals)
+        self.metrics.assigned_partitions.set(owned)
 
     def _forget_committed(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Replay markers a crashed predecessor left for batches it had committed."""
@@ -1026,7 +1031,7 @@ class Processor:
         # The batch in flight may hold records of these partitions: it commits (or
         # aborts) before they leave.
         self._settle_inflight(consumer)
-        self.metrics.assigned_partitions.set(len(self._assigned))
+        self._count_assigned()
         for tp in partitions:
             self._committed_at.pop((tp.topic, tp.partition), None)
             with contextlib.suppress(ValueError):

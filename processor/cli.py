@@ -23,11 +23,15 @@ app = typer.Typer(
 stack_app = typer.Typer(
     help="The local Kafka broker and redis-server (no Docker needed).", no_args_is_help=True
 )
-contracts_app = typer.Typer(help="Tool contracts: check and list.", no_args_is_help=True)
+contracts_app = typer.Typer(
+    help="Tool contracts: check, list, lint, show and export.", no_args_is_help=True
+)
 approvals_app = typer.Typer(
     help="The approval queue: list, show, approve, reject parked calls.", no_args_is_help=True
 )
-keys_app = typer.Typer(help="Development key material (issuer and approvers).")
+keys_app = typer.Typer(
+    help="Key material: a development issuer, approvers, the processor's delegation key."
+)
 reference_app = typer.Typer(
     help="Publish reference data (entity states) to tool.reference.", no_args_is_help=True
 )
@@ -52,6 +56,11 @@ ConfigOpt = Annotated[
 
 def _settings(config: Path | None, **overrides: Any) -> Settings:
     return load_settings(config, **overrides)
+
+
+def _contracts_dir(path: Path | None, config: Path | None) -> Path:
+    """The folder named on the command line, else the one the processor loads."""
+    return path if path is not None else _settings(config).contracts_dir
 
 
 def _logging(level: str) -> None:
@@ -232,13 +241,16 @@ def _print_status(s: Settings) -> None:
 
 @contracts_app.command("check")
 def contracts_check(
-    path: Annotated[Path, typer.Argument(help="Contracts folder.")] = Path("contracts"),
+    path: Annotated[
+        Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
+    ] = None,
+    config: ConfigOpt = None,
 ) -> None:
     """Load a contract set the way the processor does; exit 1 with every problem if refused."""
     from processor.contracts.registry import ContractError, load_contracts
 
     try:
-        cs = load_contracts(path)
+        cs = load_contracts(_contracts_dir(path, config))
     except ContractError as exc:
         for p in exc.problems:
             console.print(f"[red]{p.file}[/red] {p.path}: {p.reason}")
@@ -248,12 +260,15 @@ def contracts_check(
 
 @contracts_app.command("list")
 def contracts_list(
-    path: Annotated[Path, typer.Argument(help="Contracts folder.")] = Path("contracts"),
+    path: Annotated[
+        Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
+    ] = None,
+    config: ConfigOpt = None,
 ) -> None:
     """List tools, versions, lifecycle and side-effect class."""
     from processor.contracts.registry import load_contracts
 
-    cs = load_contracts(path)
+    cs = load_contracts(_contracts_dir(path, config))
     table = Table("tool", "version", "lifecycle", "side-effect class", "timeout ms")
     for name in cs.names:
         for c in cs.versions(name):
@@ -265,7 +280,10 @@ def contracts_list(
 
 @contracts_app.command("lint")
 def contracts_lint(
-    path: Annotated[Path, typer.Argument(help="Contracts folder.")] = Path("contracts"),
+    path: Annotated[
+        Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
+    ] = None,
+    config: ConfigOpt = None,
     output_format: Annotated[
         str, typer.Option("--format", help="text or json.", case_sensitive=False)
     ] = "text",
@@ -275,7 +293,7 @@ def contracts_lint(
 
     if output_format not in ("text", "json"):
         raise typer.BadParameter("must be text or json", param_hint="--format")
-    findings = lint_folder(path)
+    findings = lint_folder(_contracts_dir(path, config))
     errors = sum(1 for f in findings if f.severity == "error")
     warnings = len(findings) - errors
     if output_format == "json":
@@ -293,7 +311,10 @@ def contracts_export(
     output_format: Annotated[
         str, typer.Option("--format", help="openai, anthropic or mcp.", case_sensitive=False)
     ],
-    path: Annotated[Path, typer.Argument(help="Contracts folder.")] = Path("contracts"),
+    path: Annotated[
+        Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
+    ] = None,
+    config: ConfigOpt = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")
     ] = None,
@@ -306,7 +327,7 @@ def contracts_export(
     if target is None:
         raise typer.BadParameter(f"must be one of {', '.join(TARGETS)}", param_hint="--format")
     try:
-        cs = load_contracts(path)
+        cs = load_contracts(_contracts_dir(path, config))
     except ContractError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from exc
@@ -321,14 +342,17 @@ def contracts_export(
 @contracts_app.command("show")
 def contracts_show(
     tool: Annotated[str, typer.Argument(help="TOOL or TOOL@VERSION.")],
-    path: Annotated[Path, typer.Argument(help="Contracts folder.")] = Path("contracts"),
+    path: Annotated[
+        Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
+    ] = None,
+    config: ConfigOpt = None,
 ) -> None:
     """Show one contract: what it does, its risk, what it needs, its limits and arguments."""
     from processor.contracts.registry import ContractError, load_contracts
     from processor.contracts.show import UnknownContract, show
 
     try:
-        cs = load_contracts(path)
+        cs = load_contracts(_contracts_dir(path, config))
     except ContractError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from exc
@@ -364,10 +388,11 @@ def evaluate(
     loaded = load_suite(suite)
     if prepare:
         k = prepare_keys(loaded, keys)
-        console.print(f"TOOLSENTRY_IDENTITY__JWKS_FILE={k.jwks.resolve()}")
-        console.print(f"TOOLSENTRY_IDENTITY__DELEGATION_KEY_FILE={k.delegation.resolve()}")
-        console.print(f"TOOLSENTRY_APPROVERS_FILE={k.approvers.resolve()}")
-        console.print(f"TOOLSENTRY_POLICY_FILE={loaded.policy.resolve()}")
+        # Plain lines, never wrapped or read as markup: they are meant to be exported.
+        typer.echo(f"TOOLSENTRY_IDENTITY__JWKS_FILE={k.jwks.resolve()}")
+        typer.echo(f"TOOLSENTRY_IDENTITY__DELEGATION_KEY_FILE={k.delegation.resolve()}")
+        typer.echo(f"TOOLSENTRY_APPROVERS_FILE={k.approvers.resolve()}")
+        typer.echo(f"TOOLSENTRY_POLICY_FILE={loaded.policy.resolve()}")
         return
     from processor.evaluate import SuiteKeys
 
@@ -416,10 +441,10 @@ def keys_init(
     from processor.keys import init_keys
 
     bundle = init_keys(directory)
-    console.print(f"issuer private key  {bundle.issuer}")
-    console.print(f"JWKS for processors {bundle.jwks}   (TOOLSENTRY_IDENTITY__JWKS_FILE)")
-    console.print(f"approvers           {bundle.approvers}   (TOOLSENTRY_APPROVERS_FILE)")
-    console.print(
+    typer.echo(f"issuer private key  {bundle.issuer}")
+    typer.echo(f"JWKS for processors {bundle.jwks}   (TOOLSENTRY_IDENTITY__JWKS_FILE)")
+    typer.echo(f"approvers           {bundle.approvers}   (TOOLSENTRY_APPROVERS_FILE)")
+    typer.echo(
         f"delegation key      {bundle.delegation}   (TOOLSENTRY_IDENTITY__DELEGATION_KEY_FILE)"
     )
 

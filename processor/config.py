@@ -158,9 +158,11 @@ class Settings(BaseSettings):
     kafka: dict[str, Any] = Field(default_factory=dict)
     """librdkafka settings for every client (security.protocol, sasl.*, ssl.*, ...)."""
     consumer: dict[str, Any] = Field(default_factory=dict)
-    """librdkafka settings for the processor's consumer only (fetch tuning, ...)."""
+    """librdkafka settings for consumers only (fetch tuning, ...): the processor's, its
+    reference loader's and executors' (``processor.executor``)."""
     producer: dict[str, Any] = Field(default_factory=dict)
-    """librdkafka settings for the processor's producer only (linger, compression, ...)."""
+    """librdkafka settings for transactional producers only (linger, compression, ...):
+    the processor's and executors'."""
     topics: Topics = Topics()
     group_id: str = "toolsentry"
     instance_id: str = Field(default_factory=lambda: os.uname().nodename)

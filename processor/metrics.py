@@ -33,13 +33,16 @@ class Metrics:
         )
         self.dead_letters = PCounter(
             "toolsentry_dead_letters_total",
-            "Records sent to the DLQ because they could not be tied to a run.",
+            "Records sent to the DLQ, by reason: proposals that cannot be tied to a run, "
+            "refused approval decisions, unknown or invalid results, and records a defect "
+            "kept from being decided (internal_error) or encoded (encoding_failed).",
             ["reason"],
             registry=registry,
         )
         self.decision_seconds = BatchHistogram(
             "toolsentry_decision_seconds",
-            "Time the decision core spent on one proposal.",
+            "Time the gates spent on one proposal, in process (the batch's Redis round trips "
+            "for reference data, admission and approvals are not in it).",
             (2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 5e-2),
             registry,
         )
@@ -99,7 +102,8 @@ class Metrics:
         )
         self.assigned_partitions = Gauge(
             "toolsentry_assigned_partitions",
-            "Partitions of tool.proposals this instance owns.",
+            "Partitions of tool.proposals this instance owns (its approvals and results "
+            "partitions are not counted).",
             registry=registry,
         )
 

@@ -161,7 +161,9 @@ class Pending:
     principal: Principal
     warnings: tuple[str, ...]
     keys: list[RefKey]
-    started: float
+    spent: float
+    """Seconds its gates took so far (the batch's lookup and other records' gates are not
+    its own: ``finish`` adds only its own time)."""
 
 
 def prepare(src: SourceRecord, gates: Gates, now_ms: int) -> Decision | Pending:
@@ -179,13 +181,14 @@ def prepare(src: SourceRecord, gates: Gates, now_ms: int) -> Decision | Pending:
 
 def finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) -> Decision:
     """Semantic, policy, state, confirmation, route. Never raises."""
+    started = time.perf_counter()
     try:
         decision = _finish(pending, gates, answers, now_ms)
     except Exception as exc:
         src = pending.src
         logger.exception("decision failed for %s/%s@%s", src.topic, src.partition, src.offset)
         decision = internal_error(src, gates.limits, now_ms, exc)
-    decision.latency_ms = (time.perf_counter() - pending.started) * 1000
+    decision.latency_ms = (pending.spent + time.perf_counter() - started) * 1000
     return decision
 
 
@@ -256,7 +259,7 @@ def _prepare(src: SourceRecord, gates: Gates, now_ms: int, started: float) -> De
     if refusal is not None:
         return _rejected(src, p, refusal, warnings, now_ms, contract, principal)
     keys = reference_keys(p, contract, principal.tenant_id)
-    return Pending(src, p, contract, principal, warnings, keys, started)
+    return Pending(src, p, contract, principal, warnings, keys, time.perf_counter() - started)
 
 
 def _finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) -> Decision:

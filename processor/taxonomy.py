@@ -38,7 +38,7 @@ RAISED_BY: dict[TaxonomyClass, str] = {
     "classify)",
 }
 """Where each class comes from. The gates raise theirs as a proposal passes through them,
-admission (budget, idempotency) last; the conformance suite sees each of them raised.
+admission (idempotency, then budgets) last; the conformance suite sees each of them raised.
 The classes of ``RAISED_BY_RESULTS`` come only from executors' results, which the
 conformance run (no executors) never sees. An executor may also report a failure under
 a class of its own. Classes not listed are defined, with their response vectors, for
