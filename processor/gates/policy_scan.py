@@ -433,9 +433,12 @@ def _url_like(text: str) -> str | None:
     Browsers drop control characters and spaces at the ends of a URL and tabs
     and newlines anywhere in it (``java\\tscript:``), so they are ignored when
     deciding; the returned text, stripped of whitespace only, keeps them for
-    :func:`egress_violation` to refuse. A ``scheme://`` or ``www.`` string with
-    whitespace inside is prose that starts with a URL, not a URL; the dangerous
-    schemes only need to start the string.
+    :func:`egress_violation` to refuse. A ``www.`` string with whitespace inside is
+    prose that starts with an address, not a URL. A ``scheme://`` string is a URL
+    whatever follows: an HTTP client handed ``http://localhost:6379/\xa0x`` (or
+    ``https://host/ and more``) connects to that host all the same, so it is
+    checked, and its whitespace refused. The dangerous schemes only need to start
+    the string.
     """
     t = text.strip()
     probe = t.strip(_WS)
@@ -446,7 +449,7 @@ def _url_like(text: str) -> str | None:
     m = _URL_LIKE.match(probe)
     if m is None:
         return None
-    if m.end() == len(probe) or _DANGEROUS_PREFIX.match(probe):
+    if m.end() == len(probe) or _DANGEROUS_PREFIX.match(probe) or "://" in m.group():
         return t
     return None
 

@@ -432,7 +432,7 @@ def test_a_string_that_is_a_url_is_returned(text: str, url: str) -> None:
     "text",
     [
         "see https://help.example.com/returns for details",
-        "https://help.example.com/returns is down",
+        "www.example.com is down",
         "JavaScript: The Good Parts",
         "Data: see attached",
         "file: report.pdf",
@@ -445,6 +445,24 @@ def test_a_string_that_is_a_url_is_returned(text: str, url: str) -> None:
 )
 def test_prose_and_non_urls_are_not_returned(text: str) -> None:
     assert find_urls({"u": text}) == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "http://localhost:6379/\xa0x",
+        "https://evil.example.net/a\u3000b",
+        "http://169.254.169.254/\u2028latest/meta-data/",
+        "https://help.example.com/returns is down",
+    ],
+)
+def test_a_string_that_starts_with_scheme_and_host_is_checked_whatever_follows(
+    text: str,
+) -> None:
+    """An HTTP client handed it connects to its host all the same: it is checked as a
+    URL, and refused, whitespace and all, even on an allowed domain."""
+    assert find_urls({"u": text}) == [("u", text)]
+    assert egress_violation(text, "allowlisted_domains", ("example.com",), ()) is not None
 
 
 def test_control_characters_around_a_url_do_not_hide_it() -> None:
