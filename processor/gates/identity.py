@@ -76,8 +76,10 @@ def identify(p: Proposal, verifier: Verifier, now_s: float) -> Principal | Rejec
 
 
 def check_scopes(p: Proposal, contract: Contract, principal: Principal) -> Rejection | None:
-    """The contract's ``required_scopes`` against the verified principal's."""
-    if "*" in principal.scopes:
+    """The contract's ``required_scopes`` against the verified principal's. Only
+    development mode's unverified principal holds every scope: a token's ``*`` is a
+    scope like any other, named by no contract."""
+    if not principal.verified and "*" in principal.scopes:
         return None
     missing = [s for s in contract.required_scopes if s not in principal.scopes]
     if not missing:
