@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import orjson
+
 from processor.approvals import APPROVED, Approver, Binding, verify_approval
 from processor.contracts.registry import Contract
 from processor.model import (
@@ -42,8 +44,28 @@ class Park:
     packet: dict[str, Any]
 
 
-def request_id_for(tenant_id: str, proposal_id: str, payload_hash: str) -> str:
-    material = f"{tenant_id}/{proposal_id}/{payload_hash}".encode()
+def request_id_for(
+    p: Proposal, contract: Contract, principal: Principal, payload_hash: str, key: str
+) -> str:
+    """One request per call as its approvers see it and as its release would run it:
+    tenant, proposal, run, trace, tool version, payload, idempotency key and requester.
+    Another proposal that reuses a parked one's id (another run, tool or requester) gets
+    a request of its own, never the votes already cast on the first (and a replay of the
+    same record, the same id)."""
+    material = orjson.dumps(
+        [
+            principal.tenant_id,
+            p.proposal_id,
+            p.run_id,
+            p.trace_id,
+            contract.name,
+            contract.version,
+            payload_hash,
+            key,
+            principal.user_id,
+            principal.agent_id,
+        ]
+    )
     return "req_" + hashlib.sha256(material).hexdigest()[:24]
 
 
@@ -137,7 +159,7 @@ def check_confirmation(
                 "approval before proposing it again.",
             )
         return Approved(tuple(good.values()), tuple(good))
-    request_id = request_id_for(principal.tenant_id, p.proposal_id, call.payload_hash)
+    request_id = request_id_for(p, contract, principal, call.payload_hash, call.idempotency_key)
     expires_at = now_ms + policy.approval_ttl_s * 1000
     packet = {
         "request_id": request_id,

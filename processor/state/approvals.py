@@ -11,7 +11,7 @@ Keys share the ``{tenant}`` hash tag and one script runs per tenant per
 batch, so the whole thing works on Redis Cluster:
 
 - ``<ns>:{T}:parked``: one hash per tenant, request id -> the parked call's
-  payload (JSON). A batch parks all its calls with one HSET per tenant;
+  payload (JSON), written once (HSETNX): a request's payload never changes;
 - ``<ns>:{T}:park:<request_id>``: the call's approval state, created by the
   first decision about it (no key: still parked);
 - ``<ns>:{T}:parkexp``: parked requests by expiry time, for the expiry sweeper;
@@ -55,7 +55,7 @@ local base = KEYS[1]
 local ops = cjson.decode(ARGV[1])
 local out = {}
 
--- A parked call: its payload in the tenant's 'parked' hash (written by a plain HSET
+-- A parked call: its payload in the tenant's 'parked' hash (written by a plain HSETNX
 -- when the call is parked), its approval state in its own hash from the first
 -- decision on (state, ended_by, approvers, rejected_by, reason).
 local function park_key(rid) return base .. ':park:' .. rid end
@@ -243,9 +243,10 @@ class ApprovalStore:
         for i, (tenant, _) in enumerate(ops):
             by_tenant[tenant].append(i)
         pipe = self.client.pipeline(transaction=False)
-        # Parking is plain commands, no script: per tenant, one HSET of every parked
-        # call's payload (written again, the same in meaning, when a batch is replayed)
-        # and one ZADD for the expiry sweeper. Every later change goes through the script.
+        # Parking is plain commands, no script: an HSETNX of each parked call's payload
+        # (a replayed batch finds its own, and nothing ever replaces an entry the votes
+        # cast so far were checked against) and, per tenant, one ZADD for the expiry
+        # sweeper. Every later change goes through the script.
         payloads: dict[str, dict[str | bytes, bytes]] = defaultdict(dict)
         expiring: dict[str, dict[str | bytes, int]] = defaultdict(dict)
         scripted: dict[str, list[int]] = defaultdict(list)
@@ -259,7 +260,8 @@ class ApprovalStore:
                 expiring[tenant][op["rid"]] = op["expires_at"]
         for tenant, members in expiring.items():
             base = base_key(self.ns, tenant)
-            pipe.hset(f"{base}:parked", mapping=payloads[tenant])
+            for rid, payload in payloads[tenant].items():
+                pipe.hsetnx(f"{base}:parked", rid, payload)
             pipe.zadd(f"{base}:parkexp", members, nx=True)
         if expiring:
             pipe.sadd(tenants_key(self.ns), *expiring)

@@ -965,6 +965,52 @@ def test_a_parked_critical_mutation_waits_for_a_second_distinct_approver(world: 
     assert call["approval_ids"] == [first["approval_id"], second["approval_id"]]
 
 
+def test_a_proposal_reusing_a_parked_ones_id_does_not_inherit_its_votes(world: World) -> None:
+    """The same proposal id and arguments, in another run (so another idempotency key):
+    it parks a request of its own. Were it to share the first one's, ops-1's vote on
+    the first and ops-2's on the second would release a critical mutation in a run no
+    two approvers looked at."""
+    first = world.park("agent", "transfer_funds", TRANSFER)
+    world.publish(world.sign_for(first, "ops-1"), first.run_id)
+    traceparent, trace_id = new_trace()
+    other_run = run_id()
+    world.propose(
+        "agent",
+        "transfer_funds",
+        TRANSFER,
+        run_id=other_run,
+        traceparent=traceparent,
+        proposal_id=first.proposal_id,
+    )
+    deadline = time.monotonic() + 60
+    while len(world.history(first.proposal_id)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    first_obs, second_obs = world.history(first.proposal_id)
+    assert first_obs["approval_request_id"] == first.request_id
+    assert second_obs["decision"] == "PENDING_APPROVAL", second_obs["status"]
+    second = Parked(
+        first.proposal_id,
+        other_run,
+        second_obs["approval_request_id"],
+        trace_id,
+        traceparent,
+        "transfer_funds",
+        TRANSFER,
+    )
+    assert second.request_id != first.request_id
+
+    world.publish(world.sign_for(second, "ops-2"), other_run)
+    # A refused decision after it, on the same partition: once it is in the DLQ, ops-2's
+    # approval has been decided too.
+    marker = world.publish(world.sign_for(second, "viewer"), other_run)
+    assert world.dead_letters([marker]) == {marker: "approver_not_allowed"}
+    world.none_ran([first.proposal_id], "CRITICAL_MUTATION")
+    assert [o["decision"] for o in world.history(first.proposal_id)] == [
+        "PENDING_APPROVAL",
+        "PENDING_APPROVAL",
+    ]
+
+
 def test_a_rejection_ends_the_parked_call(world: World) -> None:
     parked = world.park("agent", "cancel_order", cancel())
     world.publish(
