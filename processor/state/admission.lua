@@ -15,7 +15,8 @@
 -- ARGV[3]  how long a run's counters live after the day of their last use (ms)
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
--- "hit|<state>|<call>|<cached answer>", or a result's "settled[|grant|<claims>]",
+-- "hit|<state>|#<length of call>|<call>|<cached answer>" (a call id may hold a '|'),
+-- or a result's "settled[|grant|<claims>]",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
 -- "unknown"; a void's "voided" or "unchanged". Short strings,
 -- not JSON: decoding and encoding are most of a script's cost per item.
@@ -81,7 +82,7 @@ local function encode(v)
   end
   if v.ok then return 'ok|' .. (v.attempt or 0) end
   if v.why == 'idempotent_hit' then
-    return 'hit|' .. v.state .. '|' .. v.call .. '|' .. (v.cached or '')
+    return 'hit|' .. v.state .. '|#' .. #v.call .. '|' .. v.call .. '|' .. (v.cached or '')
   end
   return 'no|' .. v.why .. '|' .. string.format('%d', v.retry_after_ms or 0)
 end

@@ -287,8 +287,14 @@ def parse_verdict(raw: bytes | str) -> Verdict:
         why, _, wait = rest.partition("|")
         return {"ok": False, "why": why, "retry_after_ms": int(wait or 0)}
     if head == "hit":
-        state, call, cached = rest.split("|", 2)
-        return {"ok": False, "why": "idempotent_hit", "state": state, "call": call,
+        state, length, tail = rest.split("|", 2)
+        if length.startswith("#") and length[1:].isdigit():
+            n = int(length[1:])  # Lua's # counts bytes
+            data = tail.encode()
+            raw_call, cached = data[:n].decode(), data[n + 1 :].decode()
+        else:  # a replay marker an earlier version wrote: hit|<state>|<call>|<cached>
+            raw_call, _, cached = f"{length}|{tail}".partition("|")
+        return {"ok": False, "why": "idempotent_hit", "state": state, "call": raw_call,
                 "cached": cached}  # fmt: skip
     if head == "settled":
         what, _, value = rest.partition("|")

@@ -20,6 +20,7 @@ from processor.state.admission import (
     Verdict,
     _segments,
     call_item,
+    parse_verdict,
     rate_of,
     void_item,
 )
@@ -282,6 +283,32 @@ def test_failed_keys_retry_or_answer(store: AdmissionStore, state: str, retry: b
         assert store.record(TENANT, key, NOW)["state"] == "PENDING"
     else:
         assert again["why"] == "idempotent_hit" and again["state"] == "FAILED_FINAL"
+
+
+@pytest.mark.parametrize("call_id", ["agent-7|step-3", "a|b|c", "|", "ü|ñ"])
+def test_a_call_id_with_a_bar_keeps_its_cached_answer_whole(
+    store: AdmissionStore, call_id: str
+) -> None:
+    """The verdict string separates its fields with '|'; a call id may hold one."""
+    first = call(call=call_id)
+    key = first[1]["ikey"]
+    store.apply([first])
+    failed = orjson.dumps({"class": "COMPENSATION_REQUIRED", "data": "a|b"}).decode()
+    assert store.apply([result(first, state="FAILED_FINAL", cached=failed)]) == [
+        {"status": "settled"}
+    ]
+    [again] = store.apply([call(ikey=key)])
+    assert again["why"] == "idempotent_hit" and again["state"] == "FAILED_FINAL"
+    assert again["call"] == call_id
+    assert orjson.loads(again["cached"]) == {"class": "COMPENSATION_REQUIRED", "data": "a|b"}
+
+
+def test_a_replay_marker_of_the_earlier_hit_format_still_reads() -> None:
+    cached = '{"class":"SUCCESS","data":"x|y"}'
+    assert parse_verdict(f"hit|COMPLETED|call-1|{cached}") == {
+        "ok": False, "why": "idempotent_hit", "state": "COMPLETED", "call": "call-1",
+        "cached": cached,
+    }  # fmt: skip
 
 
 def test_a_result_for_an_older_attempt_settles_nothing(store: AdmissionStore) -> None:
