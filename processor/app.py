@@ -295,6 +295,11 @@ class Processor:
         self.loader = ReferenceLoader(settings, self.redis, self.metrics)
         self.sweeper = ExpirySweeper(settings, self.approval_store, self.metrics, self._stop)
         self._redis_backoff = 0.0
+        self._max_message_bytes = (
+            int(producer_config(settings).get("message.max.bytes", 1_000_000)) - 4096
+        )
+        """The largest value produced: librdkafka's message.max.bytes, less room for the
+        key, headers and record overhead it counts too."""
         self._inflight: _Batch | None = None
         """The batch whose transaction the committer thread runs, if any."""
         self._rebalanced = False
@@ -885,6 +890,12 @@ class Processor:
             if d.outcome is Outcome.PARKED:
                 request = encode_approval_request(d, fp)
             observation = encode_observation(d, fp)
+            compensation = d.extra.get("compensation")
+            largest = max(len(v) for v in (call, request, observation, compensation) if v)
+            if largest > self._max_message_bytes:
+                # The broker would refuse it, and the batch would abort and come back
+                # for ever: one record must not stop its partition.
+                raise ValueError(f"an output of {largest} bytes, over message.max.bytes")
         except Exception as exc:
             # Not expected; but a record we cannot encode must neither stop the
             # consumer nor be routed: it is parked in the DLQ with the reason.
@@ -900,7 +911,6 @@ class Processor:
             out.append((topics.execution(d.side_effect_class.value), key, call, None))
         if request is not None:
             out.append((topics.approval_requests, key, request, None))
-        compensation = d.extra.get("compensation")
         if compensation is not None:
             out.append((topics.proposals, key, compensation, None))
             self._count("compensations")

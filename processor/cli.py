@@ -631,7 +631,11 @@ def executor_run(
         typer.Option(help="Add the orders `toolsentry demo` publishes for this tenant."),
     ] = None,
     executor_id: Annotated[
-        str | None, typer.Option(help="Stable id of this executor (default: the instance id).")
+        str | None,
+        typer.Option(
+            help="Stable id of this executor (default: the instance id and a digest of the "
+            "classes served)."
+        ),
     ] = None,
     metrics_port: Annotated[int, typer.Option(help="Prometheus port; 0 disables.")] = 0,
     config: ConfigOpt = None,
@@ -657,6 +661,7 @@ def executor_run(
             classes=wanted or None,
             executor_id=executor_id,
             metrics_registry=REGISTRY if metrics_port else None,
+            recorded=store.recorded,
         )
     except ValueError as exc:
         console.print(f"[red]cannot start[/red]: {exc}")

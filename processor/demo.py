@@ -190,7 +190,12 @@ def _run_executor(settings: Settings, tenant: str, db: Path) -> tuple[Executor, 
     db.unlink(missing_ok=True)
     store = SupportStore(db)
     store.seed(demo_orders(tenant))
-    executor = Executor(settings, store.handlers(), executor_id=f"demo-{uuid.uuid4().hex[:6]}")
+    executor = Executor(
+        settings,
+        store.handlers(),
+        executor_id=f"demo-{uuid.uuid4().hex[:6]}",
+        recorded=store.recorded,
+    )
     thread = threading.Thread(target=executor.run, name="demo-executor", daemon=True)
     thread.start()
     executor.wait_ready(60)

@@ -22,6 +22,19 @@ deadline is not run (``TIMED_OUT``), a tool without a handler and a handler
 that raises fail closed (``FAILED``, not retryable). A record that is not an
 approved call is logged, counted and skipped, so one bad record never stops
 the group. Signals are the caller's business: call ``stop()`` from a signal handler.
+
+A call delivered again may have run the first time: its handler answered, then
+the transaction aborted (or the group moved the partition, or the process
+died) before the result was published, and now it is past its deadline. It
+must not be reported ``TIMED_OUT`` ("nothing ran"). Within one process the
+executor keeps the answers of batches it gave back and publishes those again,
+without running the handler. Across a restart only the handlers' own store
+knows: pass ``recorded``, which returns the answer stored under a call's
+idempotency key (or None), and a late call that ran is answered from it.
+
+A result too large for the broker (``message.max.bytes``, less the room the
+processor's observation needs around it) is published as a failure that says
+the call ran, instead of being retried for ever.
 """
 
 from __future__ import annotations
@@ -48,6 +61,12 @@ from processor.model import SideEffectClass, TaxonomyClass
 logger = logging.getLogger(__name__)
 
 SUCCEEDED, FAILED, TIMED_OUT = "SUCCEEDED", "FAILED", "TIMED_OUT"
+
+RESULT_HEADROOM_BYTES = 16_384
+"""Room left under ``message.max.bytes`` for what the processor's observation adds
+around a result's data."""
+GIVEN_BACK_KEPT = 10_000
+"""Answers of aborted batches kept for their redelivery (oldest dropped first)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +149,8 @@ class Failed:
 
 
 Handler = Callable[[Call], Succeeded | Failed]
+Recorded = Callable[[Call], Succeeded | Failed | None]
+"""The answer a handler stored under the call's idempotency key, if it ran (no effect)."""
 
 
 def result_id(call_id: str, attempt: int) -> str:
@@ -166,6 +187,8 @@ class _Output:
     value: bytes
     tool: str
     outcome: str
+    call: tuple[str, int, str]
+    """(call id, attempt, idempotency key)."""
     references: list[tuple[bytes, bytes | None]] = field(default_factory=list)
 
 
@@ -183,9 +206,17 @@ class Executor:
         clock: Callable[[], float] = time.time,
         metrics_registry: CollectorRegistry | None = None,
         batch_max_records: int = 100,
+        recorded: Recorded | None = None,
     ) -> None:
         """``group_id``: executors of two deployments on one cluster (their own topic
         prefixes) need groups of their own, or their rebalances wait on each other.
+
+        ``executor_id``: by default the instance id (the host name) and the classes
+        served, so that executors for different classes on one host do not share a
+        transactional id (and fence each other). Two executors for the same classes on
+        one host need ids of their own.
+
+        ``recorded``: see the module docstring (a call that ran, delivered again late).
 
         ``batch_max_records`` is far below the processor's: handlers run while the batch
         is held, and a batch must finish within the consumer's ``max.poll.interval.ms``,
@@ -197,7 +228,17 @@ class Executor:
         if unknown:
             raise ValueError(f"unknown side-effect classes: {', '.join(unknown)}")
         self.topics = [settings.topics.execution(c) for c in dict.fromkeys(wanted)]
-        self.executor_id = executor_id or settings.instance_id
+        served = ",".join(sorted(set(wanted)))
+        digest = hashlib.sha256(served.encode()).hexdigest()[:8]
+        self.executor_id = executor_id or f"{settings.instance_id}-{digest}"
+        self.recorded = recorded
+        self.max_result_bytes = (
+            int(producer_config(settings).get("message.max.bytes", 1_000_000))
+            - RESULT_HEADROOM_BYTES
+        )
+        self._given_back: dict[tuple[str, int, str], _Output] = {}
+        """Outputs of batches whose transaction aborted, by (call id, attempt, key)."""
+        self._rebalanced = False
         # The processor's client configs, with this executor's group and instance: the
         # same enforced exactly-once settings, and transactional.id
         # "<group_id>-<executor_id>", stable so a restart fences its predecessor.
@@ -250,6 +291,12 @@ class Executor:
             return 0
         messages = [first, *consumer.consume(self.batch_max_records - 1, 0)]
         records = records_of(messages, lambda err: logger.warning("consumer error: %s", err))
+        if self._rebalanced:
+            # Some of these may belong to a partition revoked inside poll()/consume():
+            # run under the new assignment, they would run here and at its new owner.
+            self._rebalanced = False
+            rewind(consumer, records, self._assigned)
+            return 0
         if not records:
             return 0
         outputs = [out for m in records if (out := self._execute(m)) is not None]
@@ -264,8 +311,11 @@ class Executor:
                 self._send(producer, self.settings.topics.results, out.key, out.value)
             self._commit(producer)
         except KafkaException as exc:
+            self._give_back(outputs)
             self._abort_and_rewind(consumer, producer, records, exc)
             return 0
+        for out in outputs:
+            self._given_back.pop(out.call, None)
         self.metrics.transactions.labels("committed").inc()
         for out in outputs:
             self.metrics.results.labels(out.tool, out.outcome).inc()
@@ -285,25 +335,63 @@ class Executor:
                 m.topic(), m.partition(), m.offset(), exc,
             )  # fmt: skip
             return None
+        given = self._given_back.get((call.call_id, call.attempt, call.idempotency_key))
+        if given is not None:
+            return given  # answered before, in a batch that was given back: not run again
         started = self._now_ms()
+        answer: Succeeded | Failed | None = None
         if call.deadline_ms < started:
-            answer: Succeeded | Failed = Failed(
-                "deadline_exceeded",
-                "the call reached the executor after its deadline and was not run",
-                retryable=True,
-                taxonomy_class=TaxonomyClass.TIMEOUT.value,
-            )
-            outcome = TIMED_OUT
+            answer = self._recorded(call)
+            if answer is None:
+                answer = Failed(
+                    "deadline_exceeded",
+                    "the call reached the executor after its deadline and was not run",
+                    retryable=True,
+                    taxonomy_class=TaxonomyClass.TIMEOUT.value,
+                )
+                return self._published(call, answer, TIMED_OUT, started)
         else:
             answer = self._run_handler(call)
-            outcome = SUCCEEDED if isinstance(answer, Succeeded) else FAILED
+        outcome = SUCCEEDED if isinstance(answer, Succeeded) else FAILED
+        return self._published(call, answer, outcome, started)
+
+    def _published(
+        self, call: Call, answer: Succeeded | Failed, outcome: str, started: int
+    ) -> _Output:
+        """The result record of an answer, or of why that answer cannot be published."""
         try:
             out = self._output(call, answer, outcome, started)
         except Exception as exc:
             # What the handler answered cannot be published (data that is not JSON, a
             # field of the wrong type): fail closed with a result that always encodes.
-            out = self._output(call, _handler_error(call, exc), FAILED, started)
-        return out
+            return self._output(call, _handler_error(call, exc), FAILED, started)
+        size = max([len(out.value), *(len(v) for _, v in out.references if v)])
+        if size <= self.max_result_bytes:
+            return out
+        logger.error("the result of call %s is %d bytes, over %d: published as a failure",
+                     call.call_id, size, self.max_result_bytes)  # fmt: skip
+        too_large = Failed(
+            "result_too_large",
+            f"the call ran, but its answer ({size} bytes, or one of its reference updates) "
+            f"is larger than a result may be ({self.max_result_bytes})",
+            taxonomy_class=TaxonomyClass.OBSERVATION_NORMALIZATION_FAIL.value,
+        )
+        return self._output(call, too_large, FAILED, started)
+
+    def _recorded(self, call: Call) -> Succeeded | Failed | None:
+        if self.recorded is None:
+            return None
+        try:
+            return self.recorded(call)
+        except Exception as exc:
+            # Not knowing is not "nothing ran": fail closed, as a handler error does.
+            return _handler_error(call, exc)
+
+    def _give_back(self, outputs: list[_Output]) -> None:
+        for out in outputs:
+            self._given_back[out.call] = out
+        while len(self._given_back) > GIVEN_BACK_KEPT:
+            del self._given_back[next(iter(self._given_back))]
 
     def _output(
         self, call: Call, answer: Succeeded | Failed, outcome: str, started: int
@@ -319,7 +407,14 @@ class Executor:
         datum = _result(call, answer, outcome, started, self._now_ms(), self.executor_id)
         datum["data"], datum["compensation_arguments"] = data, compensation
         value = encode_result(datum)
-        return _Output(call.run_id.encode(), value, call.tool_name, outcome, references)
+        return _Output(
+            call.run_id.encode(),
+            value,
+            call.tool_name,
+            outcome,
+            (call.call_id, call.attempt, call.idempotency_key),
+            references,
+        )
 
     def _run_handler(self, call: Call) -> Succeeded | Failed:
         handler = self.handlers.get(call.tool_name)
@@ -367,7 +462,10 @@ class Executor:
             with contextlib.suppress(KafkaException, RuntimeError):
                 consumer.close()
         if producer is not None:
-            producer.flush(5)
+            # A fenced producer holds nothing worth delivering (its transaction is
+            # aborted) and raises its fatal error instead.
+            with contextlib.suppress(KafkaException):
+                producer.flush(5)
 
     @staticmethod
     def _send(producer: Producer, topic: str, key: bytes, value: bytes | None) -> None:
@@ -406,6 +504,7 @@ class Executor:
         rewind(consumer, records, self._assigned)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._rebalanced = True
         self._assigned |= {(tp.topic, tp.partition) for tp in partitions}
         if self._assigned:
             self.ready.set()
@@ -416,6 +515,7 @@ class Executor:
         return self.ready.wait(timeout)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._rebalanced = True
         self._assigned -= {(tp.topic, tp.partition) for tp in partitions}
 
 

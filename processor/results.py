@@ -89,11 +89,19 @@ def compensation_key(idempotency_key: str) -> str:
     return COMPENSATION_PREFIX + idempotency_key
 
 
+RESULT_DATA_MAX_BYTES = 262_144
+"""The most of a result's data an observation carries to the model (and Redis caches for
+retries): a larger answer is not shown, and the model is told why."""
+COMPENSATION_ARGUMENTS_MAX_BYTES = 65_536
+"""The arguments of a compensating call, at most (the gates' own default bound)."""
+
+
 def compensation_arguments(r: dict[str, Any]) -> dict[str, Any] | None:
-    """A result's compensation arguments when they are a JSON object (anything else an
-    executor sends cannot be proposed: the call is then handed to an operator)."""
+    """A result's compensation arguments when they are a JSON object of at most
+    ``COMPENSATION_ARGUMENTS_MAX_BYTES`` (anything else an executor sends cannot be
+    proposed: the call is then handed to an operator)."""
     raw = r.get("compensation_arguments")
-    if not raw:
+    if not raw or len(raw) > COMPENSATION_ARGUMENTS_MAX_BYTES:
         return None
     try:
         value = orjson.loads(raw)
@@ -166,9 +174,22 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         rej = Rejection(_T.OBSERVATION_NORMALIZATION_FAIL, Gate.RESULT, (problem,), action,
                         ("handoff_to_human",))  # fmt: skip
         return "FAILED_FINAL", rej, Final(False, None, attempt=attempt)
-    final = Final(False, r.get("data"), attempt=attempt)
+    data = r.get("data")
+    final = Final(False, data if data is None or len(data) <= RESULT_DATA_MAX_BYTES else None,
+                  attempt=attempt)  # fmt: skip
     detail = FieldError(None, r.get("error_message") or "the call failed", r.get("error_code")
                         or "failed")  # fmt: skip
+    if compensating:
+        # Failed, refused by its tool or never started before its deadline: either way
+        # the earlier step stays committed, and nobody proposes the compensation again.
+        action = (
+            f"The compensating call {tool} did not complete, so an earlier step stays "
+            "committed. Do not retry; tell the user an operator will reconcile it and call "
+            "handoff_to_human."
+        )
+        rej = Rejection(_T.COMPENSATION_FAILED, Gate.RESULT, (detail,), action,
+                        ("handoff_to_human",))  # fmt: skip
+        return "FAILED_FINAL", rej, final
     if r["outcome"] == "TIMED_OUT":
         action = (
             f"{tool} was not started before its deadline; nothing ran. Propose it again "
@@ -176,14 +197,6 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         )
         err = FieldError(None, "not started before the call's deadline", "deadline_passed")
         return "EXPIRED", Rejection(_T.TIMEOUT, Gate.RESULT, (err,), action), final
-    if compensating:
-        action = (
-            f"The compensating call {tool} failed, so an earlier step stays committed. Do not "
-            "retry; tell the user an operator will reconcile it and call handoff_to_human."
-        )
-        rej = Rejection(_T.COMPENSATION_FAILED, Gate.RESULT, (detail,), action,
-                        ("handoff_to_human",))  # fmt: skip
-        return "FAILED_FINAL", rej, final
     steps = list(r.get("committed_steps") or [])
     if steps:
         done = ", ".join(steps)
@@ -209,7 +222,8 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         else:
             if comp and r.get("compensation_arguments"):
                 errors += (FieldError("compensation_arguments", "the executor's compensation "
-                                      "arguments are not a JSON object",
+                                      "arguments are not a JSON object of at most "
+                                      f"{COMPENSATION_ARGUMENTS_MAX_BYTES} bytes",
                                       "compensation_arguments_invalid"),)  # fmt: skip
             action = (
                 f"{tool} failed after committing {done}, and no compensation can be run "
@@ -229,6 +243,15 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         cls = _T.UNKNOWN_ERROR
         action = f"{tool} failed and will fail again as it is. Do not retry it unchanged."
         state = "FAILED_FINAL"
+    if claimed == _T.OBSERVATION_NORMALIZATION_FAIL.value:
+        # The executor's word for "it ran, but its answer cannot be carried" (too large).
+        action = (
+            f"{tool} ran, but its result cannot be shown ({detail.message}). Do not call it "
+            "again; check the outcome with the lookup tool, or call handoff_to_human."
+        )
+        rej = Rejection(_T.OBSERVATION_NORMALIZATION_FAIL, Gate.RESULT, (detail,), action,
+                        ("handoff_to_human",))  # fmt: skip
+        return "FAILED_FINAL", rej, final
     if claimed in _FAILURE_VALUES:
         cls = _T(claimed)
         action = f"{tool} refused the call: {detail.message}. " + _NEXT.get(cls, action)
@@ -244,6 +267,12 @@ def _unreadable(data: str | None, contract: Contract | None) -> FieldError | Non
     """Why a successful call's result cannot be shown to the model (None: it can)."""
     if data is None:
         return None
+    if len(data) > RESULT_DATA_MAX_BYTES:
+        return FieldError(
+            "data",
+            f"the result is {len(data)} bytes; at most {RESULT_DATA_MAX_BYTES} are shown",
+            "result_too_large",
+        )
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:

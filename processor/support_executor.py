@@ -359,6 +359,22 @@ class SupportStore:
 
         return self._once(call, effect)
 
+    def recorded(self, call: Call) -> Succeeded | Failed | None:
+        """The answer stored under the call's key, if it ran (``Executor(recorded=...)``):
+        a call delivered again past its deadline is answered with it, not TIMED_OUT."""
+        row = self.db.execute(
+            "SELECT tool_name, payload_hash, outcome FROM executed "
+            "WHERE tenant = ? AND idempotency_key = ?",
+            (call.tenant_id, call.idempotency_key),
+        ).fetchone()
+        if row is None or (row["tool_name"], row["payload_hash"]) != (
+            call.tool_name,
+            call.payload_hash,
+        ):
+            return None
+        doc = orjson.loads(row["outcome"])
+        return _answer(doc, self._references(self.db, call.tenant_id, doc["touched"]))
+
     def _once(
         self,
         call: Call,

@@ -18,6 +18,7 @@ import pytest
 from confluent_kafka import Producer
 from prometheus_client import CollectorRegistry
 
+from processor.app import producer_config
 from processor.codec.avro import codec
 from processor.codec.records import decode_result
 from processor.config import Settings
@@ -318,6 +319,119 @@ def test_a_redelivered_refund_is_applied_once(
     assert store.db.execute("SELECT count(*) FROM refunds").fetchone()[0] == 1
     refs = {m.key(): m.value() for m in read_all(s, s.topics.reference, idle=1.0)}
     assert orjson.loads(refs[b"acme/order/WO-24680-B"])["attributes"]["refunded_amount"] == 19.99
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_call_that_ran_and_comes_back_late_is_not_reported_unrun(
+    support: tuple[Settings, SupportStore], recorded: bool
+) -> None:
+    """The refund ran, the process died before its result was published, and the
+    restarted executor meets the call past its deadline: the store's answer is
+    published, not TIMED_OUT ("nothing ran"). Without ``recorded`` the executor cannot
+    know, which is why the reference executor passes it."""
+    s, store = support
+    args = {"order_id": "WO-24680-B", "amount": 19.99, "currency": "USD", "reason_code": "damaged"}
+    call = approved_call("refund_order", args, "CRITICAL_MUTATION", deadline_in_ms=3_000)
+    send_calls(s, [call])
+    ran: list[str] = []
+    handlers = {**store.handlers(), "refund_order": crash_after(store.refund_order, ran)}
+    name = uuid.uuid4().hex[:8]
+    first = executor(s, handlers, group_id=f"executor-{name}", executor_id=name)
+    with pytest.raises(Crash):
+        drain(first, 1)
+    first.close()
+    later = time.time() + 60  # the restart came long after the call's deadline
+    second = executor(
+        s,
+        handlers,
+        group_id=f"executor-{name}",
+        executor_id=name,
+        clock=lambda: later,
+        recorded=store.recorded if recorded else None,
+    )
+    try:
+        drain(second, 1)
+    finally:
+        second.close()
+    assert ran == [call["call_id"]]  # not run again either way
+    r = results(s, 1)[call["call_id"]]
+    if recorded:
+        assert r["outcome"] == "SUCCEEDED"
+        assert orjson.loads(r["data"])["status"] == "settled"
+        refs = {m.key(): m.value() for m in read_all(s, s.topics.reference, idle=1.0)}
+        assert b"acme/order/WO-24680-B" in refs
+    else:
+        assert r["outcome"] == "TIMED_OUT"
+    assert refunded_cents(store) == 1999
+
+
+def test_an_aborted_batch_is_answered_again_without_running_its_handlers(
+    support: tuple[Settings, SupportStore],
+) -> None:
+    """The transaction of a batch whose handlers ran is aborted (another producer takes
+    the executor's transactional id while the batch runs). The batch comes back; its
+    handlers do not run again, and its answers are published as given, even though the
+    call's deadline has passed by then."""
+    s, store = support
+    name = uuid.uuid4().hex[:8]
+    call = approved_call("lookup_order", {"order_id": "WO-24680-B"}, deadline_in_ms=2_000)
+    send_calls(s, [call])
+    ran: list[str] = []
+    usurpers: list[Producer] = []
+    now = [time.time()]
+
+    def lookup(c: Call) -> Succeeded | Failed:
+        ran.append(c.call_id)
+        if len(usurpers) == 0:
+            usurper = Producer(producer_config(ex.settings))
+            usurper.init_transactions(30)  # fences the executor's open transaction
+            usurpers.append(usurper)
+            now[0] += 60  # and by the time the batch comes back, its deadline passed
+        return store.lookup_order(c)
+
+    ex = executor(s, {"lookup_order": lookup}, group_id=f"executor-{name}", executor_id=name,
+                  clock=lambda: now[0])  # fmt: skip
+    try:
+        drain(ex, 1)
+    finally:
+        ex.close()
+    assert ran == [call["call_id"]]
+    r = results(s, 1)[call["call_id"]]
+    assert r["outcome"] == "SUCCEEDED"
+    assert orjson.loads(r["data"])["match_count"] == 1
+
+
+def test_executors_for_different_classes_on_one_host_have_ids_of_their_own(
+    stack_settings: Settings,
+) -> None:
+    reads = Executor(stack_settings, {}, classes=["read_only"])
+    writes = Executor(stack_settings, {}, classes=["critical_mutation"])
+    again = Executor(stack_settings, {}, classes=["READ_ONLY"])
+    assert reads.executor_id != writes.executor_id
+    assert reads.executor_id == again.executor_id
+    assert reads.executor_id.startswith(stack_settings.instance_id)
+    ids = {producer_config(e.settings)["transactional.id"] for e in (reads, writes)}
+    assert len(ids) == 2
+
+
+def test_a_result_too_large_for_the_broker_is_published_as_such(
+    support: tuple[Settings, SupportStore],
+) -> None:
+    s, _ = support
+    big = approved_call("search_kb", {"query": "everything"}, "READ_ONLY")
+    send_calls(s, [big])
+    ex = executor(s, {"search_kb": lambda c: Succeeded({"articles": "x" * 1_200_000})})
+    try:
+        drain(ex, 1)
+    finally:
+        ex.close()
+    r = results(s, 1)[big["call_id"]]
+    assert (r["outcome"], r["error_code"], r["taxonomy_class"]) == (
+        "FAILED",
+        "result_too_large",
+        "OBSERVATION_NORMALIZATION_FAIL",
+    )
+    assert "the call ran" in r["error_message"] and r["data"] is None
 
 
 def test_the_same_call_routed_twice_is_applied_once(

@@ -26,7 +26,9 @@ from processor.model import (
 from processor.policy import Budgets
 from processor.results import (
     ADMITTED,
+    COMPENSATION_ARGUMENTS_MAX_BYTES,
     COMPENSATION_PREFIX,
+    RESULT_DATA_MAX_BYTES,
     ResultInput,
     compensation_key,
     compensation_proposal,
@@ -106,6 +108,68 @@ def test_compensation_arguments_that_are_not_an_object_go_to_an_operator(
     ]  # fmt: skip
     assert "handoff_to_human" in rej.next_action
     assert wants_compensation(item, contracts) is None
+
+
+def test_compensation_arguments_too_large_to_propose_go_to_an_operator(
+    contracts: ContractSet,
+) -> None:
+    undo = orjson.dumps({**REFUND, "note": "x" * COMPENSATION_ARGUMENTS_MAX_BYTES}).decode()
+    item = _charge_result(contracts, compensation_arguments=undo)
+    assert _codes(item.decision)[-1] == "compensation_arguments_invalid"
+    assert wants_compensation(item, contracts) is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"outcome": "TIMED_OUT", "committed_steps": [], "error_code": "deadline_exceeded"},
+        {"outcome": "FAILED", "committed_steps": [], "retryable": True},
+    ],
+)
+def test_a_compensation_that_did_not_complete_escalates(
+    contracts: ContractSet, fields: dict[str, Any]
+) -> None:
+    """Timed out before it started, or failed: nobody proposes it again, so the model is
+    told to hand off, never to propose it again itself."""
+    item = _charge_result(
+        contracts,
+        idempotency_key=compensation_key(KEY),
+        tool_name="refund_order",
+        tool_version=contracts.versions("refund_order")[0].version,
+        compensation_arguments=None,
+        **fields,
+    )
+    rej = item.decision.rejection
+    assert rej is not None and rej.taxonomy is TaxonomyClass.COMPENSATION_FAILED
+    assert item.state == "FAILED_FINAL"
+    assert "handoff_to_human" in rej.next_action
+
+
+def test_a_result_too_large_to_show_is_final_and_not_shown(contracts: ContractSet) -> None:
+    big = orjson.dumps({"receipt": "x" * RESULT_DATA_MAX_BYTES}).decode()
+    ran = _charge_result(
+        contracts, outcome="SUCCEEDED", committed_steps=[], compensation_arguments=None, data=big
+    )
+    assert ran.state == "FAILED_FINAL"
+    assert _codes(ran.decision) == ["result_too_large"]
+    assert ran.decision.final is not None and ran.decision.final.data is None
+    failed = _charge_result(contracts, committed_steps=[], compensation_arguments=None, data=big)
+    assert failed.decision.final is not None and failed.decision.final.data is None
+
+
+def test_an_answer_the_executor_could_not_carry_says_the_call_ran(contracts: ContractSet) -> None:
+    item = _charge_result(
+        contracts,
+        committed_steps=[],
+        compensation_arguments=None,
+        error_code="result_too_large",
+        error_message="the call ran, but its answer (2000000 bytes) is larger than allowed",
+        taxonomy_class="OBSERVATION_NORMALIZATION_FAIL",
+    )
+    rej = item.decision.rejection
+    assert rej is not None and rej.taxonomy is TaxonomyClass.OBSERVATION_NORMALIZATION_FAIL
+    assert item.state == "FAILED_FINAL"
+    assert "ran" in rej.next_action and "Do not call it again" in rej.next_action
 
 
 def _compensation_envelope(**fields: Any) -> dict[str, Any]:
