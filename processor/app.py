@@ -725,8 +725,12 @@ class Processor:
                 continue
             status = str(v.get("status"))
             self._count("results", x.state, status)
-            if status == "duplicate":
-                out[i] = ignored(x.src, "result_duplicate")
+            if status in ("duplicate", "stale"):
+                # A copy of a result already settled, or the result of an attempt the key
+                # has moved on from (the retry's own result answers the proposal; the
+                # handler, idempotent under the key, gives it the same answer). Counted,
+                # not answered twice.
+                out[i] = ignored(x.src, f"result_{status}")
                 continue
             if status == "unknown":
                 # No call this processor routed has the key: a result from elsewhere, or a

@@ -344,6 +344,7 @@ def settle_item(
         "pos": position,
         "ikey": key,
         "call": r["call_id"],
+        "attempt": int(r["attempt"]),
         "result_id": r["result_id"],
         "state": item.state,
         "cached": cached_blob(item.decision),

@@ -64,7 +64,7 @@ local function unwire(a)
     return {kind = 'result', pos = a[2], ikey = a[3], call = a[4], result_id = a[5],
             state = a[6], cached = a[7], ttl = a[8], compensation_key = opt(a[9]),
             compensates = opt(a[10]), compensation_hash = opt(a[11]),
-            compensation_tool = opt(a[12]), unsigned = opt(a[13])}
+            compensation_tool = opt(a[12]), unsigned = opt(a[13]), attempt = tonumber(a[14]) or 0}
   elseif kind == 5 then
     return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6]}
   end
@@ -344,7 +344,11 @@ local function settle(c)
   local rec = record_of(c.ikey)
   if not rec then return {status = 'unknown'} end
   if rec.x == c.result_id then return {status = 'duplicate'} end
-  if rec.c ~= c.call or rec.s ~= 'PENDING' then return {status = 'stale', state = rec.s} end
+  -- The call id alone is not enough: a proposal sent again under its own id after its
+  -- key became retryable is a new attempt of the same call id.
+  if rec.c ~= c.call or rec.s ~= 'PENDING' or (c.attempt > 0 and (rec.a or 1) ~= c.attempt) then
+    return {status = 'stale', state = rec.s}
+  end
   local grant = rec.t
   rec.s, rec.x, rec.v, rec.w, rec.t = c.state, c.result_id, c.cached, 0, nil
   local verdict = {status = 'settled'}

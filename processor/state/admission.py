@@ -270,7 +270,8 @@ def _wire(item: Item) -> list[Any]:
         return [3, item["pos"], item["ikey"], item["call"], item["result_id"], item["state"],
                 item["cached"], item["ttl"], item["compensation_key"] or "",
                 item["compensates"] or "", item.get("compensation_hash") or "",
-                item.get("compensation_tool") or "", item.get("cached_unsigned") or ""]  # fmt: skip
+                item.get("compensation_tool") or "", item.get("cached_unsigned") or "",
+                item.get("attempt", 0)]  # fmt: skip
     if kind == "void":
         return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"]]
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],

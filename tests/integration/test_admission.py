@@ -323,6 +323,21 @@ def test_a_result_for_an_older_attempt_settles_nothing(store: AdmissionStore) ->
     assert store.apply([result(call())]) == [{"status": "unknown"}]
 
 
+def test_a_late_result_of_an_earlier_attempt_under_the_same_call_id_settles_nothing(
+    store: AdmissionStore,
+) -> None:
+    """The proposal was sent again under its own id once its key became retryable: both
+    attempts have one call id, and only the attempt the record waits for settles it."""
+    first = call()
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    retry = call(ikey=key, call=call_id, now=NOW + 9000)
+    assert store.apply([retry]) == [{"ok": True, "attempt": 2}]
+    assert store.apply([result(first, attempt=1)]) == [{"status": "stale", "state": "PENDING"}]
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
+    assert store.apply([result(retry, attempt=2)]) == [{"status": "settled"}]
+
+
 def test_a_call_whose_record_failed_alone_does_not_hold_its_key(store: AdmissionStore) -> None:
     """Admitted, then its record failed on a defect (answered UNKNOWN_ERROR, never routed):
     the key's record must not stay PENDING, blocking a retry until its deadline."""
