@@ -24,6 +24,7 @@ from typing import Any, TypeGuard
 
 import orjson
 
+from processor.gates.policy_scan import quotable
 from processor.model import FieldError, Gate, Proposal, Rejection, SourceRecord, TaxonomyClass
 
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
@@ -58,7 +59,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(d) != len(pairs):
         seen: set[str] = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise _Duplicate(f"duplicate key {dup!r}")
+        raise _Duplicate(f"duplicate key {quotable(dup)!r}")
     return d
 
 

@@ -305,14 +305,15 @@ def _scan_text(text: str) -> list[str]:
 
 _SENSITIVE_NAMES = frozenset(
     {
-        "password", "passwd", "passphrase", "secret", "clientsecret", "apikey", "apisecret",
+        "password", "passwd", "passphrase", "pass", "passcode", "token", "apitoken",
+        "idtoken", "clienttoken", "secret", "clientsecret", "apikey", "apisecret",
         "accesstoken", "refreshtoken", "authtoken", "sessiontoken", "bearertoken", "privatekey",
         "secretkey", "secretaccesskey", "authorization", "proxyauthorization",
     }
 )  # fmt: skip
 _SENSITIVE_SUFFIXES = (
-    "password", "passwd", "passphrase", "secret", "apikey", "accesstoken", "refreshtoken",
-    "authtoken", "sessiontoken", "privatekey", "secretkey", "secretaccesskey",
+    "password", "passwd", "passphrase", "secret", "apikey", "apitoken", "accesstoken",
+    "refreshtoken", "authtoken", "sessiontoken", "privatekey", "secretkey", "secretaccesskey",
 )  # fmt: skip
 _KEY_SEPARATORS = str.maketrans("", "", "_- .")
 _SENSITIVE_CACHE: dict[str, bool] = {}
@@ -333,6 +334,13 @@ def _sensitive_key(key: str) -> bool:
 
 def _redact(key: str) -> str:
     return key[:4] + "…"
+
+
+def quotable(text: str) -> str:
+    """``text`` as an observation may quote it back: redacted when it looks like a
+    credential (gates that answer before the credential scan, such as parse and resolve,
+    quote names back to the model)."""
+    return _redact(text) if find_secrets(text, limit=1) else text
 
 
 _Link: TypeAlias = "tuple[_Link, str] | None"

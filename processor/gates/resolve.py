@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 
 from processor.contracts.registry import Contract, ContractSet
+from processor.gates.policy_scan import quotable
 from processor.model import FieldError, Gate, Proposal, Rejection, TaxonomyClass
 
 
@@ -45,7 +46,7 @@ def resolve_tool(p: Proposal, contracts: ContractSet) -> Contract | Rejection:
         suggestion = f"did you mean {close[0]}? " if close else ""
         return _refuse(
             "unknown_tool",
-            f"there is no tool named {name!r}",
+            f"there is no tool named {quotable(name)!r}",
             f"{suggestion}Call one of the available tools: {', '.join(allowed) or 'none'}.",
             allowed,
         )

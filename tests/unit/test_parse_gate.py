@@ -282,6 +282,12 @@ def test_escaped_duplicate_raises_in_strict_loads() -> None:
         strict_loads(b'{"a":1,"\\u0061":2}', 32)
 
 
+def test_a_duplicated_key_that_is_a_credential_is_not_quoted_back() -> None:
+    key = "sk_live_4eC39HqLyjWDarjtT1zdp7dc"
+    with pytest.raises(ValueError, match="duplicate key 'sk_l…'"):
+        strict_loads(f'{{"{key}":1,"{key}":2}}'.encode(), 32)
+
+
 def test_whitespace_formatted_json_takes_the_slow_path_and_parses() -> None:
     text = b'{\n  "a" : [ 1 , 2.5 ],\n  "b" : { "c" : "d\\u00e9" } ,"e":null }  '
     assert strict_loads(text, 32) == {"a": [1, 2.5], "b": {"c": "d\u00e9"}, "e": None}

@@ -15,7 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from processor.gates.policy_scan import SecretFinding, egress_violation, find_secrets, find_urls
+from processor.gates.policy_scan import (
+    SecretFinding,
+    egress_violation,
+    find_secrets,
+    find_urls,
+    quotable,
+)
 
 # -- fixtures: fake secrets, one per known format --------------------------------------------------
 
@@ -132,12 +138,19 @@ def test_several_formats_in_one_string_are_each_reported_once() -> None:
     "key",
     ["password", "Password", "passwd", "secret", "client_secret", "Client-Secret", "api_key",
      "apiKey", "API-KEY", "x-api-key", "access_token", "refreshToken", "private_key",
-     "authorization", "db_password", "AWS_SECRET_ACCESS_KEY"],
+     "authorization", "db_password", "AWS_SECRET_ACCESS_KEY", "pass", "passcode", "token",
+     "api_token", "id_token", "github_api_token"],
 )  # fmt: skip
 def test_a_credential_named_key_makes_its_string_a_finding(key: str) -> None:
     assert find_secrets({"auth": {key: "hunter2"}}) == [
         SecretFinding(f"auth/{key}", "credential_field", False)
     ]
+
+
+def test_a_name_quoted_back_is_redacted_when_it_is_a_credential() -> None:
+    assert quotable("sk_live_4eC39HqLyjWDarjtT1zdp7dc") == "sk_l…"
+    for name in ("cancel_order", "order_id", "lookup_ordr"):
+        assert quotable(name) == name
 
 
 @pytest.mark.parametrize(

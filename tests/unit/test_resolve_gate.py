@@ -92,6 +92,11 @@ def test_unknown_tool_suggests_the_close_name_and_lists_the_tools(contracts: Con
     )
 
 
+def test_a_credential_named_as_the_tool_is_not_quoted_back(contracts: ContractSet) -> None:
+    r = refused(proposal("sk_live_4eC39HqLyjWDarjtT1zdp7dc"), contracts)
+    assert r.errors[0].message == "there is no tool named 'sk_l…'"
+
+
 def test_unrelated_unknown_tool_has_no_suggestion(contracts: ContractSet) -> None:
     r = refused(proposal("delete_everything"), contracts)
     assert r.errors[0].code == "unknown_tool"
