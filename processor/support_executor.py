@@ -32,6 +32,7 @@ import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -354,10 +355,17 @@ class SupportStore:
                  int(self.clock() * 1000)),
             )  # fmt: skip
             if "create_ticket" in self.fail_after_commit:
-                return _failed_after_commit("ticket_created", {"ticket_id": ticket_id}), []
+                failed = _failed_after_commit("ticket_created", {"ticket_id": ticket_id})
+                # create_ticket is an idempotent write: the model is told to retry, and the
+                # retry finishes the rest (see resume below), never repeating the insert.
+                return replace(failed, message="the ticket was created, then the tool "
+                               "failed; retry the same call to finish"), []  # fmt: skip
             return Succeeded({"ticket_id": ticket_id}), []
 
-        return self._once(call, effect)
+        def resume(doc: dict[str, Any]) -> Succeeded:
+            return Succeeded({"ticket_id": (doc["compensation_arguments"] or {})["ticket_id"]})
+
+        return self._once(call, effect, resume)
 
     def recorded(self, call: Call) -> Succeeded | Failed | None:
         """The answer stored under the call's key, if it ran (``Executor(recorded=...)``):
@@ -379,11 +387,16 @@ class SupportStore:
         self,
         call: Call,
         effect: Callable[[sqlite3.Connection], tuple[Succeeded | Failed, list[str]]],
+        resume: Callable[[dict[str, Any]], Succeeded] | None = None,
     ) -> Succeeded | Failed:
         """Run ``effect`` at most once per (tenant, idempotency key): its writes and its
         answer commit together, and a repeat gets the stored answer. The reference updates
         are rebuilt from the orders as they are now, never replayed: another call may
-        have changed the order since, and the compacted topic keeps the last value."""
+        have changed the order since, and the compacted topic keeps the last value.
+
+        ``resume``, for a tool a retry finishes (an idempotent write): a repeat of a call
+        that failed after committing steps completes the rest, and that answer is stored
+        in place of the failure."""
         with self._transaction() as db:
             stored = db.execute(
                 "SELECT tool_name, payload_hash, outcome FROM executed "
@@ -401,6 +414,15 @@ class SupportStore:
                         taxonomy_class="SIGNATURE_MISMATCH",
                     )
                 doc = orjson.loads(stored["outcome"])
+                if resume is not None and not doc["succeeded"] and doc["committed_steps"]:
+                    answer = resume(doc)
+                    db.execute(
+                        "UPDATE executed SET outcome = ? WHERE tenant = ? AND idempotency_key = ?",
+                        (orjson.dumps(_stored(answer, doc["touched"])).decode(), call.tenant_id,
+                         call.idempotency_key),
+                    )  # fmt: skip
+                    refs = self._references(db, call.tenant_id, doc["touched"])
+                    return _answer(_stored(answer, doc["touched"]), refs)
                 return _answer(doc, self._references(db, call.tenant_id, doc["touched"]))
             try:
                 answer, touched = effect(db)

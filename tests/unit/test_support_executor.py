@@ -257,6 +257,26 @@ def test_fail_after_commit(db_path: Path) -> None:
         SupportStore(db_path, fail_after_commit={"lookup_order"})
 
 
+def test_a_ticket_that_failed_after_its_insert_is_finished_by_the_retry(db_path: Path) -> None:
+    """create_ticket is an idempotent write: the model is told PARTIAL_SUCCESS and to
+    retry the same key, and that retry completes, without a second ticket."""
+    store = SupportStore(db_path, fail_after_commit={"create_ticket"})
+    store.seed(ORDERS)
+    args = {"customer_id": "CUS-004211", "category": "delivery", "priority": "normal",
+            "summary": "Parcel arrived crushed."}  # fmt: skip
+    call = make_call("create_ticket", args, key="idem-partial")
+    first = failed(store.create_ticket(call))
+    assert first.committed_steps == ("ticket_created",)
+    assert "retry the same call" in first.message
+    done = succeeded(store.create_ticket(call))
+    assert first.compensation_arguments is not None
+    assert done.data == {"ticket_id": first.compensation_arguments["ticket_id"]}
+    assert succeeded(store.create_ticket(call)).data == done.data  # and stays done
+    assert store.recorded(call) == done
+    assert store.db.execute("SELECT count(*) FROM tickets").fetchone()[0] == 1
+    store.close()
+
+
 def test_search_kb_and_tickets(store: SupportStore) -> None:
     found = succeeded(
         store.search_kb(make_call("search_kb", {"query": "how do I return a damaged item"}))
