@@ -725,11 +725,11 @@ class Processor:
                 continue
             status = str(v.get("status"))
             self._count("results", x.state, status)
-            if status in ("duplicate", "stale"):
-                # A copy of a result already settled, or the result of an attempt the key
-                # has moved on from (the retry's own result answers the proposal; the
-                # handler, idempotent under the key, gives it the same answer). Counted,
-                # not answered twice.
+            if status in ("duplicate", "superseded"):
+                # A copy of a result already settled, or the result of an attempt of the
+                # same proposal the key has moved on from (the later attempt's result
+                # answers it; the handler, idempotent under the key, gives the same
+                # answer). Counted, not answered twice.
                 out[i] = ignored(x.src, f"result_{status}")
                 continue
             if status == "unknown":
@@ -761,6 +761,8 @@ class Processor:
             if not v.get("ok", True):
                 apply_verdict(d, {"ok": False, "why": "in_flight", "retry_after_ms": 0},
                               self.gates.policy.budgets, None)  # fmt: skip
+            elif d.call is not None and v.get("attempt"):
+                d.call.attempt = int(v["attempt"])
         self._admitted += items
 
     def _settle(self, slots: list[Decision | ApprovalInput], now_ms: int) -> list[Decision]:

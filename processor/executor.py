@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -65,8 +65,10 @@ SUCCEEDED, FAILED, TIMED_OUT = "SUCCEEDED", "FAILED", "TIMED_OUT"
 RESULT_HEADROOM_BYTES = 16_384
 """Room left under ``message.max.bytes`` for what the processor's observation adds
 around a result's data."""
-GIVEN_BACK_KEPT = 10_000
-"""Answers of aborted batches kept for their redelivery (oldest dropped first)."""
+GIVEN_BACK_BYTES = 64 * 1024 * 1024
+"""Answers of aborted batches kept for their redelivery, at most this many bytes (the
+oldest dropped first: a call whose batch moved to another executor is never committed
+here)."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,9 @@ class _Output:
     """(call id, attempt, idempotency key)."""
     references: list[tuple[bytes, bytes | None]] = field(default_factory=list)
 
+    def size(self) -> int:
+        return len(self.value) + sum(len(k) + len(v or b"") for k, v in self.references)
+
 
 class Executor:
     """Runs handlers for the approved calls of some side-effect classes, exactly-once
@@ -238,6 +243,7 @@ class Executor:
         )
         self._given_back: dict[tuple[str, int, str], _Output] = {}
         """Outputs of batches whose transaction aborted, by (call id, attempt, key)."""
+        self._given_back_bytes = 0
         self._rebalanced = False
         # The processor's client configs, with this executor's group and instance: the
         # same enforced exactly-once settings, and transactional.id
@@ -315,7 +321,7 @@ class Executor:
             self._abort_and_rewind(consumer, producer, records, exc)
             return 0
         for out in outputs:
-            self._given_back.pop(out.call, None)
+            self._forget(out.call)
         self.metrics.transactions.labels("committed").inc()
         for out in outputs:
             self.metrics.results.labels(out.tool, out.outcome).inc()
@@ -365,18 +371,31 @@ class Executor:
             # What the handler answered cannot be published (data that is not JSON, a
             # field of the wrong type): fail closed with a result that always encodes.
             return self._output(call, _handler_error(call, exc), FAILED, started)
-        size = max([len(out.value), *(len(v) for _, v in out.references if v)])
-        if size <= self.max_result_bytes:
+        limit = self.max_result_bytes
+        references = [(k, v) for k, v in out.references if v is None or len(v) <= limit]
+        if len(out.value) <= limit and len(references) == len(out.references):
             return out
-        logger.error("the result of call %s is %d bytes, over %d: published as a failure",
-                     call.call_id, size, self.max_result_bytes)  # fmt: skip
+        logger.error(
+            "the result of call %s (%d bytes) or a reference update is over %d bytes: "
+            "published as a failure", call.call_id, len(out.value), limit,
+        )  # fmt: skip
+        # What the call committed stays known (its steps, its compensation, the reference
+        # updates that fit); only the answer that does not fit is left out.
+        failed = answer if isinstance(answer, Failed) else None
         too_large = Failed(
             "result_too_large",
-            f"the call ran, but its answer ({size} bytes, or one of its reference updates) "
-            f"is larger than a result may be ({self.max_result_bytes})",
+            f"the call ran, but its answer ({len(out.value)} bytes), or one of its "
+            f"reference updates, is larger than a result may be ({limit})",
             taxonomy_class=TaxonomyClass.OBSERVATION_NORMALIZATION_FAIL.value,
+            committed_steps=failed.committed_steps if failed else (),
+            compensation_arguments=failed.compensation_arguments if failed else None,
         )
-        return self._output(call, too_large, FAILED, started)
+        shrunk = self._output(call, too_large, FAILED, started)
+        if len(shrunk.value) > limit:  # the compensation arguments were the large part
+            shrunk = self._output(call, replace(too_large, compensation_arguments=None),
+                                  FAILED, started)  # fmt: skip
+        shrunk.references = references
+        return shrunk
 
     def _recorded(self, call: Call) -> Succeeded | Failed | None:
         if self.recorded is None:
@@ -389,9 +408,16 @@ class Executor:
 
     def _give_back(self, outputs: list[_Output]) -> None:
         for out in outputs:
+            self._forget(out.call)
             self._given_back[out.call] = out
-        while len(self._given_back) > GIVEN_BACK_KEPT:
-            del self._given_back[next(iter(self._given_back))]
+            self._given_back_bytes += out.size()
+        while self._given_back_bytes > GIVEN_BACK_BYTES:
+            self._forget(next(iter(self._given_back)))
+
+    def _forget(self, call: tuple[str, int, str]) -> None:
+        out = self._given_back.pop(call, None)
+        if out is not None:
+            self._given_back_bytes -= out.size()
 
     def _output(
         self, call: Call, answer: Succeeded | Failed, outcome: str, started: int

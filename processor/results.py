@@ -96,12 +96,17 @@ COMPENSATION_ARGUMENTS_MAX_BYTES = 65_536
 """The arguments of a compensating call, at most (the gates' own default bound)."""
 
 
+def _too_large(text: str, limit: int) -> bool:
+    """Over ``limit`` bytes as UTF-8 (counted only when it could be)."""
+    return len(text) > limit // 4 and len(text.encode()) > limit
+
+
 def compensation_arguments(r: dict[str, Any]) -> dict[str, Any] | None:
     """A result's compensation arguments when they are a JSON object of at most
     ``COMPENSATION_ARGUMENTS_MAX_BYTES`` (anything else an executor sends cannot be
     proposed: the call is then handed to an operator)."""
     raw = r.get("compensation_arguments")
-    if not raw or len(raw) > COMPENSATION_ARGUMENTS_MAX_BYTES:
+    if not raw or _too_large(raw, COMPENSATION_ARGUMENTS_MAX_BYTES):
         return None
     try:
         value = orjson.loads(raw)
@@ -175,7 +180,7 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
                         ("handoff_to_human",))  # fmt: skip
         return "FAILED_FINAL", rej, Final(False, None, attempt=attempt)
     data = r.get("data")
-    final = Final(False, data if data is None or len(data) <= RESULT_DATA_MAX_BYTES else None,
+    final = Final(False, None if data is None or _too_large(data, RESULT_DATA_MAX_BYTES) else data,
                   attempt=attempt)  # fmt: skip
     detail = FieldError(None, r.get("error_message") or "the call failed", r.get("error_code")
                         or "failed")  # fmt: skip
@@ -243,8 +248,10 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         cls = _T.UNKNOWN_ERROR
         action = f"{tool} failed and will fail again as it is. Do not retry it unchanged."
         state = "FAILED_FINAL"
-    if claimed == _T.OBSERVATION_NORMALIZATION_FAIL.value:
-        # The executor's word for "it ran, but its answer cannot be carried" (too large).
+    if claimed == _T.OBSERVATION_NORMALIZATION_FAIL.value and r.get("error_code") == (
+        "result_too_large"
+    ):
+        # The executor's word for "it ran, but its answer cannot be carried".
         action = (
             f"{tool} ran, but its result cannot be shown ({detail.message}). Do not call it "
             "again; check the outcome with the lookup tool, or call handoff_to_human."
@@ -267,10 +274,10 @@ def _unreadable(data: str | None, contract: Contract | None) -> FieldError | Non
     """Why a successful call's result cannot be shown to the model (None: it can)."""
     if data is None:
         return None
-    if len(data) > RESULT_DATA_MAX_BYTES:
+    if _too_large(data, RESULT_DATA_MAX_BYTES):
         return FieldError(
             "data",
-            f"the result is {len(data)} bytes; at most {RESULT_DATA_MAX_BYTES} are shown",
+            f"the result is {len(data.encode())} bytes; at most {RESULT_DATA_MAX_BYTES} are shown",
             "result_too_large",
         )
     try:

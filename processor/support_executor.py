@@ -415,14 +415,14 @@ class SupportStore:
                     )
                 doc = orjson.loads(stored["outcome"])
                 if resume is not None and not doc["succeeded"] and doc["committed_steps"]:
-                    answer = resume(doc)
+                    finished = resume(doc)
                     db.execute(
                         "UPDATE executed SET outcome = ? WHERE tenant = ? AND idempotency_key = ?",
-                        (orjson.dumps(_stored(answer, doc["touched"])).decode(), call.tenant_id,
+                        (orjson.dumps(_stored(finished, doc["touched"])).decode(), call.tenant_id,
                          call.idempotency_key),
                     )  # fmt: skip
                     refs = self._references(db, call.tenant_id, doc["touched"])
-                    return _answer(_stored(answer, doc["touched"]), refs)
+                    return _answer(_stored(finished, doc["touched"]), refs)
                 return _answer(doc, self._references(db, call.tenant_id, doc["touched"]))
             try:
                 answer, touched = effect(db)

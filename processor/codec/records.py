@@ -13,6 +13,7 @@ from typing import Any
 
 from processor.codec.avro import _DOUBLE, _timestamp_varint, codec
 from processor.codec.avro import _zigzag_varint as _varint
+from processor.gates.policy_scan import quotable
 from processor.model import (
     RESPONSE_VECTORS,
     Decision,
@@ -68,7 +69,9 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
         "decision": kind,
         "gate": d.gate.value,
         "tool_identity": {
-            "name": p.tool_name or "",
+            # A name no contract has is the model's own text: quoted back only when it
+            # does not look like a credential.
+            "name": (p.tool_name or "") if d.contract_name else quotable(p.tool_name or ""),
             "version": d.contract_version,
             "call_id": p.proposal_id,
             "side_effect_class": d.side_effect_class.value if d.side_effect_class else None,

@@ -442,11 +442,9 @@ def _url_like(text: str) -> str | None:
     and newlines anywhere in it (``java\\tscript:``), so they are ignored when
     deciding; the returned text, stripped of whitespace only, keeps them for
     :func:`egress_violation` to refuse. A ``www.`` string with whitespace inside is
-    prose that starts with an address, not a URL. A ``scheme://`` string is a URL
-    whatever follows: an HTTP client handed ``http://localhost:6379/\xa0x`` (or
-    ``https://host/ and more``) connects to that host all the same, so it is
-    checked, and its whitespace refused. The dangerous schemes only need to start
-    the string.
+    prose that starts with an address, not a URL. A ``scheme://`` string followed by
+    more text is checked whatever follows: an HTTP client handed all of it connects to
+    the host it names (see below). The dangerous schemes only need to start the string.
     """
     t = text.strip()
     probe = t.strip(_WS)
@@ -457,9 +455,21 @@ def _url_like(text: str) -> str | None:
     m = _URL_LIKE.match(probe)
     if m is None:
         return None
-    if m.end() == len(probe) or _DANGEROUS_PREFIX.match(probe) or "://" in m.group():
+    if m.end() == len(probe) or _DANGEROUS_PREFIX.match(probe):
         return t
-    return None
+    token = m.group()
+    if "://" not in token:
+        return None  # www. followed by prose
+    # A scheme://host string followed by more text. An HTTP client handed all of it
+    # connects to the host its authority names (up to the first / ? or #), so that is
+    # what is checked: the leading URL when the authority is whole before the first
+    # whitespace ("https://host/path has the form" is prose after a URL on host), else
+    # the whole string, whose whitespace is refused ("https://host\xa0@evil/").
+    rest = probe[token.index("://") + 3 :]
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    if len(token) - token.index("://") - 3 >= end and t.isprintable():
+        return token
+    return t
 
 
 def find_urls(value: Any) -> list[tuple[str, str]]:

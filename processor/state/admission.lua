@@ -16,7 +16,7 @@
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
 -- "hit|<state>|#<length of call>|<call>|<cached answer>" (a call id may hold a '|'),
--- or a result's "settled[|grant|<claims>]",
+-- or a result's "settled[|grant|<claims>]", "superseded",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
 -- "unknown"; a void's "voided" or "unchanged". Short strings,
 -- not JSON: decoding and encoding are most of a script's cost per item.
@@ -345,10 +345,12 @@ local function settle(c)
   if not rec then return {status = 'unknown'} end
   if rec.x == c.result_id then return {status = 'duplicate'} end
   -- The call id alone is not enough: a proposal sent again under its own id after its
-  -- key became retryable is a new attempt of the same call id.
-  if rec.c ~= c.call or rec.s ~= 'PENDING' or (c.attempt > 0 and (rec.a or 1) ~= c.attempt) then
-    return {status = 'stale', state = rec.s}
+  -- key became retryable is a new attempt of the same call id. The result of the attempt
+  -- it moved on from is superseded: the later attempt's result answers that proposal.
+  if rec.c == c.call and c.attempt > 0 and (rec.a or 1) ~= c.attempt then
+    return {status = 'superseded'}
   end
+  if rec.c ~= c.call or rec.s ~= 'PENDING' then return {status = 'stale', state = rec.s} end
   local grant = rec.t
   rec.s, rec.x, rec.v, rec.w, rec.t = c.state, c.result_id, c.cached, 0, nil
   local verdict = {status = 'settled'}
@@ -386,7 +388,8 @@ local function release(c)
   rec = rec or {h = c.hash, a = 1, r = c.run}
   rec.s, rec.w, rec.c, rec.d = 'PENDING', 0, c.call, c.deadline
   put_record(c.ikey, rec, c.ttl)
-  return {ok = true}
+  -- The attempt the parked call was admitted as: its result must say the same.
+  return {ok = true, attempt = rec.a or 1}
 end
 
 -- A call admitted for a record that then failed alone on a defect: it was answered

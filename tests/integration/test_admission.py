@@ -333,7 +333,7 @@ def test_a_late_result_of_an_earlier_attempt_under_the_same_call_id_settles_noth
     store.apply([first])
     retry = call(ikey=key, call=call_id, now=NOW + 9000)
     assert store.apply([retry]) == [{"ok": True, "attempt": 2}]
-    assert store.apply([result(first, attempt=1)]) == [{"status": "stale", "state": "PENDING"}]
+    assert store.apply([result(first, attempt=1)]) == [{"status": "superseded"}]
     assert store.record(TENANT, key, NOW)["state"] == "PENDING"
     assert store.apply([result(retry, attempt=2)]) == [{"status": "settled"}]
 
@@ -403,6 +403,25 @@ def test_a_parked_call_is_released_once_whichever_path_comes_first(store: Admiss
     release2 = {**release, "pos": f"a/0/{next(_pos)}", "ikey": other[1]["ikey"]}
     assert whys(store.apply([(TENANT, release2)])) == [None]
     assert store.record(TENANT, other[1]["ikey"], NOW)["awaiting"] == "0"
+
+
+def test_a_released_retry_runs_as_its_own_attempt_and_its_result_settles_it(
+    store: AdmissionStore,
+) -> None:
+    """A parked call whose request lapsed, parked again later under the same key (attempt
+    2) and released: the release says attempt 2, and a result for attempt 2 settles it."""
+    first = call(park=True, deadline=NOW + 8000)
+    key = first[1]["ikey"]
+    store.apply([first])
+    again = call(ikey=key, call=first[1]["call"], park=True, now=NOW + 9000,
+                 deadline=NOW + 600_000)  # fmt: skip
+    assert store.apply([again]) == [{"ok": True, "attempt": 2}]
+    release = {"kind": "release", "pos": f"a/0/{next(_pos)}", "now": NOW + 10_000,
+               "run": "run-1", "ikey": key, "hash": "h1", "call": first[1]["call"],
+               "deadline": NOW + 18_000, "ttl": 3_600_000}  # fmt: skip
+    assert store.apply([(TENANT, release)]) == [{"ok": True, "attempt": 2}]
+    assert store.apply([result(again, attempt=1)]) == [{"status": "superseded"}]
+    assert store.apply([result(again, attempt=2)]) == [{"status": "settled"}]
 
 
 def _awaiting_compensation(store: AdmissionStore, payload: str = "h-undo") -> tuple[str, str]:

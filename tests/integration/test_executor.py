@@ -395,6 +395,8 @@ def test_an_aborted_batch_is_answered_again_without_running_its_handlers(
         drain(ex, 1)
     finally:
         ex.close()
+        for usurper in usurpers:
+            usurper.flush(5)
     assert ran == [call["call_id"]]
     r = results(s, 1)[call["call_id"]]
     assert r["outcome"] == "SUCCEEDED"

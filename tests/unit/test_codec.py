@@ -212,6 +212,18 @@ def test_routed_observation_round_trip(routed: Decision) -> None:
     assert read_independently("observation", data) == expected
 
 
+def test_a_tool_name_that_is_a_credential_is_not_quoted_in_the_observation(
+    contracts: ContractSet,
+) -> None:
+    secret = "sk_live_4eC39HqLyjWDarjtT1zdp7dc"
+    d = decide_envelope(envelope(secret), contracts)
+    datum = observation_record(d, None)
+    assert datum["tool_identity"]["name"] == "sk_l…"
+    assert secret not in orjson.dumps(datum).decode()
+    known = observation_record(decide_envelope(envelope("cancel_ordr"), contracts), None)
+    assert known["tool_identity"]["name"] == "cancel_ordr"
+
+
 def test_rejected_observation_round_trip(rejected: Decision) -> None:
     datum = observation_record(rejected, None)
     assert datum["decision"] == "REJECTED"

@@ -466,16 +466,32 @@ def test_prose_and_non_urls_are_not_returned(text: str) -> None:
         "http://localhost:6379/\xa0x",
         "https://evil.example.net/a\u3000b",
         "http://169.254.169.254/\u2028latest/meta-data/",
-        "https://help.example.com/returns is down",
+        "https://docs.example.com\xa0@evil.com/",
+        "https://docs.example.com has the form",
     ],
 )
 def test_a_string_that_starts_with_scheme_and_host_is_checked_whatever_follows(
     text: str,
 ) -> None:
-    """An HTTP client handed it connects to its host all the same: it is checked as a
-    URL, and refused, whitespace and all, even on an allowed domain."""
+    """An HTTP client handed it connects to the host its authority names (up to the
+    first / ? #), whatever follows: unless that authority ends before the first space,
+    the whole string is checked, and refused for its whitespace even on an allowed
+    domain."""
     assert find_urls({"u": text}) == [("u", text)]
     assert egress_violation(text, "allowlisted_domains", ("example.com",), ()) is not None
+
+
+@pytest.mark.parametrize(
+    ("text", "url"),
+    [
+        ("https://help.example.com/returns is down", "https://help.example.com/returns"),
+        ("https://evil.example.net/x has the form", "https://evil.example.net/x"),
+    ],
+)
+def test_prose_after_a_whole_url_checks_that_url(text: str, url: str) -> None:
+    assert find_urls({"u": text}) == [("u", url)]
+    allowed = egress_violation(url, "allowlisted_domains", ("help.example.com",), ())
+    assert (allowed is None) == url.startswith("https://help.")
 
 
 def test_control_characters_around_a_url_do_not_hide_it() -> None:
