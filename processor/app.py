@@ -897,7 +897,8 @@ class Processor:
                 request = encode_approval_request(d, fp)
             observation = encode_observation(d, fp)
             compensation = d.extra.get("compensation")
-            largest = max(len(v) for v in (call, request, observation, compensation) if v)
+            largest = max(len(observation), len(call or b""), len(request or b""),
+                          len(compensation or b""))  # fmt: skip
             if largest > self._max_message_bytes:
                 # The broker would refuse it, and the batch would abort and come back
                 # for ever: one record must not stop its partition.

@@ -54,6 +54,11 @@ ConfigOpt = Annotated[
 ]
 
 
+ContractsDirArg = Annotated[
+    Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
+]
+
+
 def _settings(config: Path | None, **overrides: Any) -> Settings:
     return load_settings(config, **overrides)
 
@@ -241,9 +246,7 @@ def _print_status(s: Settings) -> None:
 
 @contracts_app.command("check")
 def contracts_check(
-    path: Annotated[
-        Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
-    ] = None,
+    path: ContractsDirArg = None,
     config: ConfigOpt = None,
 ) -> None:
     """Load a contract set the way the processor does; exit 1 with every problem if refused."""
@@ -260,9 +263,7 @@ def contracts_check(
 
 @contracts_app.command("list")
 def contracts_list(
-    path: Annotated[
-        Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
-    ] = None,
+    path: ContractsDirArg = None,
     config: ConfigOpt = None,
 ) -> None:
     """List tools, versions, lifecycle and side-effect class."""
@@ -280,9 +281,7 @@ def contracts_list(
 
 @contracts_app.command("lint")
 def contracts_lint(
-    path: Annotated[
-        Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
-    ] = None,
+    path: ContractsDirArg = None,
     config: ConfigOpt = None,
     output_format: Annotated[
         str, typer.Option("--format", help="text or json.", case_sensitive=False)
@@ -311,9 +310,7 @@ def contracts_export(
     output_format: Annotated[
         str, typer.Option("--format", help="openai, anthropic or mcp.", case_sensitive=False)
     ],
-    path: Annotated[
-        Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
-    ] = None,
+    path: ContractsDirArg = None,
     config: ConfigOpt = None,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")
@@ -342,9 +339,7 @@ def contracts_export(
 @contracts_app.command("show")
 def contracts_show(
     tool: Annotated[str, typer.Argument(help="TOOL or TOOL@VERSION.")],
-    path: Annotated[
-        Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
-    ] = None,
+    path: ContractsDirArg = None,
     config: ConfigOpt = None,
 ) -> None:
     """Show one contract: what it does, its risk, what it needs, its limits and arguments."""

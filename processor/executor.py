@@ -345,19 +345,18 @@ class Executor:
         if given is not None:
             return given  # answered before, in a batch that was given back: not run again
         started = self._now_ms()
-        answer: Succeeded | Failed | None = None
-        if call.deadline_ms < started:
-            answer = self._recorded(call)
-            if answer is None:
-                answer = Failed(
-                    "deadline_exceeded",
-                    "the call reached the executor after its deadline and was not run",
-                    retryable=True,
-                    taxonomy_class=TaxonomyClass.TIMEOUT.value,
-                )
-                return self._published(call, answer, TIMED_OUT, started)
-        else:
+        if call.deadline_ms >= started:
             answer = self._run_handler(call)
+        elif (earlier := self._recorded(call)) is not None:
+            answer = earlier  # it ran when first delivered; its result never made it out
+        else:
+            not_run = Failed(
+                "deadline_exceeded",
+                "the call reached the executor after its deadline and was not run",
+                retryable=True,
+                taxonomy_class=TaxonomyClass.TIMEOUT.value,
+            )
+            return self._published(call, not_run, TIMED_OUT, started)
         outcome = SUCCEEDED if isinstance(answer, Succeeded) else FAILED
         return self._published(call, answer, outcome, started)
 
