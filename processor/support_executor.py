@@ -370,15 +370,8 @@ class SupportStore:
     def recorded(self, call: Call) -> Succeeded | Failed | None:
         """The answer stored under the call's key, if it ran (``Executor(recorded=...)``):
         a call delivered again past its deadline is answered with it, not TIMED_OUT."""
-        row = self.db.execute(
-            "SELECT tool_name, payload_hash, outcome FROM executed "
-            "WHERE tenant = ? AND idempotency_key = ?",
-            (call.tenant_id, call.idempotency_key),
-        ).fetchone()
-        if row is None or (row["tool_name"], row["payload_hash"]) != (
-            call.tool_name,
-            call.payload_hash,
-        ):
+        row = _executed(self.db, call)
+        if row is None or not _same_call(row, call):
             return None
         doc = orjson.loads(row["outcome"])
         return _answer(doc, self._references(self.db, call.tenant_id, doc["touched"]))
@@ -398,16 +391,9 @@ class SupportStore:
         that failed after committing steps completes the rest, and that answer is stored
         in place of the failure."""
         with self._transaction() as db:
-            stored = db.execute(
-                "SELECT tool_name, payload_hash, outcome FROM executed "
-                "WHERE tenant = ? AND idempotency_key = ?",
-                (call.tenant_id, call.idempotency_key),
-            ).fetchone()
+            stored = _executed(db, call)
             if stored is not None:
-                if (stored["tool_name"], stored["payload_hash"]) != (
-                    call.tool_name,
-                    call.payload_hash,
-                ):
+                if not _same_call(stored, call):
                     return Failed(
                         "idempotency_key_reused",
                         "this idempotency key was used for another call; nothing ran",
@@ -457,6 +443,20 @@ class SupportStore:
             if row is not None:
                 out.append(order_reference(dict(row)))
         return tuple(out)
+
+
+def _executed(db: sqlite3.Connection, call: Call) -> sqlite3.Row | None:
+    """What ran under the call's (tenant, idempotency key), if anything did."""
+    row: sqlite3.Row | None = db.execute(
+        "SELECT tool_name, payload_hash, outcome FROM executed "
+        "WHERE tenant = ? AND idempotency_key = ?",
+        (call.tenant_id, call.idempotency_key),
+    ).fetchone()
+    return row
+
+
+def _same_call(row: sqlite3.Row, call: Call) -> bool:
+    return bool((row["tool_name"], row["payload_hash"]) == (call.tool_name, call.payload_hash))
 
 
 def order_reference(order: Order) -> ReferenceUpdate:
