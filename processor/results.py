@@ -176,8 +176,7 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             "shown. Do not call it again; check the outcome with the lookup tool, or call "
             "handoff_to_human."
         )
-        rej = Rejection(_T.OBSERVATION_NORMALIZATION_FAIL, Gate.RESULT, (problem,), action,
-                        ("handoff_to_human",))  # fmt: skip
+        rej = _handoff(_T.OBSERVATION_NORMALIZATION_FAIL, problem, action)
         return "FAILED_FINAL", rej, Final(False, None, attempt=attempt)
     data = r.get("data")
     final = Final(False, None if data is None or _too_large(data, RESULT_DATA_MAX_BYTES) else data,
@@ -192,9 +191,7 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             "committed. Do not retry; tell the user an operator will reconcile it and call "
             "handoff_to_human."
         )
-        rej = Rejection(_T.COMPENSATION_FAILED, Gate.RESULT, (detail,), action,
-                        ("handoff_to_human",))  # fmt: skip
-        return "FAILED_FINAL", rej, final
+        return "FAILED_FINAL", _handoff(_T.COMPENSATION_FAILED, detail, action), final
     if r["outcome"] == "TIMED_OUT":
         action = (
             f"{tool} was not started before its deadline; nothing ran. Propose it again "
@@ -256,13 +253,16 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             f"{tool} ran, but its result cannot be shown ({detail.message}). Do not call it "
             "again; check the outcome with the lookup tool, or call handoff_to_human."
         )
-        rej = Rejection(_T.OBSERVATION_NORMALIZATION_FAIL, Gate.RESULT, (detail,), action,
-                        ("handoff_to_human",))  # fmt: skip
-        return "FAILED_FINAL", rej, final
+        return "FAILED_FINAL", _handoff(_T.OBSERVATION_NORMALIZATION_FAIL, detail, action), final
     if claimed in _FAILURE_VALUES:
         cls = _T(claimed)
         action = f"{tool} refused the call: {detail.message}. " + _NEXT.get(cls, action)
     return state, Rejection(cls, Gate.RESULT, (detail,), action), final
+
+
+def _handoff(cls: _T, error: FieldError, action: str) -> Rejection:
+    """A result only an operator can take further: the model may only hand off."""
+    return Rejection(cls, Gate.RESULT, (error,), action, ("handoff_to_human",))
 
 
 def _output_validator(contract: Contract) -> ArgumentValidator | None:

@@ -279,6 +279,25 @@ def crash_after(handler: Handler, ran: list[str]) -> Handler:
     return run
 
 
+def refund_then_crash(
+    s: Settings, store: SupportStore, deadline_in_ms: int = 60_000
+) -> tuple[dict[str, Any], list[str], dict[str, Handler], str]:
+    """A refund whose executor dies after the refund and before its commit: nothing is
+    published, no offset committed. Returns the call, the calls its handler ran, the
+    handlers and the executor's name (its group and id)."""
+    args = {"order_id": "WO-24680-B", "amount": 19.99, "currency": "USD", "reason_code": "damaged"}
+    call = approved_call("refund_order", args, "CRITICAL_MUTATION", deadline_in_ms=deadline_in_ms)
+    send_calls(s, [call])
+    ran: list[str] = []
+    handlers = {**store.handlers(), "refund_order": crash_after(store.refund_order, ran)}
+    name = uuid.uuid4().hex[:8]
+    first = executor(s, handlers, group_id=f"executor-{name}", executor_id=name)
+    with pytest.raises(Crash):
+        drain(first, 1)
+    first.close()
+    return call, ran, handlers, name
+
+
 @pytest.fixture
 def support(stack_settings: Settings, tmp_path: Path) -> Iterator[tuple[Settings, SupportStore]]:
     s = isolated(stack_settings, f"exec-support-{uuid.uuid4().hex[:6]}")
@@ -292,16 +311,7 @@ def test_a_redelivered_refund_is_applied_once(
     support: tuple[Settings, SupportStore],
 ) -> None:
     s, store = support
-    args = {"order_id": "WO-24680-B", "amount": 19.99, "currency": "USD", "reason_code": "damaged"}
-    call = approved_call("refund_order", args, "CRITICAL_MUTATION")
-    send_calls(s, [call])
-    ran: list[str] = []
-    handlers = {**store.handlers(), "refund_order": crash_after(store.refund_order, ran)}
-    name = uuid.uuid4().hex[:8]
-    first = executor(s, handlers, group_id=f"executor-{name}", executor_id=name)
-    with pytest.raises(Crash):
-        drain(first, 1)
-    first.close()  # nothing committed: no result, no offsets
+    call, ran, handlers, name = refund_then_crash(s, store)
     assert read_all(s, s.topics.results, idle=1.0) == []
     assert refunded_cents(store) == 1999
 
@@ -330,16 +340,7 @@ def test_a_call_that_ran_and_comes_back_late_is_not_reported_unrun(
     published, not TIMED_OUT ("nothing ran"). Without ``recorded`` the executor cannot
     know, which is why the reference executor passes it."""
     s, store = support
-    args = {"order_id": "WO-24680-B", "amount": 19.99, "currency": "USD", "reason_code": "damaged"}
-    call = approved_call("refund_order", args, "CRITICAL_MUTATION", deadline_in_ms=3_000)
-    send_calls(s, [call])
-    ran: list[str] = []
-    handlers = {**store.handlers(), "refund_order": crash_after(store.refund_order, ran)}
-    name = uuid.uuid4().hex[:8]
-    first = executor(s, handlers, group_id=f"executor-{name}", executor_id=name)
-    with pytest.raises(Crash):
-        drain(first, 1)
-    first.close()
+    call, ran, handlers, name = refund_then_crash(s, store, deadline_in_ms=3_000)
     later = time.time() + 60  # the restart came long after the call's deadline
     second = executor(
         s,
