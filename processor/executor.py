@@ -501,14 +501,17 @@ class Executor:
             except BufferError:
                 producer.poll(0.05)  # local queue full: let deliveries drain
 
-    @staticmethod
-    def _commit(producer: Producer) -> None:
+    def _commit(self, producer: Producer) -> None:
+        """Commit, retrying what librdkafka calls retriable, but not past the transaction's
+        own timeout nor once a stop was asked for: the batch is then aborted and rewound."""
+        deadline = time.monotonic() + self.settings.transaction_timeout_ms / 1000
         while True:
             try:
                 producer.commit_transaction(30)
                 return
             except KafkaException as exc:
-                if not exc.args[0].retriable():
+                retry = exc.args[0].retriable() and not self._stop.is_set()
+                if not retry or time.monotonic() >= deadline:
                     raise
 
     def _abort_and_rewind(

@@ -335,11 +335,17 @@ class Compensation:
     payload_hash: str
 
 
+SETTLED_TTL_MS = 7 * 86_400_000
+"""A settled record is kept at least this long (longer if its contract's TTL says so;
+admission.lua caps every record at its horizon)."""
+
+
 def settle_item(
     item: ResultInput,
     position: str,
     compensation: Compensation | None,
     unsigned: str | None = None,
+    contract_ttl_ms: int = 0,
 ) -> tuple[str, Item]:
     """The result as admission settles it. ``unsigned``: the answer to keep instead when
     the compensation needs signing and the record has no principal claims to sign with."""
@@ -355,7 +361,7 @@ def settle_item(
         "result_id": r["result_id"],
         "state": item.state,
         "cached": cached_blob(item.decision),
-        "ttl": 7 * 86_400_000,
+        "ttl": max(SETTLED_TTL_MS, contract_ttl_ms),
         "compensation_key": compensation.key if compensation else None,
         "compensation_hash": compensation.payload_hash if compensation else None,
         "compensation_tool": compensation.tool if compensation else None,

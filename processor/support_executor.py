@@ -390,6 +390,21 @@ class SupportStore:
         ``resume``, for a tool a retry finishes (an idempotent write): a repeat of a call
         that failed after committing steps completes the rest, and that answer is stored
         in place of the failure."""
+        try:
+            return self._once_in_transaction(call, effect, resume)
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            # Another writer held the store: rolled back, nothing ran; a retry may pass.
+            return Failed("store_busy", "the store was busy and nothing ran", retryable=True,
+                          taxonomy_class="DEPENDENCY_UNAVAILABLE")  # fmt: skip
+
+    def _once_in_transaction(
+        self,
+        call: Call,
+        effect: Callable[[sqlite3.Connection], tuple[Succeeded | Failed, list[str]]],
+        resume: Callable[[dict[str, Any]], Succeeded] | None,
+    ) -> Succeeded | Failed:
         with self._transaction() as db:
             stored = _executed(db, call)
             if stored is not None:
@@ -427,10 +442,13 @@ class SupportStore:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             yield self.db
+            self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            # Also when COMMIT itself fails (busy, disk full): the transaction must not
+            # stay open, or every later call would fail on it.
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
             raise
-        self.db.execute("COMMIT")
 
     def _references(
         self, db: sqlite3.Connection, tenant: str, order_ids: list[str]

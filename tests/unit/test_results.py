@@ -29,12 +29,14 @@ from processor.results import (
     COMPENSATION_ARGUMENTS_MAX_BYTES,
     COMPENSATION_PREFIX,
     RESULT_DATA_MAX_BYTES,
+    SETTLED_TTL_MS,
     ResultInput,
     compensation_key,
     compensation_proposal,
     compensation_proposal_id,
     parse_result,
     refused_compensation,
+    settle_item,
     wants_compensation,
 )
 from tests.unit.helpers import NOW_MS, VALID_ARGUMENTS, decide_envelope, envelope, record
@@ -170,6 +172,14 @@ def test_an_answer_the_executor_could_not_carry_says_the_call_ran(contracts: Con
     assert rej is not None and rej.taxonomy is TaxonomyClass.OBSERVATION_NORMALIZATION_FAIL
     assert item.state == "FAILED_FINAL"
     assert "ran" in rej.next_action and "Do not call it again" in rej.next_action
+
+
+def test_a_settled_record_lives_as_long_as_its_contract_asks(contracts: ContractSet) -> None:
+    item = _charge_result(contracts, committed_steps=[], compensation_arguments=None)
+    eight_days = 8 * 86_400_000
+    assert settle_item(item, "r/0/1", None)[1]["ttl"] == SETTLED_TTL_MS
+    assert settle_item(item, "r/0/1", None, contract_ttl_ms=3_600_000)[1]["ttl"] == SETTLED_TTL_MS
+    assert settle_item(item, "r/0/1", None, contract_ttl_ms=eight_days)[1]["ttl"] == eight_days
 
 
 def _compensation_envelope(**fields: Any) -> dict[str, Any]:

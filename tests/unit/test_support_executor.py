@@ -277,6 +277,31 @@ def test_a_ticket_that_failed_after_its_insert_is_finished_by_the_retry(db_path:
     store.close()
 
 
+def test_a_store_held_by_another_writer_answers_retryable_and_nothing_ran(
+    db_path: Path,
+) -> None:
+    store = SupportStore(db_path)
+    store.seed(ORDERS)
+    store.db.execute("PRAGMA busy_timeout = 50")
+    other = sqlite3.connect(db_path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # holds the write lock
+    call = cancel("WO-12345-A", key="idem-busy")
+    busy = failed(store.cancel_order(call))
+    assert (busy.code, busy.retryable, busy.taxonomy_class) == (
+        "store_busy",
+        True,
+        "DEPENDENCY_UNAVAILABLE",
+    )
+    assert not store.db.in_transaction
+    other.execute("ROLLBACK")
+    other.close()
+    assert row(store, "WO-12345-A")["status"] != "cancelled"
+    assert store.recorded(call) is None  # nothing ran: the retry runs it
+    succeeded(store.cancel_order(call))
+    assert row(store, "WO-12345-A")["status"] == "cancelled"
+    store.close()
+
+
 def test_search_kb_and_tickets(store: SupportStore) -> None:
     found = succeeded(
         store.search_kb(make_call("search_kb", {"query": "how do I return a damaged item"}))
