@@ -41,6 +41,7 @@ from processor.gates.budget import (
 )
 from processor.identity import Verifier
 from processor.model import (
+    RESPONSE_VECTORS,
     Decision,
     FieldError,
     Final,
@@ -234,17 +235,6 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         rej = Rejection(_T.COMPENSATION_REQUIRED, Gate.RESULT, errors, action)
         return "FAILED_FINAL", rej, final
     claimed = r.get("taxonomy_class")
-    if r.get("retryable"):
-        cls = _T.DEPENDENCY_UNAVAILABLE
-        action = (
-            f"{tool} failed on a temporary problem and nothing was committed. Retry the same "
-            "call with the same idempotency key after a short wait."
-        )
-        state = "FAILED_RETRYABLE"
-    else:
-        cls = _T.UNKNOWN_ERROR
-        action = f"{tool} failed and will fail again as it is. Do not retry it unchanged."
-        state = "FAILED_FINAL"
     if claimed == _T.OBSERVATION_NORMALIZATION_FAIL.value and r.get("error_code") == (
         "result_too_large"
     ):
@@ -255,9 +245,28 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         )
         return "FAILED_FINAL", _handoff(_T.OBSERVATION_NORMALIZATION_FAIL, detail, action), final
     if claimed in _FAILURE_VALUES:
+        # The class the executor names is what the model reads (its status says whether a
+        # retry helps), so the record follows it: a retry is admitted exactly when the
+        # observation says it may be, whatever the executor's own retryable flag says.
         cls = _T(claimed)
+        retry = RESPONSE_VECTORS[cls].retryable
+    else:
+        retry = bool(r.get("retryable"))
+        cls = _T.DEPENDENCY_UNAVAILABLE if retry else _T.UNKNOWN_ERROR
+    if retry:
+        action = (
+            f"{tool} failed on a temporary problem and nothing was committed. Retry the same "
+            "call with the same idempotency key after a short wait."
+        )
+    else:
+        action = f"{tool} failed and will fail again as it is. Do not retry it unchanged."
+    if claimed in _FAILURE_VALUES:
         action = f"{tool} refused the call: {detail.message}. " + _NEXT.get(cls, action)
-    return state, Rejection(cls, Gate.RESULT, (detail,), action), final
+    return (
+        ("FAILED_RETRYABLE" if retry else "FAILED_FINAL"),
+        Rejection(cls, Gate.RESULT, (detail,), action),
+        final,
+    )
 
 
 def _handoff(cls: _T, error: FieldError, action: str) -> Rejection:

@@ -182,6 +182,30 @@ def test_a_settled_record_lives_as_long_as_its_contract_asks(contracts: Contract
     assert settle_item(item, "r/0/1", None, contract_ttl_ms=eight_days)[1]["ttl"] == eight_days
 
 
+@pytest.mark.parametrize(
+    ("claimed", "flag", "state"),
+    [
+        ("DEPENDENCY_UNAVAILABLE", False, "FAILED_RETRYABLE"),
+        ("RATE_LIMITED", False, "FAILED_RETRYABLE"),
+        ("UNKNOWN_ERROR", True, "FAILED_FINAL"),
+        ("STALE_STATE", True, "FAILED_FINAL"),
+        (None, True, "FAILED_RETRYABLE"),
+        (None, False, "FAILED_FINAL"),
+    ],
+)
+def test_the_record_follows_the_class_the_model_is_given(
+    contracts: ContractSet, claimed: str | None, flag: bool, state: str
+) -> None:
+    """The observation's status says whether a retry helps; the record must agree, or the
+    retry it invites meets the cached failure (or the one it forbids is let through)."""
+    item = _charge_result(contracts, committed_steps=[], compensation_arguments=None,
+                          taxonomy_class=claimed, retryable=flag)  # fmt: skip
+    rej = item.decision.rejection
+    assert rej is not None
+    assert item.state == state
+    assert RESPONSE_VECTORS[rej.taxonomy].retryable == (state == "FAILED_RETRYABLE")
+
+
 def _compensation_envelope(**fields: Any) -> dict[str, Any]:
     """The compensating refund as the processor proposes it for ``KEY``."""
     key = compensation_key(KEY)
