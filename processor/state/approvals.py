@@ -11,7 +11,7 @@ Keys share the ``{tenant}`` hash tag and one script runs per tenant per
 batch, so the whole thing works on Redis Cluster:
 
 - ``<ns>:{T}:parked``: one hash per tenant, request id -> the parked call's
-  payload (JSON), written once (HSETNX): a request's payload never changes;
+  payload (JSON). A batch parks all its calls with one HSET per tenant;
 - ``<ns>:{T}:park:<request_id>``: the call's approval state, created by the
   first decision about it (no key: still parked);
 - ``<ns>:{T}:parkexp``: parked requests by expiry time, for the expiry sweeper;
@@ -55,7 +55,7 @@ local base = KEYS[1]
 local ops = cjson.decode(ARGV[1])
 local out = {}
 
--- A parked call: its payload in the tenant's 'parked' hash (written by a plain HSETNX
+-- A parked call: its payload in the tenant's 'parked' hash (written by a plain HSET
 -- when the call is parked), its approval state in its own hash from the first
 -- decision on (state, ended_by, approvers, rejected_by, reason).
 local function park_key(rid) return base .. ':park:' .. rid end
@@ -243,10 +243,11 @@ class ApprovalStore:
         for i, (tenant, _) in enumerate(ops):
             by_tenant[tenant].append(i)
         pipe = self.client.pipeline(transaction=False)
-        # Parking is plain commands, no script: an HSETNX of each parked call's payload
-        # (a replayed batch finds its own, and nothing ever replaces an entry the votes
-        # cast so far were checked against) and, per tenant, one ZADD for the expiry
-        # sweeper. Every later change goes through the script.
+        # Parking is plain commands, no script: per tenant, one HSET of every parked
+        # call's payload and one ZADD for the expiry sweeper. Every later change goes
+        # through the script. A request id names one call (see request_id_for), so a write
+        # that finds its entry there is that call's: a replay of the same record (its first
+        # transaction aborted, its request was never read: the replay's is the one kept).
         payloads: dict[str, dict[str | bytes, bytes]] = defaultdict(dict)
         expiring: dict[str, dict[str | bytes, int]] = defaultdict(dict)
         scripted: dict[str, list[int]] = defaultdict(list)
@@ -260,8 +261,7 @@ class ApprovalStore:
                 expiring[tenant][op["rid"]] = op["expires_at"]
         for tenant, members in expiring.items():
             base = base_key(self.ns, tenant)
-            for rid, payload in payloads[tenant].items():
-                pipe.hsetnx(f"{base}:parked", rid, payload)
+            pipe.hset(f"{base}:parked", mapping=payloads[tenant])
             pipe.zadd(f"{base}:parkexp", members, nx=True)
         if expiring:
             pipe.sadd(tenants_key(self.ns), *expiring)
