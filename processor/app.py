@@ -73,7 +73,7 @@ from processor.codec.records import (
 from processor.config import Settings
 from processor.contracts.registry import ContractSet, load_contracts
 from processor.contracts.watch import ContractWatcher
-from processor.gates.budget import admission_item, apply_verdict, release_item, runtime_of
+from processor.gates.budget import admission_item, apply_verdict, release_item
 from processor.gates.parse import Limits
 from processor.identity import Verifier
 from processor.kafka.offsets import (
@@ -705,9 +705,7 @@ class Processor:
                 extra: Any = (contract, budgets)
             elif isinstance(x, ResultInput):
                 comp, unsigned = compensation_plan(x, self.contracts, verifier)
-                called = self.contracts.get(x.result["tool_name"], x.result["tool_version"])
-                ttl = runtime_of(called).ttl_ms if called else 0
-                item = settle_item(x, position(x.src), comp, unsigned, ttl)
+                item = settle_item(x, position(x.src), comp, unsigned)
                 extra = comp
             else:
                 continue

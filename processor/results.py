@@ -38,6 +38,7 @@ from processor.gates.budget import (
     HANDOFF_TOOL,
     UNREQUESTED_COMPENSATION,
     is_compensation_key,
+    runtime_of,
 )
 from processor.identity import Verifier
 from processor.model import (
@@ -72,6 +73,8 @@ class ResultInput:
     result: dict[str, Any]
     state: str
     decision: Decision
+    ttl_ms: int = 0
+    """Its contract's idempotency TTL (0: its contract is unknown here)."""
 
     @property
     def tenant_id(self) -> str:
@@ -158,7 +161,7 @@ def parse_result(src: SourceRecord, contracts: ContractSet) -> ResultInput | str
         ),
         final=final,
     )
-    return ResultInput(src, r, state, d)
+    return ResultInput(src, r, state, d, runtime_of(contract).ttl_ms if contract else 0)
 
 
 def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Rejection | None, Final]:
@@ -354,7 +357,6 @@ def settle_item(
     position: str,
     compensation: Compensation | None,
     unsigned: str | None = None,
-    contract_ttl_ms: int = 0,
 ) -> tuple[str, Item]:
     """The result as admission settles it. ``unsigned``: the answer to keep instead when
     the compensation needs signing and the record has no principal claims to sign with."""
@@ -370,7 +372,7 @@ def settle_item(
         "result_id": r["result_id"],
         "state": item.state,
         "cached": cached_blob(item.decision),
-        "ttl": max(SETTLED_TTL_MS, contract_ttl_ms),
+        "ttl": max(SETTLED_TTL_MS, item.ttl_ms),
         "compensation_key": compensation.key if compensation else None,
         "compensation_hash": compensation.payload_hash if compensation else None,
         "compensation_tool": compensation.tool if compensation else None,

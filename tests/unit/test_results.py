@@ -4,6 +4,7 @@ a gate refuses that compensation. Pure functions: no broker, no Redis."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -177,9 +178,9 @@ def test_an_answer_the_executor_could_not_carry_says_the_call_ran(contracts: Con
 def test_a_settled_record_lives_as_long_as_its_contract_asks(contracts: ContractSet) -> None:
     item = _charge_result(contracts, committed_steps=[], compensation_arguments=None)
     eight_days = 8 * 86_400_000
-    assert settle_item(item, "r/0/1", None)[1]["ttl"] == SETTLED_TTL_MS
-    assert settle_item(item, "r/0/1", None, contract_ttl_ms=3_600_000)[1]["ttl"] == SETTLED_TTL_MS
-    assert settle_item(item, "r/0/1", None, contract_ttl_ms=eight_days)[1]["ttl"] == eight_days
+    assert settle_item(replace(item, ttl_ms=0), "r/0/1", None)[1]["ttl"] == SETTLED_TTL_MS
+    assert settle_item(replace(item, ttl_ms=3_600_000), "r/0/1", None)[1]["ttl"] == SETTLED_TTL_MS
+    assert settle_item(replace(item, ttl_ms=eight_days), "r/0/1", None)[1]["ttl"] == eight_days
 
 
 @pytest.mark.parametrize(
