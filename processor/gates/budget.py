@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from processor.contracts.registry import Contract
+from processor.gates.confirmation import reissue
 from processor.identity import grant_of
 from processor.model import (
     Decision,
@@ -308,6 +309,8 @@ def apply_verdict(
     if verdict.get("ok", True):
         if d.call is not None and "attempt" in verdict:
             d.call.attempt = int(verdict["attempt"])
+            if d.outcome is Outcome.PARKED:
+                reissue(d, d.call.attempt)
         return d
     why = str(verdict.get("why"))
     if why in _BUDGET_TEXT:

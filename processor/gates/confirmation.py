@@ -22,6 +22,7 @@ from processor.approvals import APPROVED, Approver, Binding, verify_approval
 from processor.contracts.registry import Contract
 from processor.model import (
     ApprovedCall,
+    Decision,
     FieldError,
     Gate,
     Principal,
@@ -191,17 +192,37 @@ def check_confirmation(
             "if nobody answers by the expiry, it lapses the same way."
         ),
     }
-    rejection = _missing(
+    return Park(_waiting(contract.name, needed, request_id), packet)
+
+
+def _waiting(tool: str, needed: int, request_id: str) -> Rejection:
+    return _missing(
         (
             FieldError(
                 None,
-                f"{contract.name} needs {needed} approval(s); request {request_id} is waiting",
+                f"{tool} needs {needed} approval(s); request {request_id} is waiting",
                 "approval_required",
                 expected=str(needed),
             ),
         ),
-        f"Tell the user that {contract.name} is waiting for approval (request {request_id}) "
+        f"Tell the user that {tool} is waiting for approval (request {request_id}) "
         "and do not propose it again: it runs by itself once approved, and you will get an "
         "observation either way.",
     )
-    return Park(rejection, packet)
+
+
+def reissue(d: Decision, attempt: int) -> None:
+    """A parked call admitted as a later attempt of its key: the same proposal sent again
+    once its first request ended (expired, or declined and its hold lapsed). It asks its
+    approvers afresh under a request id of its own. Under the first one's id, every answer
+    would find that request ended (and an approver's answer, whose id is derived from the
+    request id, would count as spent), and the call would wait for ever. The id follows
+    from the attempt, which a replay of the batch is given again: so does the request."""
+    packet = d.approval_request
+    if attempt <= 1 or not isinstance(packet, dict):
+        return
+    first = packet["request_id"]
+    material = f"{first}/attempt/{attempt}".encode()
+    request_id = "req_" + hashlib.sha256(material).hexdigest()[:24]
+    d.approval_request = {**packet, "request_id": request_id}
+    d.rejection = _waiting(packet["tool_name"], packet["approvals_required"], request_id)

@@ -34,7 +34,12 @@ from confluent_kafka import (
 )
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from processor.approvals import approval_id_for, load_private_key, sign_approval
+from processor.approvals import (
+    approval_id_for,
+    load_private_key,
+    sign_approval,
+    sign_for_request,
+)
 from processor.client import ToolsentryClient
 from processor.codec.avro import codec
 from processor.config import Settings
@@ -43,7 +48,15 @@ from processor.pipeline import canonical_json, hash_payload
 from processor.reference_data import publish_references, wait_until_loaded
 from processor.state.approvals import ApprovalStore
 from processor.state.connection import connect
-from tests.integration.harness import ROOT, ProcessorProcess, isolated, issuer, settings_env, token
+from tests.integration.harness import (
+    ROOT,
+    ProcessorProcess,
+    approval_request,
+    isolated,
+    issuer,
+    settings_env,
+    token,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -1105,6 +1118,77 @@ def expires_unanswered(settings: Settings, tenant: str, tmp_path: Path) -> None:
             assert [m.value() for m in calls.sync()] == []
         finally:
             calls.close()
+    finally:
+        if client is not None:
+            client.close()
+        if proc.alive():
+            assert proc.terminate() == 0, proc.log()[-3000:]
+
+
+def test_a_proposal_sent_again_after_its_request_lapsed_asks_afresh(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """The same proposal record sent again once its approval request has expired (an
+    agent's retry, a producer's duplicate): it is a new attempt of the call, and it gets a
+    request of its own that approvers can answer. Under the lapsed request's id, every
+    approval would find that request ended, and the call would wait for ever."""
+    settings = isolated(stack_settings, "gates-again")
+    tenant = "acme-ga"
+    policy = (ROOT / "policy" / "policy.yaml").read_text()
+    assert "ttl_seconds: 600" in policy and "in_flight_grace_ms: 30000" in policy
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(
+        policy.replace("ttl_seconds: 600", "ttl_seconds: 4").replace(
+            "in_flight_grace_ms: 30000", "in_flight_grace_ms: 200"
+        )
+    )
+    publish_references(settings, [(f"{tenant}/order/{ORDER}", {"state": "processing"})])
+    proc = ProcessorProcess(
+        settings, "gates-again-1", tmp_path, TOOLSENTRY_POLICY_FILE=str(policy_file)
+    ).start()
+    client = None
+    try:
+        proc.wait_ready()
+        wait_until_loaded(settings, timeout=60)
+        client = ToolsentryClient(
+            settings, tenant, principal_token=token(settings, tenant, user="u-agent")
+        )
+        traceparent, _ = new_trace()
+        same = {"run_id": run_id(), "proposal_id": str(uuid.uuid4()), "traceparent": traceparent}
+        pid = client.propose("cancel_order", cancel(), **same)
+        first = client.wait(pid, 60)
+        assert first["decision"] == "PENDING_APPROVAL"
+        lapsed = client.wait_final(pid, 30)
+        refused(lapsed, "CONFIRMATION_MISSING", "approval", ["approval_expired"])
+        time.sleep(0.5)  # past the in-flight grace
+
+        client.propose("cancel_order", cancel(), **same)
+        deadline = time.monotonic() + 60
+        while len(client.history(pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        again = client.history(pid)[2]
+        assert again["decision"] == "PENDING_APPROVAL", again["status"]
+        assert again["approval_request_id"] != first["approval_request_id"]
+        assert again["approval_request_id"] in again["next_action"]
+
+        packet = approval_request(settings, again["approval_request_id"])
+        assert packet["request_id"] == again["approval_request_id"]
+        key = load_private_key(Path(str(settings.approvers_file)).parent / "approver-ops-1.jwk")
+        signed = sign_for_request(key, "ops-1", packet, int(time.time() * 1000))
+        producer = Producer(settings.client_config())
+        producer.produce(settings.topics.approvals, orjson.dumps(signed), same["run_id"].encode())
+        assert producer.flush(15) == 0
+        deadline = time.monotonic() + 60
+        while len(client.history(pid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        released = client.history(pid)[3]
+        assert (released["decision"], released["gate"]) == ("ROUTED", "approval"), released
+        calls = TopicReader(settings, settings.topics.execution("HIGH_RISK_EXTERNAL"))
+        try:
+            [call] = [codec("approved_call").decode(value(m)) for m in calls.sync()]
+        finally:
+            calls.close()
+        assert call["proposal_id"] == pid and call["attempt"] == 2
     finally:
         if client is not None:
             client.close()
