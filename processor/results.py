@@ -283,19 +283,22 @@ def _output_validator(contract: Contract) -> ArgumentValidator | None:
 
 
 def _unreadable(data: str | None, contract: Contract | None) -> FieldError | None:
-    """Why a successful call's result cannot be shown to the model (None: it can)."""
-    if data is None:
-        return None
-    if _too_large(data, RESULT_DATA_MAX_BYTES):
-        return FieldError(
-            "data",
-            f"the result is {len(data.encode())} bytes; at most {RESULT_DATA_MAX_BYTES} are shown",
-            "result_too_large",
-        )
-    try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return FieldError("data", "the result is not JSON", "result_not_json")
+    """Why a successful call's result cannot be shown to the model (None: it can). No data
+    at all is checked as JSON null: a contract whose output_schema wants an object does not
+    get a success with nothing in it past the check."""
+    value: Any = None
+    if data is not None:
+        if _too_large(data, RESULT_DATA_MAX_BYTES):
+            return FieldError(
+                "data",
+                f"the result is {len(data.encode())} bytes; at most {RESULT_DATA_MAX_BYTES} "
+                "are shown",
+                "result_too_large",
+            )
+        try:
+            value = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return FieldError("data", "the result is not JSON", "result_not_json")
     validator = contract.once("results.output_validator", _output_validator) if contract else None
     if validator is None or validator.is_valid(value):
         return None

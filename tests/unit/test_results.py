@@ -160,6 +160,30 @@ def test_a_result_too_large_to_show_is_final_and_not_shown(contracts: ContractSe
     assert failed.decision.final is not None and failed.decision.final.data is None
 
 
+@pytest.mark.parametrize("tool", ["summarise", "cancel_order"])
+def test_a_success_with_no_data_meets_the_output_schema_as_null(
+    contracts: ContractSet, tool: str
+) -> None:
+    """Both output_schemas want an object: a success with nothing in it breaks the
+    contract, as any other wrong answer does, and the model is not told it succeeded."""
+    contract = contracts.versions(tool)[0]
+    fields: dict[str, Any] = {
+        "tool_name": tool,
+        "tool_version": contract.version,
+        "side_effect_class": contract.side_effect_class.value,
+        "outcome": "SUCCEEDED",
+        "committed_steps": [],
+        "compensation_arguments": None,
+    }
+    item = _charge_result(contracts, **fields, data=None)
+    assert item.state == "FAILED_FINAL"
+    assert _codes(item.decision) == ["result_schema_mismatch"]
+    if tool == "summarise":
+        data = orjson.dumps({"summary": "s", "word_count": 1}).decode()
+        ok = _charge_result(contracts, **fields, data=data)
+        assert ok.state == "COMPLETED" and ok.decision.rejection is None
+
+
 def test_an_answer_the_executor_could_not_carry_says_the_call_ran(contracts: ContractSet) -> None:
     item = _charge_result(
         contracts,
