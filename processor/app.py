@@ -62,7 +62,7 @@ from processor.approval_flow import (
     position,
     verify_decision,
 )
-from processor.approvals import load_approvers, parse_iso_ms
+from processor.approvals import load_approvers
 from processor.codec.records import (
     dlq_headers,
     dlq_value,
@@ -90,9 +90,7 @@ from processor.model import (
     FieldError,
     Gate,
     Outcome,
-    Rejection,
     SourceRecord,
-    TaxonomyClass,
 )
 from processor.pipeline import Gates, decide_batch, internal_error
 from processor.policy import load_policy
@@ -720,6 +718,8 @@ class Processor:
             if isinstance(x, Decision):
                 contract, budgets = extra
                 out[i] = apply_verdict(x, v, budgets, contract)
+                if v.get("why") == "approval_reused":
+                    self._count("approvals", "reused")
                 if is_compensation(x.proposal):
                     x.extra[ADMITTED] = True
                 continue
@@ -791,10 +791,7 @@ class Processor:
             if isinstance(x, ApprovalInput):
                 out[i] = self._approval_outcome(x, result, now_ms)
                 continue
-            if result.status == "reused":
-                out[i] = _reused(x, result.detail)
-                self._count("approvals", "reused")
-            elif x.outcome is Outcome.PARKED:
+            if x.outcome is Outcome.PARKED:
                 self._count("approvals", "requested")
         return [d for d in out if d is not None]
 
@@ -1119,11 +1116,6 @@ def _proposal_op(d: Decision, now_ms: int) -> tuple[str, dict[str, Any]] | None:
         return None
     tenant = d.principal.tenant_id
     pos = position(d.source)
-    if d.outcome is Outcome.ROUTED and d.call is not None and d.call.approval_ids:
-        expires = max((_expiry(a) for a in p.approvals if isinstance(a, dict)), default=now_ms)
-        consume: dict[str, Any] = {"op": "consume", "ids": list(d.call.approval_ids), "pos": pos}
-        consume["ttl"] = retain_ms(expires, now_ms)
-        return tenant, consume
     if d.outcome is Outcome.PARKED and d.approval_request is not None:
         entry = parked_entry(d)
         op = {
@@ -1137,28 +1129,6 @@ def _proposal_op(d: Decision, now_ms: int) -> tuple[str, dict[str, Any]] | None:
         }
         return tenant, op
     return None
-
-
-def _expiry(approval: dict[str, Any]) -> int:
-    try:
-        return parse_iso_ms(str(approval.get("expires_at")))
-    except ValueError:
-        return 0
-
-
-def _reused(d: Decision, approval_id: str | None) -> Decision:
-    """A routed call whose approval another record already spent: stopped after all."""
-    d.outcome = Outcome.REJECTED
-    d.gate = Gate.CONFIRMATION
-    d.call = None
-    d.rejection = Rejection(
-        TaxonomyClass.CONFIRMATION_MISSING,
-        Gate.CONFIRMATION,
-        (FieldError("approvals", f"approval {approval_id} was already used", "approval_reused"),),
-        "An approval is good for one execution only; nothing ran. Propose the call without "
-        "an approval to request a new one.",
-    )
-    return d
 
 
 _DEPENDENCY_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, KafkaException, BufferError)

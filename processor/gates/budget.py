@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from processor.approvals import parse_iso_ms
 from processor.contracts.registry import Contract
 from processor.gates.confirmation import reissue
 from processor.identity import grant_of
@@ -35,6 +36,7 @@ from processor.model import (
 from processor.pipeline import canonical_json, hash_payload
 from processor.policy import Budgets
 from processor.state.admission import Item, Verdict, call_item, rate_of
+from processor.state.approvals import retain_ms
 
 _REPAIRS = frozenset({
     TaxonomyClass.SYNTACTIC_PARSE_FAIL, TaxonomyClass.STRUCTURAL_VIOLATION,
@@ -141,6 +143,12 @@ def admission_item(
             grant=grant_of(principal) if contract.compensation_tool else "",
             exempt=contract.name == HANDOFF_TOOL,
         )
+        if d.outcome is Outcome.ROUTED and call.approval_ids:
+            # Attached approvals, spent by this call when it is admitted (see admission.lua,
+            # spent_elsewhere); remembered a day past the latest one's expiry.
+            expires = max((_expiry(a) for a in p.approvals if isinstance(a, dict)), default=0)
+            item["approvals"] = list(call.approval_ids)
+            item["approvals_ttl"] = retain_ms(max(expires, now_ms), now_ms)
         return tenant, item
     if d.outcome is Outcome.REJECTED and d.rejection is not None:
         repair = d.rejection.taxonomy in _REPAIRS
@@ -199,6 +207,13 @@ def release_item(d: Decision) -> tuple[str, Item]:
         "deadline": call.deadline_ms,
         "ttl": DAY_MS,
     }
+
+
+def _expiry(approval: dict[str, Any]) -> int:
+    try:
+        return parse_iso_ms(str(approval.get("expires_at")))
+    except ValueError:
+        return 0
 
 
 def _park_deadline(d: Decision) -> int:
@@ -357,6 +372,17 @@ def apply_verdict(
         return _refused(d, taxonomy, Gate.IDEMPOTENCY, FieldError(field, message, code), action)
     if why == "idempotent_hit":
         return cached_answer(d, verdict)
+    if why == "approval_reused":
+        ids = d.call.approval_ids if d.call is not None else ()
+        which = f"approval {ids[0]} was" if len(ids) == 1 else "an attached approval was"
+        return _refused(
+            d,
+            TaxonomyClass.CONFIRMATION_MISSING,
+            Gate.CONFIRMATION,
+            FieldError("approvals", f"{which} already used", "approval_reused"),
+            "An approval is good for one execution only; nothing ran. Propose the call "
+            "without an approval to request a new one.",
+        )
     if why == "voided":  # decided again after it failed alone on a defect (see Processor._void)
         error = FieldError(None, "an earlier attempt to decide it met a defect", "internal_error")
     else:

@@ -6,7 +6,8 @@
 -- ARGV[1]  JSON header: what every item shares (see admission.py, _header)
 -- ARGV[2]  JSON list of items, in the batch's order, each a positional list whose first
 --          element is its kind (see admission.py, _WIRE):
---          1 call     a proposal every earlier gate accepted (routed or parked)
+--          1 call     a proposal every earlier gate accepted (routed or parked), with
+--                     the approvals it carries, which it spends when admitted
 --          2 step     a proposal an earlier gate refused (it still is a step of its run)
 --          3 result   an executor's result for a routed call
 --          4 release  a parked call its approvers released
@@ -51,7 +52,8 @@ local function unwire(a)
     local t = H.tools[a[4]]
     return {kind = 'call', pos = a[2], run = a[3], tool = a[4], group = a[5], sig = a[6],
             ikey = a[7], hash = a[8], call = a[9], deadline = a[10], park = a[11] == 1,
-            grant = a[12], cost = t[1], rate = t[2] > 0 and {t[2], t[3]} or nil, ttl = t[4],
+            grant = a[12], approvals = opt(a[13]), approvals_ttl = a[14],
+            cost = t[1], rate = t[2] > 0 and {t[2], t[3]} or nil, ttl = t[4],
             exempt = t[5] == 1,
             class_budget = H.classes[a[5]] or 0, steps = H.steps, repeats = H.repeats,
             cost_cap = H.cost_cap, day_cap = opt(H.day_cap), day = H.day, now = H.now,
@@ -264,6 +266,18 @@ local function unrequested(ikey, hash, tool)
   return not (orig and orig.k == ikey and orig.kh == hash and orig.kt == tool)
 end
 
+-- An attached approval is good for one execution: the record that spent it holds it
+-- (its position, kept in '<base>:apr:<approval id>', shared with the approval store's
+-- decisions on tool.approvals). Checked here, before anything is charged, so a call
+-- stopped by a spent approval takes a step and nothing else.
+local function spent_elsewhere(ids, pos)
+  for _, id in ipairs(ids) do
+    local by = redis.call('GET', base .. ':apr:' .. id)
+    if by and by ~= pos then return true end
+  end
+  return false
+end
+
 local function admit_call(c)
   local counters = run_of(c.run)
   if unrequested(c.ikey, c.hash, c.tool) then
@@ -296,11 +310,20 @@ local function admit_call(c)
       return refuse('signature_mismatch')
     end
   end
+  if c.approvals and spent_elsewhere(c.approvals, c.pos) then
+    bump(c.run, 'steps', 1)
+    return refuse('approval_reused')
+  end
   local refusal = limits(c, counters, charged)
   bump(c.run, 'steps', 1)
   if refusal then return refusal end
   bump(c.run, 'sig:' .. c.sig, 1)
   if not charged then charge(c) end
+  if c.approvals then
+    for _, id in ipairs(c.approvals) do
+      redis.call('SET', base .. ':apr:' .. id, c.pos, 'PX', c.approvals_ttl)
+    end
+  end
   local next_attempt = charged and math.max(attempt, 1) or attempt + 1
   put_record(c.ikey, {s = 'PENDING', h = c.hash, c = c.call, d = c.deadline,
                       w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant}, c.ttl)

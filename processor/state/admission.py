@@ -261,7 +261,8 @@ def _wire(item: Item) -> list[Any]:
     if kind == "call":
         return [1, item["pos"], item["run"], item["tool"], item["group"], item["sig"],
                 item["ikey"], item["hash"], item["call"], item["deadline"],
-                1 if item["park"] else 0, item["grant"]]  # fmt: skip
+                1 if item["park"] else 0, item["grant"], item.get("approvals") or "",
+                item.get("approvals_ttl", 0)]  # fmt: skip
     if kind == "step":
         return [2, item["pos"], item["run"], item["sig"], 1 if item["repair"] else 0,
                 item.get("ikey", ""), item.get("hash", ""), item.get("comp", ""),

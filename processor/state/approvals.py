@@ -17,7 +17,8 @@ batch, so the whole thing works on Redis Cluster:
 - ``<ns>:{T}:parkexp``: parked requests by expiry time, for the expiry sweeper;
 - ``<ns>:{T}:ended``: ended requests by the time their payload may go, for the
   sweeper's clean-up (an ended request stays readable for a day);
-- ``<ns>:{T}:apr:<approval_id>``: which input record spent that approval;
+- ``<ns>:{T}:apr:<approval_id>``: which input record spent that approval (a decision
+  here, or a proposal carrying it, in admission.lua);
 - ``<ns>:park:tenants``: tenants that have parked calls (the sweeper's index). One
   key, so one slot: the sweeper reads it with one SMEMBERS, then every tenant's keys
   in one pipeline, which a cluster client splits by node.
@@ -100,15 +101,7 @@ end
 
 for i, op in ipairs(ops) do
   local kind = op.op
-  if kind == 'consume' then
-    local bad = spent_by_other(op.ids, op.pos)
-    if bad then
-      out[i] = {'reused', bad}
-    else
-      spend(op.ids, op.pos, op.ttl)
-      out[i] = {'ok'}
-    end
-  elseif kind == 'decide' or kind == 'expire' then
+  if kind == 'decide' or kind == 'expire' then
     local e = state(op.rid)
     if e == nil then
       out[i] = {'unknown'}

@@ -424,6 +424,33 @@ def test_a_released_retry_runs_as_its_own_attempt_and_its_result_settles_it(
     assert store.apply([result(again, attempt=2)]) == [{"status": "settled"}]
 
 
+def test_a_spent_approval_stops_its_call_before_anything_is_charged(
+    store: AdmissionStore,
+) -> None:
+    """An approval is good for one execution. The call that carries it spends it when it
+    is admitted; a later call with the same approval (another key, or the same key retried
+    after a retryable failure) is refused, and takes a step and nothing else: no class
+    budget, no loop-guard count, no record that would answer its next retry "in flight"."""
+    spend = {"approvals": ["appr-1"], "approvals_ttl": 3_600_000}
+    first = call(sig="cancel:1", group="write", class_budget=2, repeats=2, **spend)
+    assert store.apply([first]) == [{"ok": True, "attempt": 1}]
+    assert store.apply([first]) == [{"ok": True, "attempt": 1}]  # its own replay
+    assert store.apply([result(first, state="FAILED_RETRYABLE")]) == [{"status": "settled"}]
+    before = store.run_counters(TENANT, "run-1", NOW)
+    key = first[1]["ikey"]
+    retry = call(sig="cancel:1", group="write", class_budget=2, repeats=2, ikey=key, **spend)
+    other = call(sig="cancel:1", group="write", class_budget=2, repeats=2, **spend)
+    assert whys(store.apply([retry, other])) == ["approval_reused", "approval_reused"]
+    after = store.run_counters(TENANT, "run-1", NOW)
+    assert after == {**before, "steps": before["steps"] + 2}
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+    assert store.record(TENANT, other[1]["ikey"], NOW) == {}
+    # Without the spent approval (a fresh one), the retry goes, as its second attempt.
+    fresh = call(sig="cancel:1", group="write", class_budget=2, repeats=2, ikey=key,
+                 approvals=["appr-2"], approvals_ttl=3_600_000)  # fmt: skip
+    assert store.apply([fresh]) == [{"ok": True, "attempt": 2}]
+
+
 def _awaiting_compensation(store: AdmissionStore, payload: str = "h-undo") -> tuple[str, str]:
     """A call that failed after a committed step, its compensation proposed with the
     payload hash ``payload``: (the call's key, the compensation's key)."""

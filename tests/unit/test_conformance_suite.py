@@ -655,13 +655,14 @@ class Admission:
         run = self.runs.setdefault((tenant, run_id), Run())
         contract = gated.contract
         parked = seen.taxonomy == "CONFIRMATION_MISSING" and seen.codes == {"approval_required"}
-        # A replayed approval is only found spent after admission let its call through.
+        # A replayed approval is found spent by admission, after the idempotency record's
+        # checks and before any limit: it takes a step and nothing else.
         replayed = seen.codes == {"approval_reused"}
         if seen.taxonomy == "SUCCESS" or parked or replayed:
             assert contract is not None, p.where
             base = seen if parked else Outcome("SUCCESS", "route")
-            refused = self._call(p, run, run_id, gated, contract, budgets, who, parked)
-            if refused is None:
+            refused = self._call(p, run, run_id, gated, contract, budgets, who, parked, replayed)
+            if refused is None or refused == "approval_reused":
                 return seen
             return self._refusal(base, refused, budgets, contract)
         code = self._step(p, run, gated, budgets, repair=seen.taxonomy in REPAIRS)
@@ -697,6 +698,7 @@ class Admission:
         budgets: Budgets,
         who: dict[str, Any],
         parked: bool,
+        replayed: bool,
     ) -> str | None:
         tenant, tool = who["tenant_id"], contract.name
         payload = _canonical(gated.arguments)
@@ -717,6 +719,9 @@ class Admission:
             else:
                 run.steps += 1
                 return "idempotency_in_flight"
+        if replayed:
+            run.steps += 1
+            return "approval_reused"
         code = self._limits(run, contract, budgets, tenant, payload, charged)
         if code is not None:
             run.steps += 1
