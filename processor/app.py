@@ -64,8 +64,7 @@ from processor.approval_flow import (
 )
 from processor.approvals import load_approvers
 from processor.codec.records import (
-    dlq_headers,
-    dlq_value,
+    dlq_record,
     encode_approval_request,
     encode_approved_call,
     encode_observation,
@@ -881,7 +880,7 @@ class Processor:
         if d.outcome is Outcome.IGNORED:
             return
         if d.outcome is Outcome.DEAD_LETTER:
-            out.append((topics.dlq, m.key(), dlq_value(m.value()), dlq_headers(d)))
+            out.append((topics.dlq, *dlq_record(m.key(), d, self._max_message_bytes)))
             return
         key = d.proposal.run_id.encode() if d.proposal else m.key()
         try:
@@ -909,7 +908,7 @@ class Processor:
             d.dlq_reason, d.dlq_detail = "encoding_failed", f"{type(exc).__name__}: {exc}"[:500]
             d.outcome = Outcome.DEAD_LETTER
             self._void(position(d.source))
-            out.append((topics.dlq, m.key(), dlq_value(m.value()), dlq_headers(d)))
+            out.append((topics.dlq, *dlq_record(m.key(), d, self._max_message_bytes)))
             return
         if call is not None and d.side_effect_class is not None:
             out.append((topics.execution(d.side_effect_class.value), key, call, None))

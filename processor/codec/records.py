@@ -305,10 +305,33 @@ headers always fits under the broker's default message size limit (1 MB); a
 larger original is cut and its size and digest recorded."""
 
 
-def dlq_value(value: bytes | None) -> bytes | None:
-    if value is None or len(value) <= DLQ_MAX_VALUE_BYTES:
+DLQ_MAX_KEY_BYTES = 1024
+"""A dead letter keeps at most this much of the original key (a run id is at most 256
+characters): the broker counts the key against its message size limit too, and a huge key
+would otherwise make the dead letter itself too large to write."""
+
+
+def dlq_value(value: bytes | None, limit: int = DLQ_MAX_VALUE_BYTES) -> bytes | None:
+    if value is None or len(value) <= limit:
         return value
-    return value[:DLQ_MAX_VALUE_BYTES]
+    return value[:limit]
+
+
+def dlq_record(
+    key: bytes | None, d: Decision, room: int
+) -> tuple[bytes | None, bytes | None, list[tuple[str, str | bytes | None]]]:
+    """The dead letter of an input record: its key and value, each cut where it would not
+    fit (``room``: the bytes a record may take, less the headers' share), the size and
+    digest of what was cut, and the reason, in headers."""
+    extra: list[tuple[str, str | bytes | None]] = []
+    if key is not None and len(key) > DLQ_MAX_KEY_BYTES:
+        extra = [
+            ("toolsentry.key.truncated_from", str(len(key)).encode()),
+            ("toolsentry.key.sha256", hashlib.sha256(key).hexdigest().encode()),
+        ]
+        key = key[:DLQ_MAX_KEY_BYTES]
+    limit = max(0, min(DLQ_MAX_VALUE_BYTES, room - len(key or b"")))
+    return key, dlq_value(d.source.value, limit), [*extra, *dlq_headers(d, limit)]
 
 
 def _dlq_class(d: Decision) -> bytes:
@@ -318,10 +341,12 @@ def _dlq_class(d: Decision) -> bytes:
     return TaxonomyClass.SYNTACTIC_PARSE_FAIL.value.encode()
 
 
-def dlq_headers(d: Decision) -> list[tuple[str, str | bytes | None]]:
+def dlq_headers(
+    d: Decision, limit: int = DLQ_MAX_VALUE_BYTES
+) -> list[tuple[str, str | bytes | None]]:
     s = d.source
     extra: list[tuple[str, str | bytes | None]] = []
-    if s.value is not None and len(s.value) > DLQ_MAX_VALUE_BYTES:
+    if s.value is not None and len(s.value) > limit:
         extra = [
             ("toolsentry.value.truncated_from", str(len(s.value)).encode()),
             ("toolsentry.value.sha256", hashlib.sha256(s.value).hexdigest().encode()),

@@ -9,6 +9,7 @@ batch's Redis effects, when a record of the batch carries the marker.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -195,4 +196,34 @@ def test_a_record_whose_outputs_cannot_be_encoded_gives_back_what_it_took(
         assert metric_total(port, "toolsentry_internal_errors_total") == 1
         routed = read_all(settings, settings.topics.execution("READ_ONLY"), idle=1)
         assert [codec("approved_call").decode(m.value())["proposal_id"] for m in routed] == [after]
+        assert proc.alive(), proc.log()[-3000:]
+
+
+def test_a_record_with_a_huge_key_is_a_dead_letter_that_fits(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """A 600 KB key and a 600 KB value the broker took (a compressing producer): its dead
+    letter keeps a cut copy of each, with sizes and digests, and fits under the broker's
+    limit. A full copy would be refused, and its batch would abort and come back for ever,
+    with the proposals behind it."""
+    with _processor(stack_settings, tmp_path, "defects-4") as (settings, _, proc, client):
+        key, value = b"k" * 600_000, b"{" + b"x" * 600_000
+        producer = Producer(
+            settings.client_config(**{"compression.type": "zstd", "message.max.bytes": 2_000_000})
+        )
+        producer.produce(settings.topics.proposals, value, key)
+        assert producer.flush(30) == 0
+        behind = [
+            client.propose("search_kb", {"query": f"query {i}", "limit": 3}, run_id=f"run-{i}")
+            for i in range(5)
+        ]
+        answers = [client.wait(pid, 60) for pid in behind]
+        assert [o["decision"] for o in answers] == ["ROUTED"] * 5, answers[0]["result_payload"]
+        [dead] = read_all(settings, settings.topics.dlq, idle=1.5)
+        headers = dict(dead.headers() or [])
+        assert headers["toolsentry.key.truncated_from"] == b"600000"
+        assert headers["toolsentry.key.sha256"] == hashlib.sha256(key).hexdigest().encode()
+        assert headers["toolsentry.value.truncated_from"] == b"600001"
+        assert dead.key() == key[:1024] and value.startswith(dead.value())
+        assert len(dead.key()) + len(dead.value()) < 1_000_000
         assert proc.alive(), proc.log()[-3000:]
