@@ -190,7 +190,11 @@ def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract
             Problem(rel, "/affordance/input_schema/type", "arguments must be an object")
         )
         return None
-    validator = ArgumentValidator(schema)
+    try:
+        validator = ArgumentValidator(schema)
+    except Exception as exc:  # check_schema let through what the validator cannot build
+        problems.append(Problem(rel, "/affordance/input_schema", f"unusable schema: {exc}"))
+        return None
     for i, example in enumerate(doc["affordance"]["examples"]):
         expected = example.get("valid", True)
         actual = validator.reference.is_valid(example["arguments"])

@@ -76,6 +76,40 @@ _jsk.re = _EcmaRe()
 _jsu.re = _EcmaRe()
 
 
+def _json_key(v: Any) -> Any:
+    """A hashable stand-in equal for equal JSON values: 1 and 1.0 alike, true and 1 not,
+    objects whatever their key order."""
+    t = type(v)
+    if t is str:
+        return (3, v)
+    if t is bool:
+        return (1, v)
+    if t is int or t is float:
+        return (2, v)  # Python compares ints and floats exactly, and hashes them alike
+    if t is list:
+        return (4, tuple(_json_key(i) for i in v))
+    if t is dict:
+        return (5, frozenset((k, _json_key(i)) for k, i in v.items()))
+    return (0, v)
+
+
+def all_unique(items: Any) -> bool:
+    """``uniqueItems`` in linear time. jsonschema's own helper falls back to comparing
+    every pair when its items do not sort (a contract's 6,000-item list took tens of
+    seconds), and its sort puts [1] and [true] side by side, so that [[1], [true], [1]]
+    passed as unique."""
+    seen: set[Any] = set()
+    for i in items:
+        key = _json_key(i)
+        if key in seen:
+            return False
+        seen.add(key)
+    return True
+
+
+_jsk.uniq = all_unique  # the library's uniqueItems keyword, for the reference validator
+
+
 def _exact(x: float | int) -> Fraction | None:
     """The decimal number the JSON text spelled (``repr`` of a float round-trips it)."""
     try:
@@ -108,15 +142,15 @@ def _pattern(validator: Any, patrn: str, instance: Any, schema: Any) -> Iterator
 
 FORMAT_CHECKER = FormatChecker(formats=())
 
-_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$", re.ASCII)
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}\Z", re.ASCII)
 _TIME_RE = re.compile(
-    r"^(?P<h>\d{2}):(?P<m>\d{2}):(?P<s>\d{2})(?:\.\d+)?(?P<tz>[Zz]|[+-](?P<th>\d{2}):(?P<tm>\d{2}))$",
+    r"^(?P<h>\d{2}):(?P<m>\d{2}):(?P<s>\d{2})(?:\.\d+)?(?P<tz>[Zz]|[+-](?P<th>\d{2}):(?P<tm>\d{2}))\Z",
     re.ASCII,
 )
-_DOT_ATOM = re.compile(r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*$")
-_QUOTED_LOCAL = re.compile(r'^"(?:[^"\\\r\n]|\\.)*"$')
-_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s\\\"<>^`{|}]*$", re.ASCII)
-_HOSTNAME_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$", re.ASCII)
+_DOT_ATOM = re.compile(r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*\Z")
+_QUOTED_LOCAL = re.compile(r'^"(?:[^"\\\r\n]|\\.)*"\Z')
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s\\\"<>^`{|}]*\Z", re.ASCII)
+_HOSTNAME_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z", re.ASCII)
 
 
 def _is_date(value: object) -> bool:
@@ -329,27 +363,60 @@ def check_schema(schema: Mapping[str, Any]) -> None:
         error = best_match(_METASCHEMA.iter_errors(schema))
         if error is not None:
             raise SchemaError.create_from(error)
-    for where, pattern in _patterns(schema, "#"):
-        try:
-            ecma_regex(pattern)
-        except Exception as exc:
-            raise ValueError(f"{where}: {pattern!r} is not an ECMA-262 regex: {exc}") from exc
+    found = list(_walk(schema, "#"))
+    for where, key, value in found:
+        if key != "$ref":
+            try:
+                ecma_regex(value)
+            except Exception as exc:
+                raise ValueError(f"{where}: {value!r} is not an ECMA-262 regex: {exc}") from exc
+    if any(key == "$id" for where, key, _ in found if where != "#/$id"):
+        return  # a nested resource: its refs resolve against it, which the reference does
+    for where, key, value in found:
+        if key == "$ref" and not _resolves(schema, value):
+            raise ValueError(f"{where}: {value!r} does not resolve to a schema here")
 
 
-def _patterns(node: Any, where: str) -> Iterator[tuple[str, str]]:
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose value maps names to schemas: a property may be called "default"."""
+
+
+def _walk(node: Any, where: str) -> Iterator[tuple[str, str, Any]]:
+    """(where, keyword, value) of every pattern, $ref and $id in a schema: a pattern
+    property's regex too, and nothing inside enum, const, examples or default values."""
     if isinstance(node, dict):
         for key, value in node.items():
-            if key == "pattern" and isinstance(value, str):
-                yield f"{where}/pattern", value
+            if key in ("pattern", "$ref", "$id") and isinstance(value, str):
+                yield f"{where}/{key}", key, value
             elif key == "patternProperties" and isinstance(value, dict):
                 for p, sub in value.items():
-                    yield f"{where}/patternProperties", p
-                    yield from _patterns(sub, f"{where}/patternProperties/{p}")
+                    yield f"{where}/patternProperties", "pattern", p
+                    yield from _walk(sub, f"{where}/patternProperties/{p}")
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                for name, sub in value.items():
+                    yield from _walk(sub, f"{where}/{key}/{name}")
             elif key not in ("enum", "const", "examples", "default"):
-                yield from _patterns(value, f"{where}/{key}")
+                yield from _walk(value, f"{where}/{key}")
     elif isinstance(node, list):
         for i, item in enumerate(node):
-            yield from _patterns(item, f"{where}/{i}")
+            yield from _walk(item, f"{where}/{i}")
+
+
+def _resolves(root: Any, ref: str) -> bool:
+    """Whether a $ref names a schema of this document (only local refs can: the processor
+    fetches nothing)."""
+    if ref == "#":
+        return True
+    if not ref.startswith("#/"):
+        return False
+    node = root
+    for token in unquote(ref[2:]).split("/"):
+        token = token.replace("~1", "/").replace("~0", "~")
+        try:
+            node = node[int(token)] if isinstance(node, list) else node[token]
+        except (KeyError, IndexError, ValueError, TypeError):
+            return False
+    return isinstance(node, (dict, bool))
 
 
 # --- the fast subset --------------------------------------------------------------------------
@@ -407,6 +474,9 @@ class _FastCompiler:
         unknown = set(schema) - _FAST_KEYWORDS - _ANNOTATIONS
         if unknown:
             raise NotCompilable(f"keywords outside the fast subset: {sorted(unknown)}")
+        if "$id" in schema and schema is not self.root:
+            # A nested $id is a new base for the $refs under it: the reference resolves them.
+            raise NotCompilable("a nested $id")
         checks: list[Check] = []
         if "$ref" in schema:
             checks.append(self.ref(schema["$ref"]))
@@ -433,8 +503,10 @@ class _FastCompiler:
 
     def resolve(self, ref: str) -> Any:
         node = self.root
-        for token in ref[2:].split("/") if ref != "#" else []:
-            token = unquote(token).replace("~1", "/").replace("~0", "~")
+        # The fragment is percent-decoded whole, then split (RFC 6901, section 6): a %2F
+        # is a separator like any '/'.
+        for token in unquote(ref[2:]).split("/") if ref != "#" else []:
+            token = token.replace("~1", "/").replace("~0", "~")
             try:
                 node = node[int(token)] if isinstance(node, list) else node[token]
             except (KeyError, IndexError, ValueError, TypeError) as exc:
@@ -546,11 +618,9 @@ class _FastCompiler:
             if items is not None and not all(items(i) for i in x):
                 return False
             if unique:
-                # Only strings are hashed here: JSON equality of other values (1 == 1.0,
-                # true != 1) is left to the library's own helper.
                 if all(type(i) is str for i in x):
                     return len(set(x)) == len(x)
-                return bool(_jsu.uniq(x))
+                return all_unique(x)
             return True
 
         checks.append(check_array)
@@ -807,7 +877,7 @@ class _ErrorCompiler:
             return _no_errors
         return lambda x: (
             [_error(f"{x!r} has non-unique elements")]
-            if type(x) is list and not _jsu.uniq(x)
+            if type(x) is list and not all_unique(x)
             else []
         )
 

@@ -605,3 +605,109 @@ def test_format_regex_is_ecma() -> None:
     assert v.is_valid("^(?<x>a)$") is True
     assert v.is_valid("(?P<x>a)") is False
     assert v.is_valid("\\a") is False
+
+
+def _both(schema: Any, instance: Any) -> tuple[bool, bool, list[str]]:
+    fast = ArgumentValidator(schema)
+    reference = ReferenceValidator(schema, format_checker=FORMAT_CHECKER)
+    return (
+        fast.is_valid(instance),
+        reference.is_valid(instance),
+        [e.message for e in fast.errors(instance)],
+    )
+
+
+def test_a_ref_under_a_nested_id_resolves_against_that_resource() -> None:
+    """The nested $id is the base of the $ref beside it: #/$defs/x is the inner x, a
+    string, not the root's integer."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "p": {"$id": "http://a/sub", "$defs": {"x": {"type": "string"}}, "$ref": "#/$defs/x"}
+        },
+        "$defs": {"x": {"type": "integer"}},
+    }
+    assert _both(schema, {"p": 1})[:2] == (False, False)
+    assert _both(schema, {"p": "s"})[:2] == (True, True)
+    with pytest.raises(NotCompilable):
+        compile_fast(schema)
+
+
+def test_a_percent_encoded_slash_in_a_ref_separates_tokens() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/a%2Fb"}},
+        "$defs": {"a/b": {"type": "integer"}, "a": {"b": {"type": "string"}}},
+    }
+    assert _both(schema, {"p": 1})[:2] == (False, False)
+    assert _both(schema, {"p": "s"})[:2] == (True, True)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "value"),
+    [
+        ("date-time", "2020-01-01T10:00:00Z"),
+        ("time", "10:00:00Z"),
+        ("date", "2020-01-01"),
+        ("email", "a@example.com"),
+        ("email", '"a b"@example.com'),
+        ("uri", "http://x"),
+        ("hostname", "example.com"),
+    ],
+)
+def test_asserted_formats_refuse_a_trailing_newline(fmt: str, value: str) -> None:
+    schema = {"type": "string", "format": fmt}
+    assert _both(schema, value)[:2] == (True, True)
+    assert _both(schema, value + "\n")[:2] == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("instance", "unique"),
+    [
+        ([[1], [True], [1]], False),
+        ([[0], [False], [0]], False),
+        ([1, True], True),
+        ([0, False], True),
+        ([1, 1.0], False),
+        ([{"a": 1, "b": 2}, {"b": 2, "a": 1.0}], False),
+        ([{"a": [1]}, {"a": [True]}], True),
+        ([None, "null", 0, False, [], {}], True),
+        ([2**53 + 1, float(2**53)], True),
+    ],
+)
+def test_unique_items_follows_json_equality(instance: list[Any], unique: bool) -> None:
+    assert _both({"type": "array", "uniqueItems": True}, instance)[:2] == (unique, unique)
+
+
+def test_a_long_list_of_unsortable_items_is_refused_by_its_cap() -> None:
+    """A 6,000-item list of objects under a 10-item cap: refused, its one error listed, and
+    a duplicate at its end found."""
+    schema = {"type": "array", "maxItems": 10, "uniqueItems": True}
+    big: list[Any] = [{"a": i} for i in range(6000)] + ["x"]
+    fast, reference, messages = _both(schema, big)
+    assert (fast, reference) == (False, False)
+    assert len(messages) == 1 and "too long" in messages[0]
+    assert _both({"uniqueItems": True}, [*big, {"a": 5999}])[:2] == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        # A property may be called "default": its schema's pattern is still checked.
+        (
+            {"type": "object", "properties": {"default": {"type": "string", "pattern": "(?<x"}}},
+            "#/properties/default",
+        ),
+        ({"type": "object", "properties": {"b": {"$ref": "#/$defs/missing"}}}, "#/properties/b"),
+        (
+            {"properties": {"b": {"$ref": "#/$defs/e/enum/0"}}, "$defs": {"e": {"enum": ["a"]}}},
+            "#/properties/b",
+        ),
+        ({"properties": {"b": {"$ref": "https://example.com/s.json"}}}, "#/properties/b"),
+    ],
+)
+def test_a_schema_that_would_fail_at_call_time_is_refused_when_loaded(
+    schema: dict[str, Any], where: str
+) -> None:
+    with pytest.raises(ValueError, match=where):
+        check_schema(schema)
