@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -164,6 +164,28 @@ class Settings(BaseSettings):
     """librdkafka settings for transactional producers only (linger, compression, ...):
     the processor's and executors'."""
     topics: Topics = Topics()
+
+    @field_validator("kafka", "consumer")
+    @classmethod
+    def _eager_rebalancing(cls, conf: dict[str, Any]) -> dict[str, Any]:
+        """Incremental rebalancing is refused. The processor rewinds a batch's partitions
+        when they are revoked and assumes every partition is revoked at a rebalance; with
+        only some revoked (cooperative-sticky, or the KIP-848 'consumer' protocol), a batch
+        in flight on a kept partition could be skipped, and the reference loader's
+        assign() is not allowed at all."""
+        strategy = str(conf.get("partition.assignment.strategy", "")).lower()
+        if "cooperative" in strategy:
+            raise ValueError(
+                f"partition.assignment.strategy={strategy!r}: incremental (cooperative) "
+                "rebalancing is not supported; use range or roundrobin"
+            )
+        if str(conf.get("group.protocol", "classic")).lower() != "classic":
+            raise ValueError(
+                f"group.protocol={conf['group.protocol']!r} is not supported: the 'consumer' "
+                "protocol rebalances incrementally; use the classic protocol"
+            )
+        return conf
+
     group_id: str = "toolsentry"
     instance_id: str = Field(default_factory=lambda: os.uname().nodename)
     """Stable per processor instance: the transactional.id is built from it, so a

@@ -254,3 +254,20 @@ def test_pass_through_settings_that_agree_with_exactly_once_are_accepted() -> No
     )
     assert consumer_config(s)["fetch.wait.max.ms"] == 10
     assert producer_config(s)["acks"] == "all"
+
+
+@pytest.mark.parametrize(
+    ("field", "setting"),
+    [
+        ("consumer", {"partition.assignment.strategy": "cooperative-sticky"}),
+        ("kafka", {"partition.assignment.strategy": "range,cooperative-sticky"}),
+        ("consumer", {"group.protocol": "consumer"}),
+    ],
+)
+def test_incremental_rebalancing_is_refused(field: str, setting: dict[str, object]) -> None:
+    """With only some partitions revoked, a batch in flight on a kept partition could be
+    skipped by the rewind: refused when the settings load, for every consumer."""
+    with pytest.raises(pydantic.ValidationError, match="not supported"):
+        Settings(**{field: setting})  # type: ignore[arg-type]
+    eager = Settings(consumer={"partition.assignment.strategy": "roundrobin"})
+    assert eager.consumer["partition.assignment.strategy"] == "roundrobin"
