@@ -50,7 +50,22 @@ def is_script_error(exc: BaseException) -> bool:
     if not isinstance(exc, redis.exceptions.ResponseError) or isinstance(exc, NoScriptError):
         return False
     text = str(exc)
+    # redis-py cuts the code off the messages it maps to a class of its own (OOM,
+    # READONLY, LOADING, ...) and keeps it as status_code.
+    code = getattr(exc, "status_code", None) or text.split(" ", 1)[0]
+    if code in _UNWELL:
+        return False
     return "user_script" in text or "Error running script" in text
+
+
+_UNWELL = frozenset(
+    {"OOM", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "NOREPLICAS", "CLUSTERDOWN",
+     "TRYAGAIN", "MISCONF"}
+)  # fmt: skip
+"""Error codes Redis answers a script's command with when Redis, not the script, is the
+trouble: out of memory, a replica after a failover, another script running, loading its
+data, no master or too few replicas, a cluster down, a slot moving, a failed snapshot that
+stops writes. The command runs once Redis recovers; waited out like an outage."""
 
 
 def is_cluster_url(url: str) -> bool:

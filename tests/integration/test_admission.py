@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from bench.admission import calls as bench_calls
+from processor.config import Settings
 from processor.state.admission import (
     AdmissionStore,
     Item,
@@ -197,6 +198,25 @@ def test_a_script_that_fails_on_its_input_is_a_defect_not_redis_down(redis_backe
     with pytest.raises(redis.exceptions.ResponseError) as wrong:
         client.execute_command("HGET", "{acme}:only-one-argument")
     assert not is_script_error(wrong.value)
+
+
+def test_a_script_refused_by_redis_out_of_memory_is_redis_unwell_not_a_defect(
+    stack_settings: Settings,
+) -> None:
+    """At maxmemory (noeviction) the script's first write is refused: Redis is unwell, and
+    the processor must wait it out as an outage, not answer every proposal as a defect."""
+    client = connect(stack_settings.redis_url)
+    store = AdmissionStore(client, f"adm-{uuid.uuid4().hex[:8]}")
+    saved = client.config_get("maxmemory")["maxmemory"]
+    client.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.exceptions.ResponseError) as refused:
+            store.apply([call()])
+    finally:
+        client.config_set("maxmemory", saved)
+    assert isinstance(refused.value, redis.exceptions.OutOfMemoryError), refused.value
+    assert not is_script_error(refused.value)
+    assert whys(store.apply([call()])) == [None]
 
 
 def test_a_batch_longer_than_a_lua_stack_is_decided_whole(store: AdmissionStore) -> None:
