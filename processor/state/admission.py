@@ -43,7 +43,7 @@ from typing import Any
 
 import orjson
 
-from processor.state.connection import LuaScript, RedisClient, run_scripts
+from processor.state.connection import LuaScript, RedisClient, run_scripts, tenant_tag
 
 _SCRIPT = LuaScript((Path(__file__).with_name("admission.lua")).read_text())
 RUN_TTL_MS = 24 * 3600 * 1000
@@ -74,7 +74,7 @@ class AdmissionStore:
         self.run_ttl_ms = run_ttl_ms
 
     def _base(self, tenant: str) -> str:
-        return f"{self.ns}:{{{tenant}}}"
+        return f"{self.ns}:{tenant_tag(tenant)}"
 
     def apply(
         self, items: list[tuple[str, Item]], forget: list[tuple[str, Item]] | None = None

@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from processor.state.connection import LuaScript, RedisClient, run_scripts
+from processor.state.connection import LuaScript, RedisClient, run_scripts, tenant_tag
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ return cjson.encode(out)
 
 
 def base_key(ns: str, tenant: str) -> str:
-    return f"{ns}:{{{tenant}}}"
+    return f"{ns}:{tenant_tag(tenant)}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,17 @@ data, no master or too few replicas, a cluster down, a slot moving, a failed sna
 stops writes. The command runs once Redis recovers; waited out like an outage."""
 
 
+def tenant_tag(tenant: str) -> str:
+    """The ``{hash tag}`` every key of a tenant carries, so that all of them share one
+    cluster slot and one script can touch them. A tenant id that would not make a tag of
+    itself (empty, or holding a '}', which would end the tag early and scatter the
+    tenant's keys over slots) is tagged by its digest instead; so is one that starts
+    with '#', so that no tenant's own id can be another's digest tag."""
+    if tenant and "}" not in tenant and not tenant.startswith("#"):
+        return f"{{{tenant}}}"
+    return "{#" + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:32] + "}"
+
+
 def is_cluster_url(url: str) -> bool:
     return url.partition("://")[0].lower() in CLUSTER_SCHEMES
 

@@ -36,13 +36,13 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPar
 from processor.config import Settings
 from processor.gates.semantic import FOREIGN, RefEntry, RefKey
 from processor.metrics import Metrics
-from processor.state.connection import REDIS_ERRORS, RedisClient
+from processor.state.connection import REDIS_ERRORS, RedisClient, tenant_tag
 
 logger = logging.getLogger(__name__)
 
 
 def entity_key(ns: str, tenant: str, entity: str, entity_id: str) -> str:
-    return f"{ns}:ref:{{{tenant}}}:{entity}:{entity_id}"
+    return f"{ns}:ref:{tenant_tag(tenant)}:{entity}:{entity_id}"
 
 
 def index_key(ns: str, entity: str, entity_id: str) -> str:

@@ -219,6 +219,20 @@ def test_a_script_refused_by_redis_out_of_memory_is_redis_unwell_not_a_defect(
     assert whys(store.apply([call()])) == [None]
 
 
+def test_tenant_ids_that_make_no_hash_tag_of_their_own_still_share_one_slot(
+    store: AdmissionStore,
+) -> None:
+    """'}acme' would end its key's hash tag at once ('{}' tags nothing), and its keys would
+    scatter over a cluster's slots: the script is refused there. Such a tenant is tagged by
+    its digest, and each tenant still counts alone."""
+    odd = ["}acme", "", "a}b", "#acme", "acme}"]
+    verdicts = store.apply([call(tenant=t, run="r", steps=1) for t in odd])
+    assert whys(verdicts) == [None] * len(odd)
+    again = store.apply([call(tenant=t, run="r", steps=1) for t in odd])
+    assert whys(again) == ["step_cap"] * len(odd)
+    assert whys(store.apply([call(tenant="acme", run="r", steps=1)])) == [None]
+
+
 def test_a_batch_longer_than_a_lua_stack_is_decided_whole(store: AdmissionStore) -> None:
     verdicts = store.apply([call(steps=2500, class_budget=5000) for _ in range(2600)])
     assert whys(verdicts) == [None] * 2500 + ["step_cap"] * 100
