@@ -317,8 +317,11 @@ local function admit_call(c)
   local refusal = limits(c, counters, charged)
   bump(c.run, 'steps', 1)
   if refusal then return refusal end
-  bump(c.run, 'sig:' .. c.sig, 1)
-  if not charged then charge(c) end
+  if not charged then
+    -- (a parked call resubmitted with its approvals was counted when it was parked)
+    bump(c.run, 'sig:' .. c.sig, 1)
+    charge(c)
+  end
   if c.approvals then
     for _, id in ipairs(c.approvals) do
       redis.call('SET', base .. ':apr:' .. id, c.pos, 'PX', c.approvals_ttl)

@@ -485,6 +485,26 @@ def test_a_spent_approval_stops_its_call_before_anything_is_charged(
     assert store.apply([fresh]) == [{"ok": True, "attempt": 2}]
 
 
+def test_a_parked_call_resubmitted_with_its_approvals_counts_once_for_the_loop_guard(
+    store: AdmissionStore,
+) -> None:
+    """Parked, then sent again with its approvals attached: one call, one count. Counted
+    twice, its one retry after a retryable failure would be refused as a loop."""
+    parked = call(sig="charge", repeats=2, park=True, deadline=NOW + 600_000)
+    key = parked[1]["ikey"]
+    assert whys(store.apply([parked])) == [None]
+    approved = call(sig="charge", repeats=2, ikey=key, now=NOW + 60_000)
+    assert whys(store.apply([approved])) == [None]
+    assert store.run_counters(TENANT, "run-1", NOW)["sig:charge"] == 1
+    failed = result(approved, state="FAILED_RETRYABLE", now=NOW + 90_000)
+    assert store.apply([failed]) == [{"status": "settled"}]
+    retry = call(sig="charge", repeats=2, ikey=key, park=True, now=NOW + 120_000,
+                 deadline=NOW + 720_000)  # fmt: skip
+    assert whys(store.apply([retry])) == [None]
+    third = call(sig="charge", repeats=2, now=NOW + 130_000)
+    assert whys(store.apply([third])) == ["loop"]
+
+
 def _awaiting_compensation(store: AdmissionStore, payload: str = "h-undo") -> tuple[str, str]:
     """A call that failed after a committed step, its compensation proposed with the
     payload hash ``payload``: (the call's key, the compensation's key)."""

@@ -727,8 +727,8 @@ class Admission:
             run.steps += 1
             return code
         run.steps += 1
-        run.made[(tool, payload)] += 1
-        if not charged:
+        if not charged:  # a parked call back with its approvals was counted when parked
+            run.made[(tool, payload)] += 1
             group = budgets.group(tool, contract.side_effect_class)
             cost = _cost_of(contract)
             run.spent[group] += 1
