@@ -173,6 +173,7 @@ def admission_item(
             # is answered from that call's record (see pipeline._finish).
             "ikey": d.idempotency[0] if d.idempotency else "",
             "hash": d.idempotency[1] if d.idempotency else "",
+            "tool": p.tool_name or "",
             # A refused compensation is checked against the original's record as an
             # admitted one is: only the one the processor proposed counts as failed.
             **_compensation_fields(p),

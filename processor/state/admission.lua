@@ -22,7 +22,8 @@
 -- "unknown"; a void's "voided" or "unchanged". Short strings,
 -- not JSON: decoding and encoding are most of a script's cost per item.
 --
--- Storage: an idempotency record is JSON (s state, h payload hash, c call, d deadline,
+-- Storage: an idempotency record is JSON (s state, h payload hash, n tool (records written
+-- before it was kept have none), c call, d deadline,
 -- w awaiting approval, a attempt, r run, t the principal's claims a compensation would
 -- act for (never a token), x result id, k compensation key, kh and kt the compensation's
 -- payload hash and tool, v cached answer); a run's counters are JSON too. Every record
@@ -288,7 +289,7 @@ local function admit_call(c)
   local attempt, charged = 0, false
   if rec then
     attempt = rec.a or 0
-    if rec.h ~= c.hash then
+    if rec.h ~= c.hash or (rec.n and rec.n ~= c.tool) then
       bump(c.run, 'steps', 1)
       return refuse('signature_mismatch')
     end
@@ -328,7 +329,7 @@ local function admit_call(c)
     end
   end
   local next_attempt = charged and math.max(attempt, 1) or attempt + 1
-  put_record(c.ikey, {s = 'PENDING', h = c.hash, c = c.call, d = c.deadline,
+  put_record(c.ikey, {s = 'PENDING', h = c.hash, n = c.tool, c = c.call, d = c.deadline,
                       w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant}, c.ttl)
   return {ok = true, attempt = next_attempt}
 end
@@ -342,7 +343,7 @@ local function admit_step(c)
   if c.ikey then
     -- Refused on the world's state, but maybe because this very call already ran.
     local rec = record_of(c.ikey)
-    if rec and FINAL[rec.s] and rec.h == c.hash then
+    if rec and FINAL[rec.s] and rec.h == c.hash and (not rec.n or rec.n == c.tool) then
       bump(c.run, 'steps', 1)
       return hit(rec)
     end

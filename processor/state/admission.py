@@ -190,9 +190,9 @@ def _day(now_ms: int | None) -> int:
 
 
 _RECORD_FIELDS = {
-    "s": "state", "h": "hash", "c": "call", "d": "deadline", "w": "awaiting", "a": "attempt",
-    "r": "run", "t": "grant", "x": "result", "k": "compensation", "kh": "compensation_hash",
-    "kt": "compensation_tool",
+    "s": "state", "h": "hash", "n": "tool", "c": "call", "d": "deadline", "w": "awaiting",
+    "a": "attempt", "r": "run", "t": "grant", "x": "result", "k": "compensation",
+    "kh": "compensation_hash", "kt": "compensation_tool",
     "v": "cached",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""

@@ -297,6 +297,15 @@ def test_a_completed_key_answers_with_its_cached_result(store: AdmissionStore) -
     assert hit["why"] == "idempotent_hit" and hit["state"] == "COMPLETED"
     assert orjson.loads(hit["cached"])["data"] == '{"n":1}'
     assert whys(store.apply([call(ikey=key, hash="h2")])) == ["signature_mismatch"]
+    # The same key and arguments for another tool (a tenant-wide key reused): another
+    # operation, not this one's cached answer.
+    assert store.record(TENANT, key, NOW)["tool"] == "search_kb"
+    assert whys(store.apply([call(ikey=key, tool="lookup_faq")])) == ["signature_mismatch"]
+    # Refused on the world's state, the same call is answered from its record; another
+    # tool's is not.
+    same = step(repair=False, ikey=key, hash="h1", tool="search_kb")
+    other = step(repair=False, ikey=key, hash="h1", tool="lookup_faq")
+    assert whys(store.apply([same, other])) == ["idempotent_hit", None]
     # The same result again (another record): nothing changes.
     again = result(first, result_id="res-1")
     assert store.apply([again]) == [{"status": "duplicate"}]

@@ -626,6 +626,7 @@ class Record:
 
     payload: bytes
     awaiting_approval: bool
+    tool: str
 
 
 @dataclass
@@ -711,7 +712,7 @@ class Admission:
         record = self.records.get(key)
         charged = False
         if record is not None:
-            if record.payload != payload:
+            if record.payload != payload or record.tool != tool:
                 run.steps += 1
                 return "idempotency_key_reused"
             if record.awaiting_approval and not parked:
@@ -736,7 +737,7 @@ class Admission:
             self.day[tenant] = self.day.get(tenant, 0.0) + cost
             self.calls[(tenant, tool)] += 1
             self.callers.setdefault((tenant, tool), set()).add(p.case_id)
-        self.records[key] = Record(payload, parked)
+        self.records[key] = Record(payload, parked, tool)
         return None
 
     def _limits(
