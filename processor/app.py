@@ -986,8 +986,14 @@ class Processor:
         if err.fatal() or err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED):
             return Fenced(str(err))
         logger.warning("transaction failed (%s); aborting and rewinding the batch", err)
-        with contextlib.suppress(KafkaException):
+        try:
             producer.abort_transaction(30)
+        except KafkaException as failed:
+            # A commit that timed out is still in progress inside librdkafka, which then
+            # refuses the abort (and every later begin_transaction): only new clients get
+            # out of that. Their init_transactions settles the open transaction, and they
+            # start from the committed offsets, whichever way it ended.
+            return Fenced(f"the transaction could not be aborted ({failed.args[0]})")
         return exc
 
     def _rewind(self, consumer: Consumer, records: list[Message]) -> None:

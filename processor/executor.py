@@ -527,8 +527,14 @@ class Executor:
             self._close_clients()
             return
         logger.warning("transaction failed (%s); aborting and rewinding the batch", err)
-        with contextlib.suppress(KafkaException):
+        try:
             producer.abort_transaction(30)
+        except KafkaException as failed:
+            # A commit that timed out is still in progress inside librdkafka, which then
+            # refuses the abort and every later transaction: new clients settle it.
+            logger.warning("abort failed (%s); rebuilding the clients", failed.args[0])
+            self._close_clients()
+            return
         rewind(consumer, records, self._assigned)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
