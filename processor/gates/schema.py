@@ -13,10 +13,13 @@ order, as in the taxonomy's gate order.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import difflib
 import re
 from typing import Any
 
+import jsonschema._utils as _jsu
 import orjson
 from jsonschema import ValidationError
 
@@ -107,8 +110,28 @@ def _branch_requirements(branches: Any) -> list[str] | None:
     return out
 
 
+def _extras(e: ValidationError, schema: dict[str, Any]) -> list[str]:
+    """The fields an additionalProperties or unevaluatedProperties error is about: not
+    every field outside ``properties`` (one matching patternProperties, or evaluated by an
+    allOf branch, is allowed)."""
+    if e.validator == "additionalProperties":
+        return [str(k) for k in _jsu.find_additional_properties(e.instance, schema)]
+    # unevaluatedProperties: which fields were evaluated depends on every applicator
+    # around it; the library names the rest in its message, as reprs.
+    m = re.search(r"\((.*) (?:was|were) unexpected\)$", e.message, re.DOTALL)
+    if m:
+        with contextlib.suppress(ValueError, SyntaxError):
+            found = ast.literal_eval(f"({m.group(1)},)")
+            return [str(k) for k in found]
+    return [str(k) for k in e.instance]
+
+
 def _describe(e: ValidationError, contract: Contract) -> list[tuple[TaxonomyClass, FieldError]]:
-    kw = str(e.validator)
+    # A false schema's error has no keyword; under propertyNames, the error is about a
+    # field's name (its instance), not a value.
+    kw = "false" if e.validator is None else str(e.validator)
+    if "propertyNames" in e.relative_schema_path:
+        kw = "propertyNames"
     where = _path(e.absolute_path)
     name = where or "the arguments"
     schema = e.schema if isinstance(e.schema, dict) else {}
@@ -139,10 +162,20 @@ def _describe(e: ValidationError, contract: Contract) -> list[tuple[TaxonomyClas
                 )
             )
         return out
+    if kw == "false":
+        # (a false subschema's error carries no path, in the library as here)
+        what = where or "a field the contract forbids"
+        message, hint = f"{what} is not allowed", f"remove {what}"
+        return [(cls, FieldError(where, message, "forbidden_field", None, None, hint))]
+    if kw == "propertyNames":
+        field = str(e.instance)[:100]
+        hint = f"{field} is not an allowed field name: remove or rename it"
+        return [(cls, FieldError(f"{where}/{field}" if where else str(field),
+                                 hint, "bad_field_name", None, None, hint))]  # fmt: skip
     if kw in ("additionalProperties", "unevaluatedProperties") and isinstance(e.instance, dict):
         allowed = list(schema.get("properties", {}))
         out = []
-        for extra in [k for k in e.instance if k not in allowed]:
+        for extra in _extras(e, schema):
             full = f"{where}/{extra}" if where else extra
             accepted = f"accepted fields: {', '.join(allowed)}" if allowed else "no other fields"
             hint = f"remove {full}; {accepted}"

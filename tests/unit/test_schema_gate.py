@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+import yaml
 
-from processor.contracts.registry import ContractSet
+from processor.contracts.registry import Contract, ContractSet, load_contracts
+from processor.gates.schema import check_arguments
 from processor.model import (
     Decision,
     FieldError,
     Gate,
     Outcome,
+    Rejection,
     SideEffectClass,
     TaxonomyClass,
 )
-from tests.unit.helpers import NOW_MS, VALID_ARGUMENTS, decide_arguments, decide_envelope, envelope
+from tests.unit.helpers import (
+    CONTRACTS_DIR,
+    NOW_MS,
+    VALID_ARGUMENTS,
+    decide_arguments,
+    decide_envelope,
+    envelope,
+)
 
 CANCEL_FIELDS = "order_id, reason_code, confirm"
 
@@ -453,3 +464,52 @@ def test_deadline_follows_the_clock_and_the_contract_timeout(contracts: Contract
         assert d.call is not None
         assert d.call.deadline_ms == 123_456 + timeout_ms
         assert contracts.versions(tool)[0].timeout_ms == timeout_ms
+
+
+def _with_schema(tmp_path: Path, schema: dict[str, Any]) -> Contract:
+    """search_kb with another input schema (its examples dropped)."""
+    doc = yaml.safe_load((CONTRACTS_DIR / "search_kb" / "1.0.0.yaml").read_text())
+    doc["affordance"]["input_schema"] = schema
+    doc["affordance"]["examples"] = []
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(doc))
+    [contract] = load_contracts(tmp_path).versions("search_kb")
+    return contract
+
+
+def _fields(rejection: Rejection | None) -> list[tuple[str | None, str]]:
+    assert rejection is not None
+    return [(e.field, e.code) for e in rejection.errors]
+
+
+def test_only_the_fields_no_keyword_allows_are_to_be_removed(tmp_path: Path) -> None:
+    """a matches a patternProperties regex, b is evaluated by an allOf branch: neither is
+    what the model is told to remove."""
+    additional = _with_schema(tmp_path, {
+        "type": "object", "properties": {"query": {"type": "string"}},
+        "patternProperties": {"^x_": {"type": "string"}}, "additionalProperties": False,
+    })  # fmt: skip
+    got = check_arguments({"query": "q", "x_a": "1", "c": 1}, additional)
+    assert _fields(got) == [("c", "unknown_field")]
+    assert got is not None and "x_a" not in got.next_action
+    unevaluated = _with_schema(tmp_path, {
+        "type": "object", "allOf": [{"properties": {"b": {"type": "integer"}}}],
+        "properties": {"query": {"type": "string"}}, "unevaluatedProperties": False,
+    })  # fmt: skip
+    got = check_arguments({"query": "q", "b": 2, "c": 1, "d": 2}, unevaluated)
+    assert _fields(got) == [("c", "unknown_field"), ("d", "unknown_field")]
+    assert got is not None and got.taxonomy is TaxonomyClass.STRUCTURAL_VIOLATION
+
+
+def test_a_forbidden_field_and_a_bad_field_name_are_structural(tmp_path: Path) -> None:
+    forbidden = _with_schema(tmp_path, {
+        "type": "object", "properties": {"query": {"type": "string"}, "admin": False},
+    })  # fmt: skip
+    got = check_arguments({"query": "q", "admin": True}, forbidden)
+    assert _fields(got) == [(None, "forbidden_field")]  # the library's error has no path
+    assert got is not None and got.taxonomy is TaxonomyClass.STRUCTURAL_VIOLATION
+    named = _with_schema(tmp_path, {
+        "type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+    })  # fmt: skip
+    got = check_arguments({"query": "q", "Bad-Name": 1}, named)
+    assert _fields(got) == [("Bad-Name", "bad_field_name")]
+    assert got is not None and got.taxonomy is TaxonomyClass.STRUCTURAL_VIOLATION
