@@ -443,7 +443,60 @@ def unknown_tool_named(doc: dict[str, Any], tools: tuple[str, ...]) -> Iterator[
                     f"compensation tool {compensation} is not in the set")  # fmt: skip
 
 
+_REPEATED_ATOM = re.compile(
+    r"(?:\?:)?(?:\\.|\[(?:\\.|[^\]\\])*\]|[^\\\[\]()|])(?:[*+]|\{\d+,\d*\})\??"
+)
+"""A group body that is one repeated atom: ``a+``, ``\\d*``, ``[a-z]{2,}``."""
+
+
+def _nested_quantifier(pattern: str) -> str | None:
+    """The first repeated group whose body is one repeated atom, ``(a+)+`` or ``(\\d*)*``:
+    a backtracking engine (ECMA-262's, the processor's) takes exponential time on a text
+    that almost matches, as it tries every way to split the run between the two. None
+    when there is none. (Groups with more in them, ``([a-z]+\\.)*``, are not flagged.)"""
+    starts: list[int] = []
+    i, in_class = 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            starts.append(i)
+        elif ch == ")" and starts:
+            start = starts.pop()
+            after = pattern[i + 1 :]
+            bound = re.match(r"\{\d+,\d*\}", after)
+            width = 1 if after[:1] in ("*", "+") else bound.end() if bound else 0
+            if width and _REPEATED_ATOM.fullmatch(pattern[start + 1 : i]):
+                return pattern[start : i + 1 + width]
+        i += 1
+    return None
+
+
+def backtracking_pattern(doc: dict[str, Any], _tools: tuple[str, ...]) -> Iterator[Issue]:
+    """A pattern a model's text can make the processor spend seconds on blocks the
+    partition behind it: nested quantifiers are refused."""
+    for where, schema in walk_schemas(_get(doc, *INPUT_SCHEMA)):
+        found = []
+        if isinstance(schema.get("pattern"), str):
+            found.append((pointer(*where, "pattern"), schema["pattern"]))
+        props = schema.get("patternProperties")
+        for key in props if isinstance(props, dict) else ():
+            found.append((pointer(*where, "patternProperties"), str(key)))
+        for at, pattern in found:
+            nested = _nested_quantifier(pattern)
+            if nested is not None:
+                yield Issue("error", at, f"{nested} nests quantifiers: a near-miss takes "
+                            "exponential time; make the repetition unambiguous")  # fmt: skip
+
+
 RULES: dict[str, Rule] = {
+    "backtracking-pattern": backtracking_pattern,
     "open-object": open_object,
     "free-text-enum": free_text_enum,
     "generic-id": generic_id,

@@ -209,7 +209,7 @@ def test_examples_without_an_invalid_one() -> None:
     assert only(findings_for(mutate), "examples") == [("warning", "/affordance/examples")]
 
 
-def test_every_rule_has_a_failing_fixture_above() -> None:
+def test_every_rule_has_a_failing_fixture() -> None:
     tested = {
         "open-object",
         "free-text-enum",
@@ -224,6 +224,7 @@ def test_every_rule_has_a_failing_fixture_above() -> None:
         "secret-parameter",
         "unknown-tool-named",
         "examples",
+        "backtracking-pattern",
     }
     assert set(RULES) == tested
 
@@ -323,3 +324,28 @@ def test_hints_lookups_and_compensations_must_name_tools_of_the_set() -> None:
         ("/semantics/references/0/lookup_tool", "error"),
         ("/transactional/compensation_tool", "error"),
     }
+
+
+@pytest.mark.parametrize(
+    ("pattern", "flagged"),
+    [
+        ("^W(O+)+-[0-9]{5}-[A-Z]$", True),
+        ("^(WO+)+-[0-9]{5}-[A-Z]$", False),  # each round starts with a W: unambiguous
+        ("^(?:[A-Z]*)*$", True),
+        ("^WO-([0-9]{2,})+$", True),
+        ("^WO-[0-9]{5}-[A-Z]$", False),
+        ("^(?:[a-z0-9-]+\\.)+[a-z]{2,}$", False),  # a separator in the group: unambiguous
+        ("^(ab|cd)+$", False),
+        ("^(x{2})+$", False),
+        ("^[(a+)]+$", False),  # a character class, not a group
+    ],
+)
+def test_a_pattern_with_nested_quantifiers_is_an_error(pattern: str, flagged: bool) -> None:
+    """W(O+)+ against 'WOOOOOOOOOOOOOOOOOOOOOOOO!' backtracks for seconds: the consumer
+    stops for that long on one proposal."""
+
+    def mutate(doc: dict[str, Any]) -> None:
+        props(doc)["order_id"]["pattern"] = pattern
+
+    expected = [("error", "/affordance/input_schema/properties/order_id/pattern")]
+    assert only(findings_for(mutate), "backtracking-pattern") == (expected if flagged else [])
