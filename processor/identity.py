@@ -138,6 +138,16 @@ class _Cached:
     nbf: float
 
 
+_WARNED: set[str] = set()
+
+
+def _warned_once(what: str) -> bool:
+    """True when ``what`` was warned about before in this process (and now it has been)."""
+    seen = what in _WARNED
+    _WARNED.add(what)
+    return seen
+
+
 class Verifier:
     """Turns a token into a ``Principal`` or a typed refusal."""
 
@@ -183,7 +193,8 @@ class Verifier:
             logger.warning("*** %s ***", DEVELOPMENT_WARNING)
         elif not keys:
             logger.warning("no identity keys configured: every proposal will be refused")
-        if delegator is None and settings.mode == "verify":
+        if delegator is None and settings.mode == "verify" and not _warned_once("delegation"):
+            # (once per process: the keys are read again at every reload)
             logger.warning(
                 "no identity.delegation_key_file: calls that need compensating cannot be "
                 "compensated (COMPENSATION_FAILED)"
