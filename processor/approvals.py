@@ -61,6 +61,13 @@ class Approver:
     public_key: ed25519.Ed25519PublicKey
     classes: frozenset[SideEffectClass]
     tenants: frozenset[str]
+    subjects: frozenset[str] = frozenset()
+    """The user and agent ids this person proposes calls under, when they differ from the
+    approver id: nobody may approve a call made under any of them."""
+
+    def is_requester(self, requester: Principal) -> bool:
+        names = {self.approver_id, *self.subjects}
+        return requester.user_id in names or requester.agent_id in names
 
     def may_approve(self, cls: SideEffectClass, tenant_id: str) -> bool:
         return cls in self.classes and ("*" in self.tenants or tenant_id in self.tenants)
@@ -89,9 +96,12 @@ def load_approvers(path: Path | None) -> dict[str, Approver]:
         except (KeyError, ValueError, binascii.Error) as exc:
             raise ApproverError(f"{where}: {exc}") from exc
         tenants = frozenset(str(t) for t in e.get("tenants", ["*"]))
+        subjects = e.get("subjects", [])
+        if not isinstance(subjects, list) or not all(isinstance(x, str) for x in subjects):
+            raise ApproverError(f"{where}: subjects must be a list of user or agent ids")
         if e["id"] in out:
             raise ApproverError(f"{where}: approver {e['id']!r} is listed twice")
-        out[e["id"]] = Approver(e["id"], key, classes, tenants)
+        out[e["id"]] = Approver(e["id"], key, classes, tenants, frozenset(subjects))
     return out
 
 
@@ -246,7 +256,7 @@ def verify_approval(
         return _no("approval_signature_invalid", "the approval's signature does not verify", index)
     if approval["decision"] not in (APPROVED, REJECTED):
         return _no("approval_signature_invalid", "decision must be approved or rejected", index)
-    if requester is not None and approver.approver_id in (requester.user_id, requester.agent_id):
+    if requester is not None and approver.is_requester(requester):
         return _no("self_approval", "nobody may approve their own call", index)
     if not approver.may_approve(binding.side_effect_class, binding.tenant_id):
         return _no(

@@ -1,0 +1,73 @@
+"""The approvers file and the checks on one approval that need no Redis: who may approve
+what, and that nobody approves a call made under one of their own ids."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from processor import b64url
+from processor.approvals import (
+    ApproverError,
+    Binding,
+    VerifiedApproval,
+    load_approvers,
+    sign_approval,
+    verify_approval,
+)
+from processor.model import FieldError, Principal, SideEffectClass
+
+KEY = ed25519.Ed25519PrivateKey.generate()
+PUBLIC = b64url.encode(KEY.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+BINDING = Binding("acme", "trace-1", "cancel_order", "1.0.0", "sha256:ab",
+                  SideEffectClass.HIGH_RISK_EXTERNAL)  # fmt: skip
+
+
+def _file(tmp_path: Path, extra: str = "") -> Path:
+    path = tmp_path / "approvers.yaml"
+    path.write_text(
+        "approvers:\n"
+        f"  - id: ops-1\n    public_key: {PUBLIC}\n    classes: [HIGH_RISK_EXTERNAL]\n{extra}"
+    )
+    return path
+
+
+def _requester(user: str, agent: str = "agent-1") -> Principal:
+    return Principal("acme", user, agent, frozenset(), "internal")
+
+
+def _verify(tmp_path: Path, requester: Principal, extra: str) -> VerifiedApproval | FieldError:
+    now = int(time.time() * 1000)
+    approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
+                             tool_name="cancel_order", tool_version="1.0.0",
+                             payload_hash="sha256:ab", now_ms=now)  # fmt: skip
+    return verify_approval(approval, load_approvers(_file(tmp_path, extra)), BINDING, requester,
+                           now)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("user", "agent", "own"),
+    [
+        ("u-7731", "agent-1", True),  # the approver's user id, listed as a subject
+        ("u-1", "bot-ops-1", True),  # an agent acting for them
+        ("ops-1", "agent-1", True),  # the approver id itself
+        ("u-1", "agent-1", False),
+    ],
+)
+def test_nobody_approves_a_call_made_under_one_of_their_ids(
+    tmp_path: Path, user: str, agent: str, own: bool
+) -> None:
+    got = _verify(tmp_path, _requester(user, agent), "    subjects: [u-7731, bot-ops-1]\n")
+    if own:
+        assert isinstance(got, FieldError) and got.code == "self_approval"
+    else:
+        assert isinstance(got, VerifiedApproval) and got.approver_id == "ops-1"
+
+
+def test_subjects_must_be_a_list_of_ids(tmp_path: Path) -> None:
+    with pytest.raises(ApproverError, match="subjects"):
+        load_approvers(_file(tmp_path, "    subjects: u-7731\n"))
