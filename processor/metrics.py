@@ -113,6 +113,12 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        self.reference_restarts = PCounter(
+            "toolsentry_reference_loader_restarts_total",
+            "Times the reference loader met an unexpected error and started again from the "
+            "positions Redis holds.",
+            registry=registry,
+        )
         self.approvals = PCounter(
             "toolsentry_approvals_total",
             "Approval activity: requested, released, rejected, expired, pending (awaiting a "

@@ -142,7 +142,11 @@ def parse_reference(key: bytes | None, value: bytes | None) -> ReferenceRecord:
         kept["owner"] = doc["owner"]
     if isinstance(doc.get("attributes"), dict):
         kept["attributes"] = doc["attributes"]
-    return ReferenceRecord(tenant, entity, entity_id, orjson.dumps(kept))
+    try:
+        kept_json = orjson.dumps(kept)
+    except (TypeError, ValueError) as exc:  # orjson reads deeper nesting than it writes
+        raise BadReference(f"value cannot be kept: {exc}") from exc
+    return ReferenceRecord(tenant, entity, entity_id, kept_json)
 
 
 def apply_records(
@@ -168,6 +172,10 @@ def apply_records(
         except BadReference as exc:
             refused += 1
             logger.warning("tool.reference %s@%s refused: %s", partition, offset, exc)
+            continue
+        except Exception:  # a defect: this record is refused, the others still load
+            refused += 1
+            logger.exception("tool.reference %s@%s refused: cannot be read", partition, offset)
             continue
         applied += 1
         ek = entity_key(ns, rec.tenant, rec.entity, rec.entity_id)
@@ -228,6 +236,19 @@ class ReferenceLoader:
         consumer.assign(partitions)
 
     def _run(self) -> None:
+        """Load until stopped. An unexpected error does not end the thread (the decisions
+        would go on against reference data that no longer moves, with nothing to show
+        for it): it is logged and counted, and a new consumer starts again from the
+        positions Redis holds."""
+        while not self._stop.is_set():
+            try:
+                self._load()
+            except Exception:
+                logger.exception("reference loader failed; starting again from Redis")
+                self.metrics.reference_restarts.inc()
+                self._stop.wait(1.0)
+
+    def _load(self) -> None:
         s = self.settings
         consumer = Consumer(
             s.client_config(

@@ -70,3 +70,33 @@ def test_records_published_in_transactions_count_as_loaded(stack_settings: Setti
         wait_until_loaded(settings, timeout=30)
     finally:
         again.stop()
+
+
+def test_a_record_the_loader_cannot_keep_is_refused_and_the_rest_still_load(
+    stack_settings: Settings,
+) -> None:
+    """Attributes nested 300 deep: read (orjson reads 1,024 levels) but not written back
+    (254). Refused and counted; the records around it load, and the loader goes on."""
+    settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
+    redis = connect(settings.redis_url)
+    poison = b'{"state":"open","attributes":' + b'{"x":' * 300 + b"{}" + b"}" * 300 + b"}"
+    producer = Producer(settings.client_config())
+    for key, value in (
+        (b"acme/order/WO-00001-A", b'{"state":"processing"}'),
+        (b"t9/order/WO-00009-A", poison),
+        (b"acme/order/WO-00001-A", b'{"state":"cancelled"}'),
+    ):
+        producer.produce(settings.topics.reference, value, key, partition=0)
+    assert producer.flush(15) == 0
+    metrics = Metrics(CollectorRegistry())
+    loader = ReferenceLoader(settings, redis, metrics)
+    loader.start()
+    try:
+        wait_until_loaded(settings, timeout=30)
+        ek = entity_key(settings.redis_namespace, "acme", "order", "WO-00001-A")
+        assert redis.get(ek) == b'{"state":"cancelled"}'
+        assert redis.get(entity_key(settings.redis_namespace, "t9", "order", "WO-00009-A")) is None
+        assert metrics.references.labels("refused")._value.get() == 1
+        assert loader._thread.is_alive()
+    finally:
+        loader.stop()
