@@ -279,6 +279,13 @@ class Lifecycle:
     sunset_date: str | None
     replacement: str | None
 
+    def status_on(self, day: str) -> str:
+        """The status on ``day`` (YYYY-MM-DD, UTC): a deprecated version is sunsetted from
+        its sunset date on, whether or not its contract was edited to say so."""
+        if self.status == "deprecated" and self.sunset_date and str(self.sunset_date) <= day:
+            return "sunsetted"
+        return self.status
+
 
 @dataclass(frozen=True, slots=True)
 class Final:

@@ -242,7 +242,7 @@ def _prepare(src: SourceRecord, gates: Gates, now_ms: int, started: float) -> De
     if rejection is not None:
         return _rejected(src, p, rejection, warnings, now_ms, None, principal)
 
-    resolved = resolve_tool(p, gates.contracts)
+    resolved = resolve_tool(p, gates.contracts, now_ms)
     if isinstance(resolved, Rejection):
         return _rejected(src, p, resolved, warnings, now_ms, None, principal)
     contract = resolved

@@ -10,6 +10,8 @@ sunsetted version.
 from __future__ import annotations
 
 import difflib
+import time
+from functools import lru_cache
 
 from processor.contracts.registry import Contract, ContractSet
 from processor.gates.policy_scan import quotable
@@ -33,7 +35,14 @@ def _palette(p: Proposal, contracts: ContractSet) -> tuple[str, ...]:
     return tuple(n for n in contracts.callable_names if n in active)
 
 
-def resolve_tool(p: Proposal, contracts: ContractSet) -> Contract | Rejection:
+@lru_cache(maxsize=4)
+def _utc_day(day_number: int) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(day_number * 86400))
+
+
+def resolve_tool(
+    p: Proposal, contracts: ContractSet, now_ms: int | None = None
+) -> Contract | Rejection:
     name = p.tool_name or ""
     versions = contracts.versions(name)
     if p.tool_version is None and p.active_tools is None and versions:
@@ -57,17 +66,19 @@ def resolve_tool(p: Proposal, contracts: ContractSet) -> Contract | Rejection:
             f"{name} is not available at this step; call one of: {', '.join(allowed) or 'none'}.",
             allowed,
         )
+    ms = int(time.time() * 1000) if now_ms is None else now_ms
+    today = _utc_day(ms // 86_400_000)
     if p.tool_version is None:
         for c in versions:
-            if c.lifecycle.status == "active":
+            if c.lifecycle.status_on(today) == "active":
                 return c
         for c in versions:
-            if c.lifecycle.status == "deprecated":
+            if c.lifecycle.status_on(today) == "deprecated":
                 return c
         return _sunsetted(versions[0], allowed)
     for c in versions:
         if c.version == p.tool_version:
-            if c.lifecycle.status == "sunsetted":
+            if c.lifecycle.status_on(today) == "sunsetted":
                 return _sunsetted(c, allowed)
             return c
     known = ", ".join(c.version for c in versions)

@@ -248,3 +248,18 @@ def test_pipeline_active_version_has_no_warning(versioned: ContractSet) -> None:
     assert d.outcome is Outcome.PARKED  # through every gate; cancel_order needs approval
     assert d.contract_version == "1.1.0"
     assert _lifecycle(d) == ()
+
+
+def test_a_deprecated_version_is_sunsetted_from_its_sunset_date(contracts: ContractSet) -> None:
+    """charge_customer_card_v2@2.0.0 is deprecated, to be sunsetted on 2027-03-31: pinned,
+    it runs until that day and is refused from it on, its contract unedited."""
+    pinned = proposal("charge_customer_card_v2", "2.0.0")
+    before = resolve_tool(pinned, contracts, 1_806_451_199_000)  # 2027-03-30T23:59:59Z
+    assert isinstance(before, Contract) and before.version == "2.0.0"
+    for now_ms in (1_806_451_200_000, 1_830_000_000_000):  # 2027-03-31, 2027-12-28
+        after = resolve_tool(pinned, contracts, now_ms)
+        assert isinstance(after, Rejection)
+        assert after.errors[0].code == "tool_sunsetted"
+        assert "charge_customer_card_v2@2.1.0" in after.next_action
+    latest = resolve_tool(proposal("charge_customer_card_v2"), contracts, 1_830_000_000_000)
+    assert isinstance(latest, Contract) and latest.version == "2.1.0"
