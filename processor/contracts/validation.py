@@ -403,12 +403,11 @@ def _walk(node: Any, where: str) -> Iterator[tuple[str, str, Any]]:
 
 
 def _resolves(root: Any, ref: str) -> bool:
-    """Whether a $ref names a schema of this document (only local refs can: the processor
-    fetches nothing)."""
-    if ref == "#":
-        return True
+    """Whether a JSON-pointer $ref (``#/...``) names a schema of this document. Other forms
+    (``#anchor``, a URI the document or the reference validator knows) are left to the
+    reference validator."""
     if not ref.startswith("#/"):
-        return False
+        return True
     node = root
     for token in unquote(ref[2:]).split("/"):
         token = token.replace("~1", "/").replace("~0", "~")

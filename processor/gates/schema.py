@@ -118,19 +118,37 @@ def _extras(e: ValidationError, schema: dict[str, Any]) -> list[str]:
         return [str(k) for k in _jsu.find_additional_properties(e.instance, schema)]
     # unevaluatedProperties: which fields were evaluated depends on every applicator
     # around it; the library names the rest in its message, as reprs.
-    m = re.search(r"\((.*) (?:was|were) unexpected\)$", e.message, re.DOTALL)
+    m = re.search(
+        r"\((.*) (?:was|were) (?:unexpected|unevaluated and invalid)\)$", e.message, re.DOTALL
+    )
     if m:
         with contextlib.suppress(ValueError, SyntaxError):
             found = ast.literal_eval(f"({m.group(1)},)")
             return [str(k) for k in found]
-    return [str(k) for k in e.instance]
+    declared = schema.get("properties", {})
+    return [str(k) for k in e.instance if k not in declared]
+
+
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords followed, in a schema path, by a name (a property may be called anything)."""
+
+
+def _under_property_names(schema_path: Any) -> bool:
+    """Whether an error comes from a propertyNames keyword (not a property so named)."""
+    path = list(schema_path)
+    i = 0
+    while i < len(path):
+        if path[i] == "propertyNames":
+            return True
+        i += 2 if path[i] in _NAMED else 1
+    return False
 
 
 def _describe(e: ValidationError, contract: Contract) -> list[tuple[TaxonomyClass, FieldError]]:
     # A false schema's error has no keyword; under propertyNames, the error is about a
     # field's name (its instance), not a value.
     kw = "false" if e.validator is None else str(e.validator)
-    if "propertyNames" in e.relative_schema_path:
+    if _under_property_names(e.relative_schema_path):
         kw = "propertyNames"
     where = _path(e.absolute_path)
     name = where or "the arguments"

@@ -53,10 +53,17 @@ def is_script_error(exc: BaseException) -> bool:
     # redis-py cuts the code off the messages it maps to a class of its own (OOM,
     # READONLY, LOADING, ...) and keeps it as status_code.
     code = getattr(exc, "status_code", None) or text.split(" ", 1)[0]
-    if code in _UNWELL:
+    if code in _UNWELL or isinstance(exc, _UNWELL_CLASSES):
         return False
     return "user_script" in text or "Error running script" in text
 
+
+_UNWELL_CLASSES: tuple[type[Exception], ...] = tuple(
+    c
+    for name in ("OutOfMemoryError", "ReadOnlyError", "BusyLoadingError")
+    if isinstance(c := getattr(redis.exceptions, name, None), type)
+)
+"""The same, for redis-py versions that map the codes to classes without keeping them."""
 
 _UNWELL = frozenset(
     {"OOM", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "NOREPLICAS", "CLUSTERDOWN",
@@ -72,9 +79,9 @@ def tenant_tag(tenant: str) -> str:
     """The ``{hash tag}`` every key of a tenant carries, so that all of them share one
     cluster slot and one script can touch them. A tenant id that would not make a tag of
     itself (empty, or holding a '}', which would end the tag early and scatter the
-    tenant's keys over slots) is tagged by its digest instead; so is one that starts
-    with '#', so that no tenant's own id can be another's digest tag."""
-    if tenant and "}" not in tenant and not tenant.startswith("#"):
+    tenant's keys over slots) is tagged by its digest instead. (Such a tenant's keys
+    written by versions before this rule are not read: see the README's upgrade notes.)"""
+    if tenant and "}" not in tenant:
         return f"{{{tenant}}}"
     return "{#" + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:32] + "}"
 

@@ -513,3 +513,19 @@ def test_a_forbidden_field_and_a_bad_field_name_are_structural(tmp_path: Path) -
     got = check_arguments({"query": "q", "Bad-Name": 1}, named)
     assert _fields(got) == [("Bad-Name", "bad_field_name")]
     assert got is not None and got.taxonomy is TaxonomyClass.STRUCTURAL_VIOLATION
+
+
+def test_unevaluated_fields_failing_a_subschema_are_the_ones_named(tmp_path: Path) -> None:
+    """unevaluatedProperties as a schema: only the field that fails it is named, never a
+    declared one; and a property called propertyNames is a property like any other."""
+    contract = _with_schema(tmp_path, {
+        "type": "object", "properties": {"query": {"type": "string"}},
+        "unevaluatedProperties": {"type": "string"},
+    })  # fmt: skip
+    got = check_arguments({"query": "q", "n": 1}, contract)
+    assert _fields(got) == [("n", "unknown_field")]
+    named = _with_schema(tmp_path, {
+        "type": "object", "properties": {"propertyNames": {"type": "string"}},
+    })  # fmt: skip
+    got = check_arguments({"propertyNames": 5}, named)
+    assert _fields(got) == [("propertyNames", "type_mismatch")]

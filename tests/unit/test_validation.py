@@ -703,7 +703,6 @@ def test_a_long_list_of_unsortable_items_is_refused_by_its_cap() -> None:
             {"properties": {"b": {"$ref": "#/$defs/e/enum/0"}}, "$defs": {"e": {"enum": ["a"]}}},
             "#/properties/b",
         ),
-        ({"properties": {"b": {"$ref": "https://example.com/s.json"}}}, "#/properties/b"),
     ],
 )
 def test_a_schema_that_would_fail_at_call_time_is_refused_when_loaded(
@@ -711,3 +710,19 @@ def test_a_schema_that_would_fail_at_call_time_is_refused_when_loaded(
 ) -> None:
     with pytest.raises(ValueError, match=where):
         check_schema(schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"properties": {"q": {"$ref": "#query"}}, "$defs": {"q": {"$anchor": "query"}}},
+        {
+            "$id": "https://example.com/s",
+            "properties": {"q": {"$ref": "https://example.com/s#/$defs/q"}},
+            "$defs": {"q": {"type": "string"}},
+        },
+        {"properties": {"q": {"$ref": "https://json-schema.org/draft/2020-12/schema"}}},
+    ],
+)
+def test_refs_that_are_not_json_pointers_are_left_to_the_reference(schema: dict[str, Any]) -> None:
+    check_schema(schema)
