@@ -56,6 +56,10 @@ _TOKEN_PATTERNS = (
     r"s(?<![A-Za-z0-9]s)k-ant-[A-Za-z0-9_-]{20,}",
     r"s(?<![A-Za-z0-9]s)k-(?=[A-Za-z0-9_-]*[0-9])[A-Za-z0-9_-]{32,}",
     r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*",
+    r"S(?<![A-Za-z0-9]S)G\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,}",
+    r"y(?<![A-Za-z0-9]y)a29\.[0-9A-Za-z_-]{20,}",
+    r"h(?<![A-Za-z0-9]h)ooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9/_-]{16,}",
+    r"d(?<![A-Za-z0-9]d)iscord(?:app)?\.com/api/webhooks/[0-9]{5,}/[A-Za-z0-9_-]{16,}",
 )
 _TOKEN_RE = re.compile("|".join(_TOKEN_PATTERNS))
 _TOKEN_KINDS = (
@@ -70,6 +74,10 @@ _TOKEN_KINDS = (
     (("sk-ant-",), "anthropic_api_key"),
     (("sk-",), "openai_api_key"),
     (("eyJ",), "jwt"),
+    (("SG.",), "sendgrid_api_key"),
+    (("ya29.",), "google_oauth_token"),
+    (("hooks.slack.com",), "slack_webhook"),
+    (("discord",), "discord_webhook"),
 )
 
 
@@ -85,11 +93,15 @@ _PEM = re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----")
 _BEARER = re.compile(
     r"(?<![A-Za-z])(?i:bearer)\s+(?=[A-Za-z0-9._~+/-]*[0-9])[A-Za-z0-9._~+/-]{16,}"
 )
+_TOKEN_SCHEME = re.compile(
+    r"(?<![A-Za-z])(?i:token)\s+(?=[A-Za-z0-9._~+/-]*[0-9])[A-Za-z0-9._~+/-]{20,}"
+)
+"""``Authorization: Token <key>``, the scheme some APIs use in place of Bearer."""
 _BASIC = re.compile(r"(?<![A-Za-z])(?i:basic)\s+([A-Za-z0-9+/]{6,})={0,2}(?![A-Za-z0-9+/=])")
 _URL_CREDENTIALS = re.compile(r"://[^\s/?#@:]*:([^\s/?#@]+)@")
 _ASSIGNMENT = re.compile(r"[A-Za-z0-9_.-]*[\"']?[ \t]*([=:])[ \t]*[\"']?([^\s;&,'\"<>]*)")
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_.-")
-_ALWAYS_WORDS = ("bearer", "basic", "-----begin")
+_ALWAYS_WORDS = ("bearer", "basic", "-----begin", "token")
 _ASSIGNMENT_WORDS = ("pass", "pwd", "kennwort", "contrase", "key", "token", "secret")
 _PASSWORD_NAMES = (
     "password", "passwd", "passwort", "passphrase", "pwd", "kennwort", "contraseña", "contrasena",
@@ -256,6 +268,8 @@ def _phrase_at(text: str, low: str, at: int, word: str) -> str | None:
         return "basic_auth" if m and _basic_credentials(m.group(1)) else None
     if word == "-----begin":
         return "private_key" if _PEM.match(text, at) else None
+    if word == "token" and _TOKEN_SCHEME.match(text, at):
+        return "token_header"
     if word == "://":
         m = _URL_CREDENTIALS.match(text, at)
         return "url_credentials" if m and not _placeholder(m.group(1)) else None
@@ -268,7 +282,9 @@ def _phrases(text: str) -> list[str]:
     low = text.lower()
     assigns = "=" in low or ":" in low
     at_sign = "@" in low
-    if not (assigns or at_sign or "bearer" in low or "basic" in low or "-----" in low):
+    if not (
+        assigns or at_sign or "bearer" in low or "basic" in low or "-----" in low or "token" in low
+    ):
         return kinds
     if len(low) != len(text):
         low = "".join(c if len(c.lower()) != 1 else c.lower() for c in text)
@@ -276,7 +292,7 @@ def _phrases(text: str) -> list[str]:
     if at_sign:
         words += ("://",)
     if assigns:
-        words += _ASSIGNMENT_WORDS
+        words += tuple(w for w in _ASSIGNMENT_WORDS if w not in _ALWAYS_WORDS)
     for word in words:
         at = low.find(word)
         while at >= 0:
@@ -298,6 +314,8 @@ def _scan_text(text: str) -> list[str]:
             kind = _token_kind(m.group())
             if kind not in kinds:
                 kinds.append(kind)
+    if "token_header" in kinds and len(kinds) > 1:
+        kinds.remove("token_header")  # the token's own format says more
     if not kinds and any(_high_entropy(token) for token in tokens):
         kinds.append("high_entropy")
     return kinds
@@ -404,6 +422,13 @@ def find_secrets(value: Any, *, limit: int = 8) -> list[SecretFinding]:
                             return found[:limit]
                 elif kind_of is dict or kind_of is list or kind_of is tuple:
                     pending.append((child, (link, segment)))
+                elif kind_of is int and abs(child) >= 100_000 and _sensitive_key(name):
+                    # {"password": 12345678}: a number of six digits or more is a credential
+                    # too, as a string would be (a short one is left alone, as in prose)
+                    where = _render((link, segment))
+                    found.append(SecretFinding(where, "credential_field", False))
+                    if len(found) >= limit:
+                        return found[:limit]
         elif type(node) is list or type(node) is tuple:
             for i, child in enumerate(node):
                 kind_of = type(child)

@@ -47,6 +47,13 @@ FAKE: dict[str, str] = {
     "connection_string": "Server=db;Database=orders;User Id=app;Password=" + "Tr0ub4dor" + ";",
     "password_assignment": "login failed for user=bob pwd=" + "hunter22" + " at 10:02",
     "credential_assignment": "curl -H 'x' https://api.example.com?api_key=" + "fake" + "12345678",
+    "sendgrid_api_key": "SG"
+    + ".FakeFakeFake1234567890"
+    + ".FakeFakeFakeFake1234567890abcdefghijklmnopq",
+    "google_oauth_token": "ya29" + ".a0AfH6SMBFakeFakeFake1234567890",
+    "slack_webhook": "https://hooks.slack.com/" + "services/T00000000/B00000000/" + "Fake" * 6,
+    "discord_webhook": "https://discord.com/api/" + "webhooks/123456789012345678/" + "Fake_1" * 6,
+    "token_header": "Authorization: Token " + "9f86d081884c7d659a2f" + "eaa0c55ad015a3bf4f1b",
 }
 EXPECTED_KIND = {
     "aws_session_key_id": "aws_access_key_id",
@@ -691,3 +698,26 @@ def test_reasons_never_echo_credentials() -> None:
         reason = egress_violation(url, policy, ("example.com",), ())
         assert reason is not None
         assert "n0t-real-pw" not in reason
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the token expired yesterday, so we made a new one",
+        "Token ring networks were common in 1985 and 1986",
+        "a token of 12 characters",
+    ],
+)
+def test_the_word_token_in_prose_is_not_a_credential(text: str) -> None:
+    assert kinds({"note": text}) == []
+
+
+def test_a_number_under_a_credential_key_is_a_credential() -> None:
+    """{"password": 12345678}: the credential-named key gives a number of six digits or
+    more away as it does a string; a count under another key does not."""
+    assert find_secrets({"password": 12345678, "max_tokens": 409600, "limit": 10}) == [
+        SecretFinding("password", "credential_field", False)
+    ]
+    assert kinds({"api_key": 20241122093011, "retries": True, "secret": 1.5}) == [
+        "credential_field"
+    ]
