@@ -259,6 +259,14 @@ def _semantics(
                         f"{ref['argument']!r} is not an argument of this tool")
             )  # fmt: skip
             continue
+        if any(r.argument == ref["argument"] for r in references):
+            # One argument names one entity; two references on it would also hide, from
+            # the semantic gate, which answers are about another tenant.
+            problems.append(
+                Problem(rel, f"/semantics/references/{i}/argument",
+                        f"{ref['argument']!r} has a reference already")
+            )  # fmt: skip
+            continue
         references.append(
             Reference(ref["argument"], ref["entity"], tuple(ref["allowed_states"]),
                       ref["lookup_tool"])
