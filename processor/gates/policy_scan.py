@@ -456,6 +456,9 @@ _URL_LIKE = re.compile(
     r"|(?i:javascript|vbscript|gopher):\S"
     r"|(?i:data):[^,\s]*,"
     r"|(?i:file):[/\\]"
+    # http(s) with one slash, none, or backslashes: WHATWG parsers still connect to the
+    # host (https:/evil.com, https:evil.com, https:\\evil.com)
+    r"|(?i:https?|wss?|ftp):[/\\]*[^\s/\\]\S*"
 )
 _DANGEROUS_PREFIX = re.compile(r"(?i:javascript|vbscript|gopher|data|file):")
 

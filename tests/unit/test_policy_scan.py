@@ -721,3 +721,12 @@ def test_a_number_under_a_credential_key_is_a_credential() -> None:
     assert kinds({"api_key": 20241122093011, "retries": True, "secret": 1.5}) == [
         "credential_field"
     ]
+
+
+@pytest.mark.parametrize("url", ["https:/evil.com", "https:evil.com", "https:\\\\evil.com"])
+def test_an_http_url_with_irregular_slashes_is_still_checked(url: str) -> None:
+    """WHATWG parsers connect to evil.com for each of these: they are URLs to check, and
+    the strict check refuses them."""
+    assert find_urls({"callback": url}) == [("callback", url)]
+    assert egress_violation(url, "allowlisted_domains", ("example.com",), ()) is not None
+    assert find_urls({"note": "http: is the scheme, https: the safer one"}) == []
