@@ -11,6 +11,7 @@ of an approved call on ``tool.exec.<class>``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import subprocess
@@ -1083,17 +1084,24 @@ def test_a_parked_call_nobody_answers_expires(stack_settings: Settings, tmp_path
     expires_unanswered(isolated(stack_settings, "gates-exp"), "acme-gx", tmp_path)
 
 
-def expires_unanswered(settings: Settings, tenant: str, tmp_path: Path) -> None:
-    """A processor whose approvals lapse after 2 s parks a call nobody answers; its expiry
-    sweeper ends it with an observation within seconds, and nothing runs. Shared with the
-    Redis Cluster suite, which runs it with ``settings`` pointing at a cluster."""
+@contextlib.contextmanager
+def lapsing_approvals(
+    settings: Settings, tenant: str, tmp_path: Path, ttl_s: int, grace_ms: int = 30_000
+) -> Iterator[ToolsentryClient]:
+    """A processor whose approval requests lapse after ``ttl_s`` (and whose in-flight grace
+    is ``grace_ms``), order WO-12345-A of ``tenant`` in processing, and a client of that
+    tenant."""
     policy = (ROOT / "policy" / "policy.yaml").read_text()
-    assert "ttl_seconds: 600" in policy
+    assert "ttl_seconds: 600" in policy and "in_flight_grace_ms: 30000" in policy
     policy_file = tmp_path / "policy.yaml"
-    policy_file.write_text(policy.replace("ttl_seconds: 600", "ttl_seconds: 2"))
+    policy_file.write_text(
+        policy.replace("ttl_seconds: 600", f"ttl_seconds: {ttl_s}").replace(
+            "in_flight_grace_ms: 30000", f"in_flight_grace_ms: {grace_ms}"
+        )
+    )
     publish_references(settings, [(f"{tenant}/order/{ORDER}", {"state": "processing"})])
     proc = ProcessorProcess(
-        settings, "gates-exp-1", tmp_path, TOOLSENTRY_POLICY_FILE=str(policy_file)
+        settings, f"{tenant}-1", tmp_path, TOOLSENTRY_POLICY_FILE=str(policy_file)
     ).start()
     client = None
     try:
@@ -1102,6 +1110,19 @@ def expires_unanswered(settings: Settings, tenant: str, tmp_path: Path) -> None:
         client = ToolsentryClient(
             settings, tenant, principal_token=token(settings, tenant, user="u-agent")
         )
+        yield client
+    finally:
+        if client is not None:
+            client.close()
+        if proc.alive():
+            assert proc.terminate() == 0, proc.log()[-3000:]
+
+
+def expires_unanswered(settings: Settings, tenant: str, tmp_path: Path) -> None:
+    """A processor whose approvals lapse after 2 s parks a call nobody answers; its expiry
+    sweeper ends it with an observation within seconds, and nothing runs. Shared with the
+    Redis Cluster suite, which runs it with ``settings`` pointing at a cluster."""
+    with lapsing_approvals(settings, tenant, tmp_path, ttl_s=2) as client:
         pid = client.propose("cancel_order", cancel(), run_id=run_id())
         pending = client.wait(pid, 60)
         assert pending["decision"] == "PENDING_APPROVAL"
@@ -1118,11 +1139,6 @@ def expires_unanswered(settings: Settings, tenant: str, tmp_path: Path) -> None:
             assert [m.value() for m in calls.sync()] == []
         finally:
             calls.close()
-    finally:
-        if client is not None:
-            client.close()
-        if proc.alive():
-            assert proc.terminate() == 0, proc.log()[-3000:]
 
 
 def test_a_proposal_sent_again_after_its_request_lapsed_asks_afresh(
@@ -1133,26 +1149,7 @@ def test_a_proposal_sent_again_after_its_request_lapsed_asks_afresh(
     request of its own that approvers can answer. Under the lapsed request's id, every
     approval would find that request ended, and the call would wait for ever."""
     settings = isolated(stack_settings, "gates-again")
-    tenant = "acme-ga"
-    policy = (ROOT / "policy" / "policy.yaml").read_text()
-    assert "ttl_seconds: 600" in policy and "in_flight_grace_ms: 30000" in policy
-    policy_file = tmp_path / "policy.yaml"
-    policy_file.write_text(
-        policy.replace("ttl_seconds: 600", "ttl_seconds: 4").replace(
-            "in_flight_grace_ms: 30000", "in_flight_grace_ms: 200"
-        )
-    )
-    publish_references(settings, [(f"{tenant}/order/{ORDER}", {"state": "processing"})])
-    proc = ProcessorProcess(
-        settings, "gates-again-1", tmp_path, TOOLSENTRY_POLICY_FILE=str(policy_file)
-    ).start()
-    client = None
-    try:
-        proc.wait_ready()
-        wait_until_loaded(settings, timeout=60)
-        client = ToolsentryClient(
-            settings, tenant, principal_token=token(settings, tenant, user="u-agent")
-        )
+    with lapsing_approvals(settings, "acme-ga", tmp_path, ttl_s=4, grace_ms=200) as client:
         traceparent, _ = new_trace()
         same = {"run_id": run_id(), "proposal_id": str(uuid.uuid4()), "traceparent": traceparent}
         pid = client.propose("cancel_order", cancel(), **same)
@@ -1189,11 +1186,6 @@ def test_a_proposal_sent_again_after_its_request_lapsed_asks_afresh(
         finally:
             calls.close()
         assert call["proposal_id"] == pid and call["attempt"] == 2
-    finally:
-        if client is not None:
-            client.close()
-        if proc.alive():
-            assert proc.terminate() == 0, proc.log()[-3000:]
 
 
 # -- 7. look-alike tool names -------------------------------------------------------------------
