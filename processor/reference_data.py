@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 import orjson
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from processor.config import Settings
 from processor.state.connection import connect
@@ -25,20 +25,33 @@ def publish_references(
         raise TimeoutError("reference data was not delivered")
 
 
+def _end(consumer: Consumer, tp: TopicPartition, deadline: float) -> int:
+    """The partition's end; asked again while a new topic's leader is being elected."""
+    while True:
+        try:
+            return int(consumer.get_watermark_offsets(tp, timeout=10)[1])
+        except KafkaException as exc:
+            err = exc.args[0]
+            transient = err.retriable() or err.code() == KafkaError.NOT_LEADER_FOR_PARTITION
+            if not transient or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def wait_until_loaded(settings: Settings, timeout: float = 60.0) -> None:
     """Block until the processors' loader has written everything now on tool.reference."""
+    deadline = time.monotonic() + timeout
     consumer = Consumer(settings.client_config(**{"group.id": "toolsentry-reference-probe"}))
     try:
         topic = settings.topics.reference
         meta = consumer.list_topics(topic, timeout=10)
         ends = {
-            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+            p: _end(consumer, TopicPartition(topic, p), deadline)
             for p in meta.topics[topic].partitions
         }
     finally:
         consumer.close()
     client = connect(settings.redis_url)
-    deadline = time.monotonic() + timeout
     while True:
         done = positions(client, settings.reference_group_id, settings.redis_namespace)
         if all(end <= 0 or done.get((topic, p), 0) >= end for p, end in ends.items()):
