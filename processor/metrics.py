@@ -119,6 +119,12 @@ class Metrics:
             "positions Redis holds.",
             registry=registry,
         )
+        self.reference_rewinds = PCounter(
+            "toolsentry_reference_rewinds_total",
+            "Times the reference loader found Redis's positions behind what it had written "
+            "(a failover or a restore lost writes) and read those partitions again.",
+            registry=registry,
+        )
         self.approvals = PCounter(
             "toolsentry_approvals_total",
             "Approval activity: requested, released, rejected, expired, pending (awaiting a "

@@ -201,6 +201,10 @@ def positions(client: RedisClient, group: str, ns: str = "ts") -> dict[tuple[str
     return out
 
 
+RESYNC_S = 5.0
+"""How often the loader compares Redis's positions with the ones it wrote."""
+
+
 class ReferenceLoader:
     """Background thread: ``tool.reference`` into Redis, from Redis's own position."""
 
@@ -221,13 +225,22 @@ class ReferenceLoader:
         self._thread.join(10)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        try:
-            known = positions(
-                self.client, self.settings.reference_group_id, self.settings.redis_namespace
-            )
-        except REDIS_ERRORS:
-            logger.warning("cannot read reference positions; starting from the beginning")
-            known = {}
+        # Redis's positions, waited for: replaying from the beginning instead would show
+        # the entities' older states while proposals are decided against them.
+        delay = 0.2
+        while True:
+            try:
+                known = positions(
+                    self.client, self.settings.reference_group_id, self.settings.redis_namespace
+                )
+                break
+            except REDIS_ERRORS as exc:
+                if self._stop.is_set():
+                    return
+                self.metrics.dependency_errors.labels("redis").inc()
+                logger.warning("cannot read reference positions (%s); retrying", exc)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 5.0)
         self._stored = {}
         for tp in partitions:
             tp.offset = known.get((tp.topic, tp.partition), OFFSET_BEGINNING)
@@ -266,6 +279,7 @@ class ReferenceLoader:
             )
         )
         consumer.subscribe([s.topics.reference], on_assign=self._on_assign)
+        next_check = time.monotonic() + RESYNC_S
         try:
             while not self._stop.is_set():
                 try:
@@ -282,6 +296,9 @@ class ReferenceLoader:
                     self._apply(consumer, records)
                 else:
                     self._advance(consumer)
+                if time.monotonic() >= next_check:
+                    self._resync(consumer)
+                    next_check = time.monotonic() + RESYNC_S
         finally:
             consumer.close()
 
@@ -290,6 +307,33 @@ class ReferenceLoader:
     ) -> dict[tuple[str, int], int]:
         wanted = [TopicPartition(t, p) for t, p in partitions]
         return {(tp.topic, tp.partition): tp.offset for tp in consumer.position(wanted)}
+
+    def _resync(self, consumer: Consumer) -> None:
+        """Load again what Redis lost. Redis's positions behind the ones this loader wrote
+        (a failover to a replica that missed the latest writes, a restore from an older
+        snapshot, a flushed database) mean the entities written since may be gone too:
+        those partitions are read again from where Redis says."""
+        try:
+            held = positions(self.client, self.settings.reference_group_id,
+                             self.settings.redis_namespace)  # fmt: skip
+        except REDIS_ERRORS:
+            return  # Redis down: the next batch waits it out; checked again later
+        for (topic, partition), mine in list(self._stored.items()):
+            there = held.get((topic, partition), 0)  # none at all: a flushed database
+            if there >= mine:
+                continue
+            logger.warning(
+                "reference positions in Redis went back (%s/%s: %s, loaded up to %s); "
+                "reading it again from there",
+                topic, partition, there, mine,
+            )  # fmt: skip
+            try:
+                consumer.seek(TopicPartition(topic, partition, there or OFFSET_BEGINNING))
+            except KafkaException as exc:
+                logger.warning("cannot rewind %s/%s: %s", topic, partition, exc)
+                continue
+            self._stored[(topic, partition)] = there
+            self.metrics.reference_rewinds.inc()
 
     def _advance(self, consumer: Consumer) -> None:
         """Idle: move the stored positions past what the consumer skipped since (the

@@ -22,7 +22,7 @@ from processor.config import Settings
 from processor.metrics import Metrics
 from processor.reference_data import publish_references, wait_until_loaded
 from processor.state.connection import connect
-from processor.state.references import ReferenceLoader, entity_key
+from processor.state.references import ReferenceLoader, entity_key, position_key
 from tests.integration.harness import isolated
 
 pytestmark = pytest.mark.integration
@@ -104,5 +104,36 @@ def test_a_record_the_loader_cannot_keep_is_refused_and_the_rest_still_load(
             time.sleep(0.05)
         assert refused._value.get() == 1
         assert loader._thread.is_alive()
+    finally:
+        loader.stop()
+
+
+def test_writes_redis_lost_are_loaded_again(stack_settings: Settings) -> None:
+    """Redis goes back in time (a failover to a replica that missed the latest writes, a
+    restore): the entity and the loader's positions both older. The loader sees its
+    positions behind what it wrote and reads those partitions again, so the entity comes
+    back to its latest state without a restart."""
+    settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
+    redis = connect(settings.redis_url)
+    ns = settings.redis_namespace
+    metrics = Metrics(CollectorRegistry())
+    loader = ReferenceLoader(settings, redis, metrics)
+    loader.start()
+    try:
+        key = "acme/order/WO-00042-A"
+        publish_references(settings, [(key, {"state": "processing"})])
+        publish_references(settings, [(key, {"state": "cancelled"})])
+        wait_until_loaded(settings, timeout=30)
+        ek = entity_key(ns, "acme", "order", "WO-00042-A")
+        assert redis.get(ek) == b'{"state":"cancelled"}'
+        # The rollback: the entity as it was after the first record, no positions at all.
+        redis.set(ek, b'{"state":"processing"}')
+        redis.delete(position_key(ns, settings.reference_group_id))
+        deadline = time.monotonic() + 30
+        while redis.get(ek) != b'{"state":"cancelled"}' and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert redis.get(ek) == b'{"state":"cancelled"}'
+        assert metrics.reference_rewinds._value.get() >= 1
+        wait_until_loaded(settings, timeout=30)
     finally:
         loader.stop()
