@@ -70,6 +70,12 @@ class Metrics:
             ["partition"],
             registry=registry,
         )
+        self.reference_lag = Gauge(
+            "toolsentry_reference_lag_records",
+            "Records on tool.reference this instance's loader has not written to Redis yet "
+            "(its partitions' ends less the positions it wrote; checked every 5 s).",
+            registry=registry,
+        )
         self.internal_errors = PCounter(
             "toolsentry_internal_errors_total",
             "Records a defect stopped from being decided: answered as internal errors "

@@ -298,6 +298,7 @@ class ReferenceLoader:
                     self._advance(consumer)
                 if time.monotonic() >= next_check:
                     self._resync(consumer)
+                    self._measure_lag(consumer)
                     next_check = time.monotonic() + RESYNC_S
         finally:
             consumer.close()
@@ -307,6 +308,21 @@ class ReferenceLoader:
     ) -> dict[tuple[str, int], int]:
         wanted = [TopicPartition(t, p) for t, p in partitions]
         return {(tp.topic, tp.partition): tp.offset for tp in consumer.position(wanted)}
+
+    def _measure_lag(self, consumer: Consumer) -> None:
+        """How far behind its partitions' ends the loader is, from the ends librdkafka
+        learned with its last fetches (no request): decisions meanwhile read older data."""
+        lag = 0
+        for (topic, partition), stored in self._stored.items():
+            try:
+                _, end = consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), cached=True
+                )
+            except KafkaException:
+                continue
+            if end >= 0:
+                lag += max(end - stored, 0)
+        self.metrics.reference_lag.set(lag)
 
     def _resync(self, consumer: Consumer) -> None:
         """Load again what Redis lost. Redis's positions behind the ones this loader wrote

@@ -126,14 +126,25 @@ def test_writes_redis_lost_are_loaded_again(stack_settings: Settings) -> None:
         wait_until_loaded(settings, timeout=30)
         ek = entity_key(ns, "acme", "order", "WO-00042-A")
         assert redis.get(ek) == b'{"state":"cancelled"}'
+        lag = metrics.reference_lag._value
+        deadline = time.monotonic() + 30
+        while lag.get() != 0 and time.monotonic() < deadline:  # measured at least once
+            time.sleep(0.1)
+        lag.set(-1)
         # The rollback: the entity as it was after the first record, no positions at all.
         redis.set(ek, b'{"state":"processing"}')
         redis.delete(position_key(ns, settings.reference_group_id))
+        seen: set[float] = set()
         deadline = time.monotonic() + 30
-        while redis.get(ek) != b'{"state":"cancelled"}' and time.monotonic() < deadline:
-            time.sleep(0.1)
+        while time.monotonic() < deadline and not (
+            redis.get(ek) == b'{"state":"cancelled"}' and 2 in seen and lag.get() == 0
+        ):
+            seen.add(lag.get())
+            time.sleep(0.05)
         assert redis.get(ek) == b'{"state":"cancelled"}'
         assert metrics.reference_rewinds._value.get() >= 1
+        # The lag read just after the rewind: both records to load again; then none.
+        assert 2 in seen and lag.get() == 0, seen
         wait_until_loaded(settings, timeout=30)
     finally:
         loader.stop()
