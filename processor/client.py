@@ -27,6 +27,7 @@ from confluent_kafka import (
 
 from processor.codec.avro import codec
 from processor.config import Settings
+from processor.kafka.offsets import high_watermark
 
 
 class ObservationTimeout(TimeoutError):
@@ -91,23 +92,9 @@ class ToolsentryClient:
         parts = sorted(meta.topics[topic].partitions)
         assignment = []
         for p in parts:
-            high = self._high_watermark(TopicPartition(topic, p))
+            high = high_watermark(self._consumer, TopicPartition(topic, p))
             assignment.append(TopicPartition(topic, p, high if high >= 0 else OFFSET_END))
         self._consumer.assign(assignment)
-
-    def _high_watermark(self, tp: TopicPartition, timeout: float = 30.0) -> int:
-        """The partition's end; retried while a new topic's leader is being elected."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return int(self._consumer.get_watermark_offsets(tp, timeout=10)[1])
-            except KafkaException as exc:
-                if time.monotonic() > deadline or (
-                    not exc.args[0].retriable()
-                    and exc.args[0].code() != KafkaError.NOT_LEADER_FOR_PARTITION
-                ):
-                    raise
-                time.sleep(0.2)
 
     def _watch(self) -> None:
         obs = codec("observation")

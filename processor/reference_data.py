@@ -6,9 +6,10 @@ import time
 from typing import Any
 
 import orjson
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from processor.config import Settings
+from processor.kafka.offsets import high_watermark
 from processor.state.connection import connect
 from processor.state.references import positions
 
@@ -25,19 +26,6 @@ def publish_references(
         raise TimeoutError("reference data was not delivered")
 
 
-def _end(consumer: Consumer, tp: TopicPartition, deadline: float) -> int:
-    """The partition's end; asked again while a new topic's leader is being elected."""
-    while True:
-        try:
-            return int(consumer.get_watermark_offsets(tp, timeout=10)[1])
-        except KafkaException as exc:
-            err = exc.args[0]
-            transient = err.retriable() or err.code() == KafkaError.NOT_LEADER_FOR_PARTITION
-            if not transient or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
 def wait_until_loaded(settings: Settings, timeout: float = 60.0) -> None:
     """Block until the processors' loader has written everything now on tool.reference."""
     deadline = time.monotonic() + timeout
@@ -46,7 +34,7 @@ def wait_until_loaded(settings: Settings, timeout: float = 60.0) -> None:
         topic = settings.topics.reference
         meta = consumer.list_topics(topic, timeout=10)
         ends = {
-            p: _end(consumer, TopicPartition(topic, p), deadline)
+            p: high_watermark(consumer, TopicPartition(topic, p), deadline - time.monotonic())
             for p in meta.topics[topic].partitions
         }
     finally:

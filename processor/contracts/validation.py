@@ -408,14 +408,24 @@ def _resolves(root: Any, ref: str) -> bool:
     reference validator."""
     if not ref.startswith("#/"):
         return True
+    try:
+        return isinstance(pointer_target(root, ref), (dict, bool))
+    except LookupError:
+        return False
+
+
+def pointer_target(root: Any, ref: str) -> Any:
+    """What a local ``$ref`` (``#`` or ``#/...``) points at in ``root``; LookupError when
+    nothing. The fragment is percent-decoded whole, then split (RFC 6901, section 6): a
+    %2F is a separator like any '/'."""
     node = root
-    for token in unquote(ref[2:]).split("/"):
+    for token in unquote(ref[2:]).split("/") if ref != "#" else []:
         token = token.replace("~1", "/").replace("~0", "~")
         try:
             node = node[int(token)] if isinstance(node, list) else node[token]
-        except (KeyError, IndexError, ValueError, TypeError):
-            return False
-    return isinstance(node, (dict, bool))
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            raise LookupError(ref) from exc
+    return node
 
 
 # --- the fast subset --------------------------------------------------------------------------
@@ -501,16 +511,10 @@ class _FastCompiler:
         return self.refs[ref]
 
     def resolve(self, ref: str) -> Any:
-        node = self.root
-        # The fragment is percent-decoded whole, then split (RFC 6901, section 6): a %2F
-        # is a separator like any '/'.
-        for token in unquote(ref[2:]).split("/") if ref != "#" else []:
-            token = token.replace("~1", "/").replace("~0", "~")
-            try:
-                node = node[int(token)] if isinstance(node, list) else node[token]
-            except (KeyError, IndexError, ValueError, TypeError) as exc:
-                raise NotCompilable(f"$ref {ref!r} does not resolve") from exc
-        return node
+        try:
+            return pointer_target(self.root, ref)
+        except LookupError as exc:
+            raise NotCompilable(f"$ref {ref!r} does not resolve") from exc
 
     def scalar(self, schema: dict[str, Any], checks: list[Check]) -> None:
         if "type" in schema:

@@ -4,6 +4,7 @@ consume-produce loop sends with its transaction, and where it rewinds to on abor
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Collection
 from typing import cast
 
@@ -91,3 +92,18 @@ def records_of(messages: list[Message], on_error: Callable[[KafkaError], None]) 
             if err.fatal() or err.code() == KafkaError._FATAL:
                 raise KafkaException(err)
     return records
+
+
+def high_watermark(consumer: Consumer, tp: TopicPartition, timeout: float = 30.0) -> int:
+    """A partition's end, asked again while a new topic's leader is being elected (or a
+    broker answers with another retriable error), for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return int(consumer.get_watermark_offsets(tp, timeout=10)[1])
+        except KafkaException as exc:
+            err = exc.args[0]
+            transient = err.retriable() or err.code() == KafkaError.NOT_LEADER_FOR_PARTITION
+            if not transient or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
