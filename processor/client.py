@@ -5,6 +5,11 @@ default, so Java and Python producers agree and a run's proposals stay in
 order on one partition). Observations are read with ``read_committed`` from
 the end of ``tool.observations`` as it stood when the client started, and
 matched to proposals by ``proposal_id``.
+
+The observations topic carries every run of every agent. A client keeps only those
+of the runs it proposed under (or was told to follow with ``follow``), as the bytes it
+read, decoded when asked for; a run with no traffic for ``retain_s`` is forgotten with
+its observations. An agent runtime's memory then follows its own runs, not the fleet's.
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ class ToolsentryClient:
         *,
         principal_token: str | None = None,
         watch: bool = True,
+        retain_s: float = 3600.0,
     ) -> None:
         self.settings = settings
+        self.retain_s = retain_s
         self.tenant_id = tenant_id
         self.principal_token = principal_token
         self._producer = Producer(
@@ -63,11 +70,14 @@ class ToolsentryClient:
             )
         )
         self._failed: list[KafkaError] = []
-        self._seen: dict[str, dict[str, Any]] = {}
-        self._history: dict[str, list[dict[str, Any]]] = {}
-        """Every observation per proposal: a parked call gets one when parked, one when it ends."""
+        self._runs: dict[bytes, _Run] = {}
+        """The runs this client follows, by record key (the run id's bytes)."""
+        self._observed: dict[str, list[bytes]] = {}
+        """Every observation per proposal, as read: a parked call gets one when parked, one
+        when it ends."""
         self.arrivals: dict[str, float] = {}
-        """proposal_id -> time.monotonic() when its observation was read."""
+        """proposal_id -> time.monotonic() when its first observation was read."""
+        self._pruned_at = time.monotonic()
         self._cond = threading.Condition()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,22 +115,48 @@ class ToolsentryClient:
             except KafkaException:
                 time.sleep(0.1)
                 continue
-            got = []
+            got: list[tuple[_Run, str, bytes]] = []
             for m in messages:
+                run = self._runs.get(m.key() or b"")
                 value = m.value()
-                if m.error() is None and value:
-                    try:
-                        got.append(obs.decode(value))
-                    except ValueError:
-                        continue
+                if run is None or m.error() is not None or not value:
+                    continue  # another agent's run: not this client's to keep
+                try:
+                    _, pid = obs.leading_strings(value, 2)
+                except ValueError:
+                    continue
+                got.append((run, pid, value))
+            now = time.monotonic()
             if got:
-                now = time.monotonic()
                 with self._cond:
-                    for o in got:
-                        self._seen.setdefault(o["proposal_id"], o)
-                        self._history.setdefault(o["proposal_id"], []).append(o)
-                        self.arrivals.setdefault(o["proposal_id"], now)
+                    for run, pid, value in got:
+                        run.last = now
+                        if pid not in self._observed:
+                            self._observed[pid] = []
+                            self.arrivals[pid] = now
+                            run.proposals.append(pid)
+                        self._observed[pid].append(value)
                     self._cond.notify_all()
+            if now - self._pruned_at > min(self.retain_s, 10.0):
+                self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        """Forget the runs with no traffic for ``retain_s``, and their observations."""
+        self._pruned_at = now
+        with self._cond:
+            idle = [k for k, r in self._runs.items() if now - r.last > self.retain_s]
+            for key in idle:
+                for pid in self._runs.pop(key).proposals:
+                    self._observed.pop(pid, None)
+                    self.arrivals.pop(pid, None)
+
+    def follow(self, run_id: str | bytes) -> None:
+        """Keep the observations of a run proposed elsewhere (another process's agent, an
+        operator's console): a client otherwise keeps only its own runs'."""
+        key = run_id.encode() if isinstance(run_id, str) else run_id
+        with self._cond:
+            run = self._runs.setdefault(key, _Run())
+            run.last = time.monotonic()
 
     # -- proposing -------------------------------------------------------------------------
 
@@ -159,11 +195,24 @@ class ToolsentryClient:
         if idempotency_key is not None:
             env["idempotency_key"] = idempotency_key
         env.update(envelope)
-        self.send_raw(orjson.dumps(env), run_id.encode())
+        key = run_id.encode()
+        self.follow(key)
+        self._produce(orjson.dumps(env), key)
         return pid
 
     def send_raw(self, value: bytes, key: bytes | None) -> None:
-        """Publish bytes as they are (for tests and replays of what a model emitted)."""
+        """Publish bytes as they are (for tests and replays of what a model emitted). The
+        client follows the record's key, and the run its JSON names, if any: the processor
+        keys an observation by the proposal's run, or by the record's key when it could
+        not read one."""
+        if key is not None:
+            self.follow(key)
+        run_id = _run_id(value)
+        if run_id is not None and run_id.encode() != key:
+            self.follow(run_id)
+        self._produce(value, key)
+
+    def _produce(self, value: bytes, key: bytes | None) -> None:
         while True:
             try:
                 self._producer.produce(
@@ -197,47 +246,49 @@ class ToolsentryClient:
         self._producer.flush(timeout)
         deadline = time.monotonic() + timeout
         with self._cond:
-            while proposal_id not in self._seen:
+            while proposal_id not in self._observed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ObservationTimeout(f"no observation for {proposal_id} in {timeout}s")
                 self._cond.wait(left)
-            return self._seen[proposal_id]
+            return codec("observation").decode(self._observed[proposal_id][0])
+
+    def _wait_for(
+        self, proposal_id: str, decisions: tuple[str, ...] | None, timeout: float, what: str
+    ) -> dict[str, Any]:
+        """The first observation of ``proposal_id`` whose decision is not PENDING_APPROVAL
+        (``decisions`` None) or is one of ``decisions``."""
+        self._producer.flush(timeout)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            read = 0
+            while True:
+                for o in self.history(proposal_id)[read:]:
+                    read += 1
+                    if (decisions is None and o["decision"] != "PENDING_APPROVAL") or (
+                        decisions is not None and o["decision"] in decisions
+                    ):
+                        return o
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ObservationTimeout(f"no {what} for {proposal_id} in {timeout}s")
+                self._cond.wait(left)
 
     def wait_final(self, proposal_id: str, timeout: float = 30.0) -> dict[str, Any]:
         """The observation that ends a proposal: for a parked call, the one after approval,
         rejection or expiry, not the PENDING_APPROVAL one."""
-        self._producer.flush(timeout)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for o in self._history.get(proposal_id, ()):
-                    if o["decision"] != "PENDING_APPROVAL":
-                        return o
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ObservationTimeout(f"no final observation for {proposal_id}")
-                self._cond.wait(left)
+        return self._wait_for(proposal_id, None, timeout, "final observation")
 
     def wait_result(self, proposal_id: str, timeout: float = 30.0) -> dict[str, Any]:
         """The observation that says what the call finally did: COMPLETED or FAILED (from
         its executor, or cached under its idempotency key), or the refusal that stopped it
         before it ran."""
-        self._producer.flush(timeout)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for o in self._history.get(proposal_id, ()):
-                    if o["decision"] in ("COMPLETED", "FAILED", "REJECTED"):
-                        return o
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ObservationTimeout(f"no result for {proposal_id} in {timeout}s")
-                self._cond.wait(left)
+        return self._wait_for(proposal_id, ("COMPLETED", "FAILED", "REJECTED"), timeout, "result")
 
     def history(self, proposal_id: str) -> list[dict[str, Any]]:
+        obs = codec("observation")
         with self._cond:
-            return list(self._history.get(proposal_id, ()))
+            return [obs.decode(v) for v in self._observed.get(proposal_id, ())]
 
     def call(
         self,
@@ -263,3 +314,23 @@ class ToolsentryClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Run:
+    """A run the client follows: when it last saw traffic, and its proposals' ids."""
+
+    __slots__ = ("last", "proposals")
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.proposals: list[str] = []
+
+
+def _run_id(value: bytes) -> str | None:
+    """The ``run_id`` a proposal's JSON names, if it is JSON and names a string one."""
+    try:
+        env = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    run_id = env.get("run_id") if isinstance(env, dict) else None
+    return run_id if isinstance(run_id, str) else None

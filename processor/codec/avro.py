@@ -198,6 +198,36 @@ class AvroCodec:
         schemaless_writer(buf, self.parsed, datum)
         return buf.getvalue()
 
+    def leading_strings(self, data: bytes, count: int) -> list[str]:
+        """The record's first ``count`` fields, which must be strings, read without
+        decoding the rest: enough to tell whose record it is before paying for a decode."""
+        fields = self.parsed["fields"][:count]
+        if len(fields) < count or any(f["type"] != "string" for f in fields):
+            raise TypeError(f"the first {count} fields of {self.name} are not all strings")
+        if data[:10] != self.header:
+            raise ValueError(f"not a single-object {self.name} record")
+        out, at = [], 10
+        for _ in range(count):
+            n, shift = 0, 0
+            while True:
+                if at >= len(data) or shift > 63:
+                    raise ValueError(f"corrupt {self.name} record: a bad length")
+                byte = data[at]
+                at += 1
+                n |= (byte & 0x7F) << shift
+                shift += 7
+                if byte < 0x80:
+                    break
+            n = (n >> 1) ^ -(n & 1)
+            if n < 0 or at + n > len(data):
+                raise ValueError(f"corrupt {self.name} record: a string past its end")
+            try:
+                out.append(data[at : at + n].decode())
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"corrupt {self.name} record: {exc.reason}") from exc
+            at += n
+        return out
+
     def decode(self, data: bytes) -> dict[str, Any]:
         if data[:10] != self.header:
             raise ValueError(f"not a single-object {self.name} record")

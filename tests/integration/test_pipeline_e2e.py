@@ -227,6 +227,37 @@ def test_one_runs_proposals_keep_their_order(e2e: E2E) -> None:
     assert len({o["execution_metadata"]["source_partition"] for o in seen}) == 1
 
 
+def test_a_client_keeps_its_own_runs_and_the_runs_it_follows(e2e: E2E) -> None:
+    """The observations topic carries every agent's runs; a client keeps its own, those it
+    was told to follow, and forgets a run once it has been idle for ``retain_s``."""
+    partitions = e2e.settings.stack.partitions
+    followed = f"followed-{uuid.uuid4().hex[:8]}"
+    # Another run on the same partition, so that reading the followed run's observation
+    # means the other one's, produced first, was read before it.
+    unfollowed = next(
+        r
+        for r in (f"other-{uuid.uuid4().hex[:8]}" for _ in range(10_000))
+        if partition_for(r.encode(), partitions) == partition_for(followed.encode(), partitions)
+    )
+    watcher = ToolsentryClient(e2e.settings, "acme", retain_s=1.0)
+    try:
+        watcher.follow(followed)
+        unseen = e2e.client.propose("search_kb", {"query": "refunds"}, run_id=unfollowed)
+        e2e.client.wait(unseen, 60)
+        seen = e2e.client.propose("search_kb", {"query": "returns"}, run_id=followed)
+        assert watcher.wait(seen, 60) == e2e.client.wait(seen, 60)
+        assert watcher.history(unseen) == []
+        assert unseen not in watcher.arrivals
+        assert e2e.client.history(unseen)[0]["decision"] == "ROUTED"
+        deadline = time.monotonic() + 15
+        while watcher.history(seen) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert watcher.history(seen) == []  # idle past retain_s: forgotten
+        assert e2e.client.history(seen) != []  # the proposer's client keeps it (an hour)
+    finally:
+        watcher.close()
+
+
 def test_sigterm_finishes_and_exits_cleanly(e2e: E2E, tmp_path: Path) -> None:
     early = ProcessorProcess(e2e.settings, "e2e-early", tmp_path).start()
     deadline = time.monotonic() + 60

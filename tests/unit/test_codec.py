@@ -491,3 +491,37 @@ def test_a_routed_observation_is_written_as_the_generic_encoder_writes_it(
     )  # fmt: skip
     generic = codec("observation").encode(observation_record(d, contract_set))
     assert encode_observation(d, contract_set) == generic
+
+
+@given(st.text(max_size=300), st.text(max_size=300))
+@settings(max_examples=200, deadline=None)
+def test_leading_strings_read_what_a_full_decode_reads(
+    routed: Decision, proposal_id: str, run_id: str
+) -> None:
+    datum = observation_record(routed, "sha256:abc")
+    datum["proposal_id"], datum["run_id"] = proposal_id, run_id
+    data = codec("observation").encode(datum)
+    decoded = codec("observation").decode(data)
+    assert codec("observation").leading_strings(data, 3) == [
+        decoded["observation_id"],
+        proposal_id,
+        run_id,
+    ]
+
+
+def test_leading_strings_refuse_what_is_not_such_a_record(routed: Decision) -> None:
+    obs = codec("observation")
+    data = encode_observation(routed, "sha256:abc")
+    head = len(obs.header)
+    for bad in (
+        b"",
+        encode_approved_call(routed, "sha256:abc"),  # another schema's header
+        data[: head + 3],  # cut inside the first string
+        obs.header + b"\xff" * 11,  # a length that never ends
+        obs.header + b"\x01",  # a negative length
+        obs.header + b"\x04\xff\xfe",  # not UTF-8
+    ):
+        with pytest.raises(ValueError):
+            obs.leading_strings(bad, 2)
+    with pytest.raises(TypeError):  # the fourth field is a union, not a string
+        obs.leading_strings(data, 4)
