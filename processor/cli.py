@@ -108,7 +108,7 @@ def run(
     try:
         processor = Processor(s, stop_requested=stop, reload_requested=reload)
     except ContractError as exc:
-        console.print(f"[red]contracts refused[/red]\n{exc}")
+        console.print(f"[red]contracts refused[/red]\n{exc}", soft_wrap=True)
         raise typer.Exit(2) from exc
     except (PolicyError, ApproverError, KeyError_, OSError) as exc:
         console.print(f"[red]cannot start[/red]: {exc}")
@@ -256,7 +256,7 @@ def contracts_check(
         cs = load_contracts(_contracts_dir(path, config))
     except ContractError as exc:
         for p in exc.problems:
-            console.print(f"[red]{p.file}[/red] {p.path}: {p.reason}")
+            console.print(f"[red]{p.file}[/red] {p.path}: {p.reason}", soft_wrap=True)
         raise typer.Exit(1) from exc
     console.print(f"{len(cs)} contracts, {len(cs.names)} tools, set {cs.fingerprint}")
 
