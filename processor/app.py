@@ -462,41 +462,58 @@ class Processor:
             return
         if not records:
             return
+        # A batch smaller than the maximum means the processor keeps up: latency is what
+        # counts, and the batch is committed before anything more is read (see below).
+        # With no transaction in flight, its transaction opens now and its offsets go to
+        # the broker while it is decided (they are known once it is read; all of it
+        # commits or none). A full batch means a backlog: this thread's time is the
+        # limit, so the committer thread sends the offsets with the commit while this one
+        # decides the next batch.
+        keeping_up = len(records) < self.settings.batch_max_records
+        early = keeping_up and self._inflight is None
+        group = consumer.consumer_group_metadata()
+        firsts, offsets = span(records)
+        offsets_sent: Future[None] | None = None
+        if early:
+            try:
+                producer.begin_transaction()
+            except KafkaException as exc:
+                self._failed_transaction(consumer, producer, records, exc)
+                return
+            offsets_sent = self._start_bounded(
+                "send_offsets_to_transaction",
+                lambda: producer.send_offsets_to_transaction(offsets, group, 30),
+            )
         try:
             decisions = self.decide_batch(records)
             outputs = self.encode_batch(records, decisions)
         except DependencyDown as exc:
+            if offsets_sent is not None:
+                self._abandon(producer, offsets_sent)
             if self._settle_inflight(consumer, records):
                 self._wait_for_redis(consumer, records, exc)
             return
+        except BaseException:
+            if offsets_sent is not None:
+                self._abandon(producer, offsets_sent)
+            raise
         self._redis_backoff = 0.0
         if not self._settle_inflight(consumer, records):
             return  # the previous batch aborted: both were rewound, and are decided again
         try:
-            group = consumer.consumer_group_metadata()
-            producer.begin_transaction()
-            # A batch smaller than the maximum means the processor keeps up: latency is
-            # what counts, and the batch is committed before anything more is read (see
-            # below). Its offsets go first, which shortens the transaction (where they go
-            # does not matter to the outcome: all of it commits or none). A full batch
-            # means a backlog: this thread's time is the limit, so the committer thread
-            # sends the offsets with the commit while this one decides the next batch.
-            keeping_up = len(records) < self.settings.batch_max_records
-            offsets_sent = keeping_up
-            firsts, offsets = span(records)
-            if offsets_sent:
-                self._bounded(
-                    producer,
-                    "send_offsets_to_transaction",
-                    lambda: producer.send_offsets_to_transaction(offsets, group, 30),
-                )
+            if offsets_sent is None:
+                producer.begin_transaction()
+                if keeping_up:
+                    offsets_sent = self._start_bounded(
+                        "send_offsets_to_transaction",
+                        lambda: producer.send_offsets_to_transaction(offsets, group, 30),
+                    )
+            if offsets_sent is not None:
+                self._await_bounded(producer, "send_offsets_to_transaction", offsets_sent)
             for topic, key, value, headers in outputs:
                 self._send(producer, topic, key, value, headers)
         except KafkaException as exc:
-            failure = self._abort(producer, exc)
-            self._rewind(consumer, records)
-            if isinstance(failure, Fenced):
-                raise failure from exc
+            self._failed_transaction(consumer, producer, records, exc)
             return
         counted = tally(decisions)
         counted.events, self._events = self._events, Counter()
@@ -507,7 +524,7 @@ class Processor:
             self._admitted,
             group,
             offsets,
-            offsets_sent,
+            offsets_sent is not None,
             producer,
             started,
         )
@@ -520,6 +537,16 @@ class Processor:
             # Deciding early would only form a small batch that then waits behind this
             # commit, while the records arriving meanwhile wait behind both.
             self._settle_inflight(consumer)
+
+    def _failed_transaction(
+        self, consumer: Consumer, producer: Producer, records: list[Message], exc: KafkaException
+    ) -> None:
+        """A batch's transaction failed before its commit: abort, rewind, and stop the
+        clients if the producer is fenced."""
+        failure = self._abort(producer, exc)
+        self._rewind(consumer, records)
+        if isinstance(failure, Fenced):
+            raise failure from exc
 
     def _transact(self, producer: Producer, batch: _Batch) -> None:
         """The committer thread: the rest of a batch's transaction, whose records are
@@ -955,6 +982,11 @@ class Processor:
         of its own, for at most ``CALL_BOUND_S``: its own timeout is not honoured when
         the group coordinator it cached went away with a restarted broker
         (confluentinc/librdkafka#5456, #5511), and the loop would wait forever."""
+        self._await_bounded(producer, what, self._start_bounded(what, call))
+
+    @staticmethod
+    def _start_bounded(what: str, call: Callable[[], None]) -> Future[None]:
+        """``_bounded``'s call, started: ``_await_bounded`` waits for it."""
         done: Future[None] = Future()
 
         def run() -> None:
@@ -965,10 +997,24 @@ class Processor:
                 done.set_exception(exc)
 
         threading.Thread(target=run, name=f"toolsentry-{what}", daemon=True).start()
+        return done
+
+    def _await_bounded(self, producer: Producer, what: str, done: Future[None]) -> None:
         try:
             done.result(CALL_BOUND_S)
         except FutureTimeout:
             raise self._stuck(producer, what, CALL_BOUND_S) from None
+
+    def _abandon(self, producer: Producer, offsets_sent: Future[None]) -> None:
+        """Abort the transaction opened for a batch that was then not decided (Redis went
+        away, or a defect): its offsets, sent or not, go with it."""
+        self.metrics.transactions.labels("aborted").inc()
+        try:
+            with contextlib.suppress(KafkaException):
+                self._await_bounded(producer, "send_offsets_to_transaction", offsets_sent)
+            self._bounded(producer, "abort_transaction", lambda: producer.abort_transaction(30))
+        except KafkaException as exc:
+            raise Fenced(f"the transaction could not be aborted ({exc.args[0]})") from exc
 
     def _stuck(self, producer: Producer, what: str, waited: float) -> Fenced:
         """A producer stuck inside librdkafka: never used (nor freed, while a thread may

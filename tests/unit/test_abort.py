@@ -1,16 +1,18 @@
-"""What the processor does when a failed transaction cannot even be aborted: the decision
-alone, with a producer that refuses the abort as librdkafka does while a timed-out commit
-is still in progress (its integration is the broker-outage suite)."""
+"""Aborting a batch's transaction, with stand-ins for the clients: a failed transaction that
+cannot even be aborted (librdkafka refuses the abort while a timed-out commit is still in
+progress; its integration is the broker-outage suite), and a transaction opened for a batch
+that then could not be decided (its integration is the Redis-outage suite)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import CollectorRegistry
 
-from processor.app import Fenced, Processor
+from processor.app import DependencyDown, Fenced, Processor
 from processor.metrics import Metrics
 
 
@@ -42,3 +44,90 @@ def test_a_transaction_that_cannot_be_aborted_rebuilds_the_clients() -> None:
     producer = _Producer(refuse=True)
     outcome = _abort(producer)
     assert isinstance(outcome, Fenced) and "could not be aborted" in str(outcome)
+
+
+class _Record:
+    """A consumed record, as far as the loop looks at one before deciding it."""
+
+    def __init__(self, offset: int) -> None:
+        self._offset = offset
+
+    def error(self) -> None:
+        return None
+
+    def topic(self) -> str:
+        return "tool.proposals"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+
+class _Clients:
+    """The consumer and the transactional producer, recording what the loop asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def consumer_group_metadata(self) -> object:
+        return object()
+
+    def begin_transaction(self) -> None:
+        self.calls.append("begin")
+
+    def send_offsets_to_transaction(self, offsets: Any, group: Any, timeout: float) -> None:
+        self.calls.append(f"offsets {[(tp.partition, tp.offset) for tp in offsets]}")
+
+    def abort_transaction(self, timeout: float) -> None:
+        self.calls.append("abort")
+
+    def produce(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append("produce")
+
+    def commit_transaction(self, timeout: float) -> None:
+        self.calls.append("commit")
+
+
+class _Loop(Processor):
+    """The loop's batch step alone: deciding fails as ``failure`` says."""
+
+    def __init__(self, failure: BaseException) -> None:
+        self.failure = failure
+        self.metrics = Metrics(CollectorRegistry())
+        self.settings = SimpleNamespace(batch_max_records=100)  # type: ignore[assignment]
+        self._rebalanced = False
+        self._inflight = None
+        self.rewound: list[int] = []
+        self.waited = False
+
+    def decide_batch(self, records: list[Any]) -> list[Any]:
+        raise self.failure
+
+    def _rewind(self, consumer: Any, records: list[Any]) -> None:
+        self.rewound = [m.offset() for m in records]
+
+    def _wait_for_redis(self, consumer: Any, records: list[Any], exc: Any) -> None:
+        self.waited = True
+        self._rewind(consumer, records)
+
+
+def test_a_batch_keeping_up_sends_its_offsets_while_deciding_and_aborts_if_redis_fails() -> None:
+    """A batch smaller than the maximum opens its transaction and sends its offsets before
+    it is decided; when Redis then fails, that transaction is aborted before the batch is
+    rewound: nothing of it commits, and the offsets sent go with the abort."""
+    clients = _Clients()
+    loop = _Loop(DependencyDown("redis: connection refused"))
+    loop._process_batch(clients, clients, [_Record(7), _Record(8)])  # type: ignore[arg-type]
+    assert clients.calls == ["begin", "offsets [(0, 9)]", "abort"]
+    assert loop.waited and loop.rewound == [7, 8]
+    assert loop._inflight is None
+
+
+def test_a_defect_while_deciding_aborts_the_transaction_opened_for_the_batch() -> None:
+    clients = _Clients()
+    loop = _Loop(RuntimeError("a defect"))
+    with pytest.raises(RuntimeError, match="a defect"):
+        loop._process_batch(clients, clients, [_Record(3)])  # type: ignore[arg-type]
+    assert clients.calls == ["begin", "offsets [(0, 4)]", "abort"]
