@@ -504,6 +504,7 @@ def check_panels(results: dict[str, dict[str, list[dict[str, Any]]]], fingerprin
     assert labels_of(executors["B"], "result").get("committed", 0) > 0
     [contract_set] = r["Contract set per instance"]["A"]
     assert contract_set["metric"]["fingerprint"] == fingerprint
+    assert single(r["Reference loader"]["A"]) == 0  # what was published is in Redis
 
 
 def test_every_panel_query_succeeds_and_shows_the_traffic(scraped: Scraped) -> None:
