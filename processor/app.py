@@ -292,6 +292,8 @@ class Processor:
         self.loader = ReferenceLoader(settings, self.redis, self.metrics)
         self.sweeper = ExpirySweeper(settings, self.approval_store, self.metrics, self._stop)
         self._redis_backoff = 0.0
+        self._early_limit_s = settings.transaction_timeout_ms / 1000 / 3
+        """The longest a batch may take to decide inside the transaction opened for it."""
         self._max_message_bytes = (
             int(producer_config(settings).get("message.max.bytes", 1_000_000)) - 4096
         )
@@ -470,7 +472,9 @@ class Processor:
         # limit, so the committer thread sends the offsets with the commit while this one
         # decides the next batch.
         keeping_up = len(records) < self.settings.batch_max_records
-        early = keeping_up and self._inflight is None
+        # Not while Redis is being waited out: every retry would open a transaction only to
+        # abort it.
+        early = keeping_up and self._inflight is None and not self._redis_backoff
         group = consumer.consumer_group_metadata()
         firsts, offsets = span(records)
         offsets_sent: Future[None] | None = None
@@ -498,6 +502,13 @@ class Processor:
                 self._abandon(producer, offsets_sent)
             raise
         self._redis_backoff = 0.0
+        if offsets_sent is not None and time.perf_counter() - started > self._early_limit_s:
+            # Deciding took long (a slow Redis, a batch split around a defect): what is left
+            # of the transaction's timeout might not see it committed, and the same slow
+            # decision would be rewound and repeated. The transaction holds only offsets so
+            # far: it is dropped and a fresh one carries the batch.
+            self._abandon(producer, offsets_sent)
+            offsets_sent = None
         if not self._settle_inflight(consumer, records):
             return  # the previous batch aborted: both were rewound, and are decided again
         try:
@@ -1007,8 +1018,9 @@ class Processor:
 
     def _abandon(self, producer: Producer, offsets_sent: Future[None]) -> None:
         """Abort the transaction opened for a batch that was then not decided (Redis went
-        away, or a defect): its offsets, sent or not, go with it."""
-        self.metrics.transactions.labels("aborted").inc()
+        away, or a defect), or decided too slowly: its offsets, sent or not, go with it.
+        Counted apart from the aborts the broker caused."""
+        self.metrics.transactions.labels("abandoned").inc()
         try:
             with contextlib.suppress(KafkaException):
                 self._await_bounded(producer, "send_offsets_to_transaction", offsets_sent)

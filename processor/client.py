@@ -14,9 +14,13 @@ its observations. An agent runtime's memory then follows its own runs, not the f
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,6 +37,9 @@ from confluent_kafka import (
 from processor.codec.avro import codec
 from processor.config import Settings
 from processor.kafka.offsets import high_watermark
+
+_ENDS = ("COMPLETED", "FAILED", "REJECTED")
+"""The decisions that say what a call finally did."""
 
 
 class ObservationTimeout(TimeoutError):
@@ -77,6 +84,8 @@ class ToolsentryClient:
         when it ends."""
         self.arrivals: dict[str, float] = {}
         """proposal_id -> time.monotonic() when its first observation was read."""
+        self._waiting: Counter[str] = Counter()
+        """Proposals a caller waits on now: their runs are not forgotten meanwhile."""
         self._pruned_at = time.monotonic()
         self._cond = threading.Condition()
         self._closed = threading.Event()
@@ -123,7 +132,7 @@ class ToolsentryClient:
                     continue  # another agent's run: not this client's to keep
                 try:
                     _, pid = obs.leading_strings(value, 2)
-                except ValueError:
+                except Exception:  # not an observation this client can read: skipped
                     continue
                 got.append((run, pid, value))
             now = time.monotonic()
@@ -134,29 +143,39 @@ class ToolsentryClient:
                         if pid not in self._observed:
                             self._observed[pid] = []
                             self.arrivals[pid] = now
-                            run.proposals.append(pid)
+                            run.proposals.add(pid)
                         self._observed[pid].append(value)
                     self._cond.notify_all()
             if now - self._pruned_at > min(self.retain_s, 10.0):
                 self._prune(now)
 
     def _prune(self, now: float) -> None:
-        """Forget the runs with no traffic for ``retain_s``, and their observations."""
+        """Forget the runs with no traffic for ``retain_s``, and their observations, unless
+        a caller waits on one of their proposals."""
         self._pruned_at = now
         with self._cond:
-            idle = [k for k, r in self._runs.items() if now - r.last > self.retain_s]
+            idle = [
+                k
+                for k, r in self._runs.items()
+                if now - r.last > self.retain_s and not any(p in self._waiting for p in r.proposals)
+            ]
             for key in idle:
                 for pid in self._runs.pop(key).proposals:
                     self._observed.pop(pid, None)
                     self.arrivals.pop(pid, None)
 
-    def follow(self, run_id: str | bytes) -> None:
+    def follow(self, run_id: str | bytes, proposal_id: str | None = None) -> None:
         """Keep the observations of a run proposed elsewhere (another process's agent, an
-        operator's console): a client otherwise keeps only its own runs'."""
+        operator's console): a client otherwise keeps only its own runs'. A client that
+        does not watch keeps nothing."""
+        if self._thread is None:
+            return
         key = run_id.encode() if isinstance(run_id, str) else run_id
         with self._cond:
             run = self._runs.setdefault(key, _Run())
             run.last = time.monotonic()
+            if proposal_id is not None:
+                run.proposals.add(proposal_id)
 
     # -- proposing -------------------------------------------------------------------------
 
@@ -196,7 +215,7 @@ class ToolsentryClient:
             env["idempotency_key"] = idempotency_key
         env.update(envelope)
         key = run_id.encode()
-        self.follow(key)
+        self.follow(key, pid)
         self._produce(orjson.dumps(env), key)
         return pid
 
@@ -205,11 +224,12 @@ class ToolsentryClient:
         client follows the record's key, and the run its JSON names, if any: the processor
         keys an observation by the proposal's run, or by the record's key when it could
         not read one."""
-        if key is not None:
-            self.follow(key)
-        run_id = _run_id(value)
-        if run_id is not None and run_id.encode() != key:
-            self.follow(run_id)
+        if self._thread is not None:
+            pid, run_id = _ids(value)
+            if key is not None:
+                self.follow(key, pid)
+            if run_id is not None and run_id.encode() != key:
+                self.follow(run_id, pid)
         self._produce(value, key)
 
     def _produce(self, value: bytes, key: bytes | None) -> None:
@@ -243,52 +263,54 @@ class ToolsentryClient:
 
     def wait(self, proposal_id: str, timeout: float = 10.0) -> dict[str, Any]:
         """Block until the observation for ``proposal_id`` arrives."""
-        self._producer.flush(timeout)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while proposal_id not in self._observed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ObservationTimeout(f"no observation for {proposal_id} in {timeout}s")
-                self._cond.wait(left)
-            return codec("observation").decode(self._observed[proposal_id][0])
+        return self._wait_for(proposal_id, lambda o: True, timeout, "observation")
 
     def _wait_for(
-        self, proposal_id: str, decisions: tuple[str, ...] | None, timeout: float, what: str
+        self, proposal_id: str, wanted: Callable[[dict[str, Any]], bool], timeout: float, what: str
     ) -> dict[str, Any]:
-        """The first observation of ``proposal_id`` whose decision is not PENDING_APPROVAL
-        (``decisions`` None) or is one of ``decisions``."""
+        """The first observation of ``proposal_id`` that is ``wanted``."""
         self._producer.flush(timeout)
         deadline = time.monotonic() + timeout
         with self._cond:
-            read = 0
-            while True:
-                for o in self.history(proposal_id)[read:]:
-                    read += 1
-                    if (decisions is None and o["decision"] != "PENDING_APPROVAL") or (
-                        decisions is not None and o["decision"] in decisions
-                    ):
-                        return o
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ObservationTimeout(f"no {what} for {proposal_id} in {timeout}s")
-                self._cond.wait(left)
+            self._waiting[proposal_id] += 1
+            try:
+                while True:
+                    for o in self.history(proposal_id):
+                        if wanted(o):
+                            return o
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ObservationTimeout(f"no {what} for {proposal_id} in {timeout}s")
+                    self._cond.wait(left)
+            finally:
+                self._waiting[proposal_id] -= 1
+                if not self._waiting[proposal_id]:
+                    del self._waiting[proposal_id]
 
     def wait_final(self, proposal_id: str, timeout: float = 30.0) -> dict[str, Any]:
         """The observation that ends a proposal: for a parked call, the one after approval,
         rejection or expiry, not the PENDING_APPROVAL one."""
-        return self._wait_for(proposal_id, None, timeout, "final observation")
+        return self._wait_for(
+            proposal_id, lambda o: o["decision"] != "PENDING_APPROVAL", timeout, "final observation"
+        )
 
     def wait_result(self, proposal_id: str, timeout: float = 30.0) -> dict[str, Any]:
         """The observation that says what the call finally did: COMPLETED or FAILED (from
         its executor, or cached under its idempotency key), or the refusal that stopped it
         before it ran."""
-        return self._wait_for(proposal_id, ("COMPLETED", "FAILED", "REJECTED"), timeout, "result")
+        return self._wait_for(proposal_id, lambda o: o["decision"] in _ENDS, timeout, "result")
 
     def history(self, proposal_id: str) -> list[dict[str, Any]]:
+        """Every observation of ``proposal_id`` read so far, oldest first (a record that
+        does not decode is left out)."""
         obs = codec("observation")
         with self._cond:
-            return [obs.decode(v) for v in self._observed.get(proposal_id, ())]
+            kept = list(self._observed.get(proposal_id, ()))
+        out = []
+        for value in kept:
+            with contextlib.suppress(ValueError):
+                out.append(obs.decode(value))
+        return out
 
     def call(
         self,
@@ -323,14 +345,24 @@ class _Run:
 
     def __init__(self) -> None:
         self.last = time.monotonic()
-        self.proposals: list[str] = []
+        self.proposals: set[str] = set()
 
 
-def _run_id(value: bytes) -> str | None:
-    """The ``run_id`` a proposal's JSON names, if it is JSON and names a string one."""
+def _ids(value: bytes) -> tuple[str | None, str | None]:
+    """The ``proposal_id`` and ``run_id`` a proposal's JSON names, where it names strings.
+    JSON the strict reader refuses (NaN, say) is read as the processor's lenient fallback
+    reads it, so the client follows the run the processor will answer under."""
     try:
         env = orjson.loads(value)
     except orjson.JSONDecodeError:
-        return None
-    run_id = env.get("run_id") if isinstance(env, dict) else None
-    return run_id if isinstance(run_id, str) else None
+        try:
+            env = json.loads(value)
+        except ValueError:
+            return None, None
+    if not isinstance(env, dict):
+        return None, None
+    pid, run_id = env.get("proposal_id"), env.get("run_id")
+    return (
+        pid if isinstance(pid, str) else None,
+        run_id if isinstance(run_id, str) else None,
+    )

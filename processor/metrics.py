@@ -60,7 +60,8 @@ class Metrics:
         )
         self.transactions = PCounter(
             "toolsentry_transactions_total",
-            "Kafka transactions by result (committed, aborted).",
+            "Kafka transactions by result: committed, aborted (the broker or the client failed), "
+            "abandoned (opened for a batch that Redis then could not decide, or decided slowly).",
             ["result"],
             registry=registry,
         )

@@ -263,6 +263,9 @@ class World:
 
     def propose(self, who: str, tool: str, arguments: dict[str, Any] | None, **kw: Any) -> str:
         kw.setdefault("run_id", run_id())
+        # Observations are read through the agent's client, which keeps only the runs it
+        # proposed under and those it follows.
+        self.clients["agent"].follow(kw["run_id"])
         return self.clients[who].propose(tool, arguments, **kw)
 
     def wait(self, pid: str, timeout: float = 60) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from processor.client import ToolsentryClient
+from processor.client import ObservationTimeout, ToolsentryClient
 from processor.codec.avro import codec
 from processor.config import Settings
 from processor.contracts.registry import load_contracts
@@ -249,13 +250,37 @@ def test_a_client_keeps_its_own_runs_and_the_runs_it_follows(e2e: E2E) -> None:
         assert watcher.history(unseen) == []
         assert unseen not in watcher.arrivals
         assert e2e.client.history(unseen)[0]["decision"] == "ROUTED"
+        # A caller still waiting on one of the run's proposals (a routed call's result,
+        # which no executor here sends) keeps the run past retain_s.
+        timed_out: list[bool] = []
+
+        def wait_for_a_result() -> None:
+            try:
+                watcher.wait_result(seen, 4)
+            except ObservationTimeout:
+                timed_out.append(True)
+
+        waiter = threading.Thread(target=wait_for_a_result)
+        waiter.start()
+        time.sleep(3)
+        assert watcher.history(seen) != []
+        waiter.join()
+        assert timed_out
         deadline = time.monotonic() + 15
         while watcher.history(seen) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert watcher.history(seen) == []  # idle past retain_s: forgotten
+        assert watcher.history(seen) == []  # idle past retain_s, nobody waiting: forgotten
         assert e2e.client.history(seen) != []  # the proposer's client keeps it (an hour)
     finally:
         watcher.close()
+    sender = ToolsentryClient(e2e.settings, "acme", watch=False)
+    try:
+        for _ in range(100):
+            sender.propose("search_kb", {"query": "refunds"}, run_id=f"r-{uuid.uuid4().hex}")
+        sender.flush()
+        assert sender._runs == {}  # a client that does not read observations follows nothing
+    finally:
+        sender.close()
 
 
 def test_sigterm_finishes_and_exits_cleanly(e2e: E2E, tmp_path: Path) -> None:

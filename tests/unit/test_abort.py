@@ -5,6 +5,9 @@ that then could not be decided (its integration is the Redis-outage suite)."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -91,19 +94,38 @@ class _Clients:
 
 
 class _Loop(Processor):
-    """The loop's batch step alone: deciding fails as ``failure`` says."""
+    """The loop's batch step alone: deciding fails as ``failure`` says, or, without one,
+    takes ``deciding_s`` and decides nothing to write."""
 
-    def __init__(self, failure: BaseException) -> None:
+    def __init__(self, failure: BaseException | None, deciding_s: float = 0.0) -> None:
         self.failure = failure
+        self.deciding_s = deciding_s
         self.metrics = Metrics(CollectorRegistry())
-        self.settings = SimpleNamespace(batch_max_records=100)  # type: ignore[assignment]
+        self.settings = SimpleNamespace(  # type: ignore[assignment]
+            batch_max_records=100, transaction_timeout_ms=15000
+        )
         self._rebalanced = False
         self._inflight = None
+        self._redis_backoff = 0.0
+        self._early_limit_s = 5.0
+        self._stop = threading.Event()
+        self._events = Counter()
+        self._admitted = []
         self.rewound: list[int] = []
         self.waited = False
 
     def decide_batch(self, records: list[Any]) -> list[Any]:
-        raise self.failure
+        if self.failure is not None:
+            raise self.failure
+        time.sleep(self.deciding_s)
+        return []
+
+    def encode_batch(self, records: list[Any], decisions: list[Any]) -> list[Any]:
+        return []
+
+    def _settle_inflight(self, consumer: Any, after: list[Any] | None = None) -> bool:
+        batch, self._inflight = self._inflight, None
+        return batch is None or batch.outcome.result(10) is None
 
     def _rewind(self, consumer: Any, records: list[Any]) -> None:
         self.rewound = [m.offset() for m in records]
@@ -131,3 +153,29 @@ def test_a_defect_while_deciding_aborts_the_transaction_opened_for_the_batch() -
     with pytest.raises(RuntimeError, match="a defect"):
         loop._process_batch(clients, clients, [_Record(3)])  # type: ignore[arg-type]
     assert clients.calls == ["begin", "offsets [(0, 4)]", "abort"]
+
+
+def test_a_batch_decided_slowly_drops_its_early_transaction_and_commits_in_a_new_one() -> None:
+    """Deciding counts against the transaction's timeout once the transaction is open: a
+    batch that took longer than the loop allows is carried by a fresh transaction, which
+    the broker will not time out under it."""
+    clients = _Clients()
+    registry = CollectorRegistry()
+    loop = _Loop(None, deciding_s=0.05)
+    loop.metrics = Metrics(registry)
+    loop._early_limit_s = 0.01
+    loop._process_batch(clients, clients, [_Record(5)])  # type: ignore[arg-type]
+    assert clients.calls == [
+        "begin", "offsets [(0, 6)]", "abort",  # opened early, then dropped
+        "begin", "offsets [(0, 6)]", "commit",
+    ]  # fmt: skip
+    assert registry.get_sample_value("toolsentry_transactions_total", {"result": "abandoned"}) == 1
+
+
+def test_no_transaction_is_opened_early_while_redis_is_waited_out() -> None:
+    clients = _Clients()
+    loop = _Loop(DependencyDown("redis: connection refused"))
+    loop._redis_backoff = 0.4  # the previous batch met Redis down
+    loop._process_batch(clients, clients, [_Record(1)])  # type: ignore[arg-type]
+    assert clients.calls == []
+    assert loop.waited and loop.rewound == [1]
