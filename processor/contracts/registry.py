@@ -195,6 +195,9 @@ def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract
     except Exception as exc:  # check_schema let through what the validator cannot build
         problems.append(Problem(rel, "/affordance/input_schema", f"unusable schema: {exc}"))
         return None
+    output = doc["affordance"].get("output_schema")
+    if isinstance(output, dict) and not _usable_output_schema(output, rel, problems):
+        return None
     for i, example in enumerate(doc["affordance"]["examples"]):
         expected = example.get("valid", True)
         actual = validator.reference.is_valid(example["arguments"])
@@ -221,6 +224,22 @@ def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract
         rules=rules,
         references=references,
     )
+
+
+def _usable_output_schema(schema: dict[str, Any], rel: str, problems: list[Problem]) -> bool:
+    """The output schema is held to what the input schema is: a bad one would otherwise
+    surface only when a result arrives, as a defect of the batch that carries it."""
+    try:
+        check_schema(schema)
+        ArgumentValidator(schema)
+    except SchemaError as exc:
+        where = _pointer(["affordance", "output_schema", *exc.path])
+        problems.append(Problem(rel, where, f"not a valid 2020-12 schema: {exc.message}"))
+        return False
+    except Exception as exc:  # a pattern, a $ref, a cycle, or what the validator cannot build
+        problems.append(Problem(rel, "/affordance/output_schema", f"unusable schema: {exc}"))
+        return False
+    return True
 
 
 _RULE_VARIABLES = frozenset({"args", "principal", "refs"})

@@ -375,6 +375,12 @@ def check_schema(schema: Mapping[str, Any]) -> None:
     for where, key, value in found:
         if key == "$ref" and not _resolves(schema, value):
             raise ValueError(f"{where}: {value!r} does not resolve to a schema here")
+    cycle = _ref_cycle(schema)
+    if cycle is not None:
+        raise ValueError(
+            f"{cycle}: a $ref cycle that never descends into the value (through properties, "
+            "items and the like): validating anything against it recurses for ever"
+        )
 
 
 _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})
@@ -400,6 +406,84 @@ def _walk(node: Any, where: str) -> Iterator[tuple[str, str, Any]]:
     elif isinstance(node, list):
         for i, item in enumerate(node):
             yield from _walk(item, f"{where}/{i}")
+
+
+_IN_PLACE = ("not", "if", "then", "else")
+_IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
+_DESCENDING = ("additionalProperties", "items", "contains", "propertyNames",
+               "unevaluatedItems", "unevaluatedProperties")  # fmt: skip
+_DESCENDING_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _ref_cycle(root: Any) -> str | None:
+    """Where a chain of local $refs and in-place applicators (allOf, not, if, ...) comes
+    back to a schema it started from without descending into a property or an item: a
+    validator following it never ends, whatever the value. Recursion through properties
+    or items is fine (the value is finite). None: no such cycle."""
+    where: dict[int, str] = {}  # schema object -> its JSON pointer
+    same_value: dict[int, list[tuple[int, str]]] = {}  # -> (schema, via) on the same value
+    stack: list[tuple[Any, str]] = [(root, "#")]
+    while stack:
+        node, at = stack.pop()
+        if not isinstance(node, dict) or id(node) in where:
+            continue
+        where[id(node)] = at
+        edges = same_value.setdefault(id(node), [])
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            try:
+                target = pointer_target(root, ref)
+            except LookupError:
+                target = None
+            if isinstance(target, dict):
+                edges.append((id(target), f"{at}/$ref"))
+                stack.append((target, ref))
+        for key, value in node.items():
+            escaped = key.replace("~", "~0").replace("/", "~1")
+            if key in _IN_PLACE and isinstance(value, dict):
+                edges.append((id(value), f"{at}/{escaped}"))
+                stack.append((value, f"{at}/{escaped}"))
+            elif key in _IN_PLACE_LISTS and isinstance(value, list):
+                for i, sub in enumerate(value):
+                    if isinstance(sub, dict):
+                        edges.append((id(sub), f"{at}/{escaped}/{i}"))
+                        stack.append((sub, f"{at}/{escaped}/{i}"))
+            elif key == "dependentSchemas" and isinstance(value, dict):
+                for name, sub in value.items():
+                    if isinstance(sub, dict):
+                        part = f"{at}/{escaped}/{name.replace('~', '~0').replace('/', '~1')}"
+                        edges.append((id(sub), part))
+                        stack.append((sub, part))
+            elif key in _DESCENDING:
+                stack.append((value, f"{at}/{escaped}"))
+            elif key == "prefixItems" and isinstance(value, list):
+                stack.extend((sub, f"{at}/{escaped}/{i}") for i, sub in enumerate(value))
+            elif key in _DESCENDING_MAPS and isinstance(value, dict):
+                stack.extend(
+                    (sub, f"{at}/{escaped}/{name.replace('~', '~0').replace('/', '~1')}")
+                    for name, sub in value.items()
+                )
+    # Depth-first over the same-value edges, iteratively: a back edge closes a cycle.
+    state: dict[int, int] = {}  # 1: on the current path, 2: done
+    for start in same_value:
+        if start in state:
+            continue
+        state[start] = 1
+        path = [(start, iter(same_value[start]))]
+        while path:
+            node_id, pending = path[-1]
+            step = next(pending, None)
+            if step is None:
+                state[node_id] = 2
+                path.pop()
+                continue
+            child, via = step
+            if state.get(child) == 1:
+                return via
+            if child not in state:
+                state[child] = 1
+                path.append((child, iter(same_value.get(child, ()))))
+    return None
 
 
 def _resolves(root: Any, ref: str) -> bool:

@@ -189,6 +189,43 @@ def test_non_ecma_pattern(tmp_path: Path) -> None:
     assert "is not an ECMA-262 regex" in p.reason
 
 
+def test_an_input_schema_that_loops_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """Before, load_contracts checked the examples against it and died of RecursionError."""
+
+    def loop(doc: dict[str, Any]) -> None:
+        doc["affordance"]["input_schema"]["allOf"] = [{"$ref": "#"}]
+
+    p = only(refused(folder_with(tmp_path, loop)))
+    assert p.path == "/affordance/input_schema"
+    assert "#/allOf/0/$ref: a $ref cycle" in p.reason
+
+
+@pytest.mark.parametrize(
+    ("output_schema", "path", "reason"),
+    [
+        ({"type": "objekt"}, "/affordance/output_schema/type", "not a valid 2020-12 schema"),
+        (
+            {"properties": {"id": {"pattern": "(?P<x>a)"}}},
+            "/affordance/output_schema",
+            "is not an ECMA-262 regex",
+        ),
+        ({"$ref": "#/$defs/gone"}, "/affordance/output_schema", "does not resolve"),
+        ({"not": {"$ref": "#"}}, "/affordance/output_schema", "a $ref cycle"),
+    ],
+)
+def test_an_output_schema_that_would_fail_on_a_result_is_refused_when_loaded(
+    output_schema: dict[str, Any], path: str, reason: str, tmp_path: Path
+) -> None:
+    """Before, it loaded, and the first result of the tool failed its whole batch."""
+
+    def bad(doc: dict[str, Any]) -> None:
+        doc["affordance"]["output_schema"] = output_schema
+
+    p = only(refused(folder_with(tmp_path, bad)))
+    assert p.path == path
+    assert reason in p.reason
+
+
 def test_valid_example_that_fails_the_schema(tmp_path: Path) -> None:
     def bad(doc: dict[str, Any]) -> None:
         doc["affordance"]["examples"][0]["arguments"]["order_id"] = "ORD-1"

@@ -32,6 +32,7 @@ from processor.contracts.validation import (
     compile_fast,
     ecma_search,
     is_multiple_of,
+    reference_validator,
 )
 from tests.unit.helpers import CONTRACTS_DIR
 
@@ -726,3 +727,63 @@ def test_a_schema_that_would_fail_at_call_time_is_refused_when_loaded(
 )
 def test_refs_that_are_not_json_pointers_are_left_to_the_reference(schema: dict[str, Any]) -> None:
     check_schema(schema)
+
+
+_LOOPS = [
+    ({"$ref": "#"}, "#/\\$ref"),
+    ({"allOf": [{"$ref": "#"}]}, "#/allOf/0/\\$ref"),
+    (
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+        "\\$ref",
+    ),
+    (
+        {"$ref": "#/$defs/n", "$defs": {"n": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/n"}]}}},
+        "anyOf/1/\\$ref",
+    ),
+    ({"if": {"$ref": "#"}}, "#/if/\\$ref"),
+    ({"dependentSchemas": {"a/b": {"$ref": "#"}}}, "#/dependentSchemas/a~1b/\\$ref"),
+    ({"not": {"not": {"$ref": "#/not"}}}, "#/not/not/\\$ref"),
+]
+
+
+@pytest.mark.parametrize(("schema", "where"), _LOOPS)
+def test_a_ref_cycle_that_never_descends_into_the_value_is_refused(
+    schema: dict[str, Any], where: str
+) -> None:
+    """Before, such a schema loaded, and every call against it ended in RecursionError."""
+    with pytest.raises(RecursionError):
+        reference_validator(schema).is_valid({"a/b": 1})
+    with pytest.raises(ValueError, match=f"{where}: a \\$ref cycle"):
+        check_schema(schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"child": {"$ref": "#"}}},
+        {"type": "array", "items": {"$ref": "#"}},
+        {"prefixItems": [{"$ref": "#"}], "additionalProperties": {"$ref": "#"}},
+        {
+            "properties": {"tree": {"$ref": "#/$defs/node"}},
+            "$defs": {
+                "node": {
+                    "anyOf": [
+                        {"type": "null"},
+                        {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                    ]
+                }
+            },
+        },
+        {
+            "allOf": [{"$ref": "#/$defs/a"}],
+            "$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {}},
+        },
+    ],
+)
+def test_recursion_through_properties_or_items_is_a_schema_like_any_other(
+    schema: dict[str, Any],
+) -> None:
+    check_schema(schema)
+    validator = ArgumentValidator(schema)
+    for value in ({"child": {"child": {}}, "tree": [[None], None]}, [[[]], {}], None):
+        assert validator.is_valid(value) == validator.reference.is_valid(value), value
