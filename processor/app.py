@@ -124,6 +124,15 @@ retries until the transaction's timeout and one more attempt (30 s), and the abo
 (30 s), with room to spare."""
 
 
+MAX_STUCK_PRODUCERS = 4
+"""Producers left stuck inside librdkafka at once before the processor gives up."""
+
+
+class StuckForGood(RuntimeError):
+    """Too many producers are stuck inside librdkafka: the process exits, and its
+    supervisor starts a clean one (which resumes from the committed offsets)."""
+
+
 class Fenced(Exception):
     """Another instance took over this producer's transactional id, or the consumer failed
     for good (a static member fenced by its own rejoin after a broker restart): the
@@ -303,7 +312,8 @@ class Processor:
         """The batch whose transaction the committer thread runs, if any."""
         self._rebalanced = False
         """Set by the rebalance callbacks: the records in hand are read again."""
-        self._stuck_producers: list[Producer] = []
+        self._stuck_producers: list[tuple[Producer, Future[Any]]] = []
+        """Producers given up inside a librdkafka call, with that call's outcome."""
         self.admission = AdmissionStore(self.redis, settings.redis_namespace)
         self._admitted: list[tuple[str, Item]] = []
         """Admission items of the batch being decided; their replay markers go once it
@@ -588,7 +598,9 @@ class Processor:
         try:
             failure = batch.outcome.result(SETTLE_BOUND_S)
         except FutureTimeout:
-            failure = self._stuck(batch.producer, "the batch's commit", SETTLE_BOUND_S)
+            failure = self._stuck(
+                batch.producer, batch.outcome, "the batch's commit", SETTLE_BOUND_S
+            )
         if failure is None:
             self._to_forget += batch.admitted
             for tp in batch.offsets:
@@ -1014,7 +1026,7 @@ class Processor:
         try:
             done.result(CALL_BOUND_S)
         except FutureTimeout:
-            raise self._stuck(producer, what, CALL_BOUND_S) from None
+            raise self._stuck(producer, done, what, CALL_BOUND_S) from None
 
     def _abandon(self, producer: Producer, offsets_sent: Future[None]) -> None:
         """Abort the transaction opened for a batch that was then not decided (Redis went
@@ -1028,12 +1040,22 @@ class Processor:
         except KafkaException as exc:
             raise Fenced(f"the transaction could not be aborted ({exc.args[0]})") from exc
 
-    def _stuck(self, producer: Producer, what: str, waited: float) -> Fenced:
-        """A producer stuck inside librdkafka: never used (nor freed, while a thread may
-        still be inside it) again. New clients take over from the committed offsets; the
-        new producer's ``init_transactions`` fences the old one's open transaction."""
-        self._stuck_producers.append(producer)
+    def _stuck(self, producer: Producer, call: Future[Any], what: str, waited: float) -> Fenced:
+        """A producer stuck inside librdkafka: never used again, and not freed while its
+        ``call`` may still be inside it. New clients take over from the committed offsets;
+        the new producer's ``init_transactions`` fences the old one's open transaction.
+
+        Producers whose stuck call has since returned are let go. Each one still stuck
+        holds librdkafka's threads and buffers: past ``MAX_STUCK_PRODUCERS`` the process
+        stops, for its supervisor to start a clean one."""
         self.metrics.dependency_errors.labels("kafka").inc()
+        self._stuck_producers = [(p, c) for p, c in self._stuck_producers if not c.done()]
+        self._stuck_producers.append((producer, call))
+        if len(self._stuck_producers) > MAX_STUCK_PRODUCERS:
+            raise StuckForGood(
+                f"{len(self._stuck_producers)} Kafka producers are stuck inside librdkafka "
+                f"(the last in {what}); exiting for a clean restart"
+            )
         return Fenced(f"{what} did not return in {waited:.0f} s")
 
     def _abort(self, producer: Producer, exc: KafkaException) -> KafkaException | Fenced:

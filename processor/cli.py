@@ -87,7 +87,7 @@ def run(
     bootstrap_servers: Annotated[str | None, typer.Option(help="Kafka bootstrap servers.")] = None,
 ) -> None:
     """Run one processor instance until SIGTERM/SIGINT (the batch in hand is finished first)."""
-    from processor.app import Processor, stop_on_signals
+    from processor.app import Processor, StuckForGood, stop_on_signals
 
     stop, reload = stop_on_signals()
     from processor.contracts.registry import ContractError
@@ -114,7 +114,11 @@ def run(
         console.print(f"[red]cannot start[/red]: {exc}")
         raise typer.Exit(2) from exc
     serve(s.metrics_port)
-    processor.run()
+    try:
+        processor.run()
+    except StuckForGood as exc:
+        logging.getLogger("processor").error("%s", exc)
+        raise typer.Exit(3) from exc
 
 
 @app.command()

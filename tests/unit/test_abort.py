@@ -179,3 +179,24 @@ def test_no_transaction_is_opened_early_while_redis_is_waited_out() -> None:
     loop._process_batch(clients, clients, [_Record(1)])  # type: ignore[arg-type]
     assert clients.calls == []
     assert loop.waited and loop.rewound == [1]
+
+
+def test_stuck_producers_are_let_go_once_their_call_returns_and_too_many_stop_the_process() -> None:
+    """A producer given up inside librdkafka is kept only while its call may still be
+    inside it; more than MAX_STUCK_PRODUCERS at once and the processor exits for a
+    clean restart instead of accumulating librdkafka's threads."""
+    from concurrent.futures import Future
+
+    from processor.app import MAX_STUCK_PRODUCERS, StuckForGood
+
+    owner = SimpleNamespace(metrics=Metrics(CollectorRegistry()), _stuck_producers=[])
+    returned: Future[None] = Future()
+    returned.set_result(None)
+    assert isinstance(Processor._stuck(owner, object(), returned, "commit", 45), Fenced)  # type: ignore[arg-type]
+    hanging = [Future() for _ in range(MAX_STUCK_PRODUCERS)]
+    for call in hanging:
+        assert isinstance(Processor._stuck(owner, object(), call, "commit", 45), Fenced)  # type: ignore[arg-type]
+    # The one whose call returned was let go: exactly the maximum is held.
+    assert len(owner._stuck_producers) == MAX_STUCK_PRODUCERS
+    with pytest.raises(StuckForGood, match=f"{MAX_STUCK_PRODUCERS + 1} Kafka producers"):
+        Processor._stuck(owner, object(), Future(), "send_offsets_to_transaction", 45)  # type: ignore[arg-type]
