@@ -450,10 +450,11 @@ _REPEATED_ATOM = re.compile(
 
 
 def _nested_quantifier(pattern: str) -> str | None:
-    """The first repeated group whose body is one repeated atom, ``(a+)+`` or ``(\\d*)*``:
-    a backtracking engine (ECMA-262's, the processor's) takes exponential time on a text
-    that almost matches, as it tries every way to split the run between the two. None
-    when there is none. (Groups with more in them, ``([a-z]+\\.)*``, are not flagged.)"""
+    """The first repeated group whose body is one repeated atom, ``(a+)+`` or ``(\\d*)*``,
+    or whose alternatives overlap, ``(a|a)*`` or ``(\\w|\\d)+``: a backtracking engine
+    (ECMA-262's, the processor's) takes exponential time on a text that almost matches, as
+    it tries every way to split the run. None when there is none. (Groups with more in
+    them, ``([a-z]+\\.)*``, are not flagged.)"""
     starts: list[int] = []
     i, in_class = 0, False
     while i < len(pattern):
@@ -472,10 +473,69 @@ def _nested_quantifier(pattern: str) -> str | None:
             after = pattern[i + 1 :]
             bound = re.match(r"\{\d+,\d*\}", after)
             width = 1 if after[:1] in ("*", "+") else bound.end() if bound else 0
-            if width and _REPEATED_ATOM.fullmatch(pattern[start + 1 : i]):
+            body = pattern[start + 1 : i]
+            if width and (_REPEATED_ATOM.fullmatch(body) or _overlapping_branches(body)):
                 return pattern[start : i + 1 + width]
         i += 1
     return None
+
+
+def _branches(body: str) -> list[str]:
+    """A group body's top-level alternatives (``?:`` dropped)."""
+    body = body[2:] if body.startswith("?:") else body
+    out, depth, in_class, i, start = [], 0, False, 0, 0
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            out.append(body[start:i])
+            start = i + 1
+        i += 1
+    out.append(body[start:])
+    return out
+
+
+_ONE_CHARACTER = re.compile(r"\\[^1-9bBkpPcux]|\[(?:\\.|[^\]\\])+\]|[^\\\[\]()|*+?{}^$]")
+"""An alternative that matches exactly one character: ``a``, ``.``, ``\\d``, ``[a-z]``."""
+
+_PROBES = [chr(c) for c in range(32, 127)] + ["\t", "\n", "\u00e9", "\u00a0", "\u4e2d"]
+"""Characters tried against one-character alternatives to see whether two overlap."""
+
+
+def _overlapping_branches(body: str) -> bool:
+    """Two alternatives of a repeated group that can match the same text, ``(a|a)*``,
+    ``(a|aa)+`` or ``(\\w|\\d)*``: a near-miss is split between them every possible way.
+    Only what can be told for certain is flagged: equal alternatives, a literal and its
+    repetition, and one-character alternatives sharing a character."""
+    alternatives = _branches(body)
+    if len(alternatives) < 2:
+        return False
+    for n, a in enumerate(alternatives):
+        for b in alternatives[n + 1 :]:
+            if a == b and a:
+                return True
+            short, long = sorted((a, b), key=len)
+            literal = re.fullmatch(r"[A-Za-z0-9_-]+", long) is not None
+            if short and literal and long == short * (len(long) // len(short)):
+                return True
+            if _ONE_CHARACTER.fullmatch(a) and _ONE_CHARACTER.fullmatch(b):
+                try:
+                    left, right = (re.compile(x, re.ASCII) for x in (a, b))
+                except re.error:
+                    continue
+                if any(left.fullmatch(c) and right.fullmatch(c) for c in _PROBES):
+                    return True
+    return False
 
 
 def backtracking_pattern(doc: dict[str, Any], _tools: tuple[str, ...]) -> Iterator[Issue]:
@@ -491,8 +551,9 @@ def backtracking_pattern(doc: dict[str, Any], _tools: tuple[str, ...]) -> Iterat
         for at, pattern in found:
             nested = _nested_quantifier(pattern)
             if nested is not None:
-                yield Issue("error", at, f"{nested} nests quantifiers: a near-miss takes "
-                            "exponential time; make the repetition unambiguous")  # fmt: skip
+                yield Issue("error", at, f"{nested} can split one run of text in many ways "
+                            "(nested quantifiers, or alternatives that overlap): a near-miss "
+                            "takes exponential time; make the repetition unambiguous")  # fmt: skip
 
 
 RULES: dict[str, Rule] = {

@@ -338,6 +338,15 @@ def test_hints_lookups_and_compensations_must_name_tools_of_the_set() -> None:
         ("^(ab|cd)+$", False),
         ("^(x{2})+$", False),
         ("^[(a+)]+$", False),  # a character class, not a group
+        ("^(a|a)*$", True),  # alternatives that overlap, repeated
+        ("^(?:WO|WOWO)+-$", True),
+        ("^(\\w|\\d)+!$", True),
+        ("^(.|\\s)*$", True),
+        ("^([a-z]|[a-f0-9])+$", True),
+        ("^(a|b)*$", False),
+        ("^([a-z]|[0-9])+$", False),
+        ("^(a|ab)*$", False),  # "ab" is no repetition of "a": one way to split
+        ("^(?:WO|WORK)+$", False),
     ],
 )
 def test_a_pattern_with_nested_quantifiers_is_an_error(pattern: str, flagged: bool) -> None:
