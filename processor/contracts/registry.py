@@ -21,7 +21,7 @@ import yaml_rs
 from jsonschema import SchemaError
 
 from processor.codec.avro import SCHEMAS_DIR
-from processor.contracts.validation import ArgumentValidator, check_schema
+from processor.contracts.validation import ArgumentValidator, SchemaRecursion, check_schema
 from processor.model import Lifecycle, SideEffectClass
 
 T = TypeVar("T")
@@ -192,7 +192,8 @@ def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract
         return None
     try:
         validator = ArgumentValidator(schema)
-    except Exception as exc:  # check_schema let through what the validator cannot build
+        _probe(validator)
+    except Exception as exc:  # check_schema let through what the validator cannot use
         problems.append(Problem(rel, "/affordance/input_schema", f"unusable schema: {exc}"))
         return None
     output = doc["affordance"].get("output_schema")
@@ -200,7 +201,11 @@ def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract
         return None
     for i, example in enumerate(doc["affordance"]["examples"]):
         expected = example.get("valid", True)
-        actual = validator.reference.is_valid(example["arguments"])
+        try:
+            actual = validator.reference_is_valid(example["arguments"])
+        except SchemaRecursion as exc:
+            problems.append(Problem(rel, f"/affordance/examples/{i}", str(exc)))
+            return None
         if actual != expected:
             verdict = "fails" if expected else "passes"
             problems.append(
@@ -226,12 +231,24 @@ def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract
     )
 
 
+def _probe(validator: ArgumentValidator) -> None:
+    """Validate a few values, and objects holding each declared property, as calls will:
+    a schema that recurses without end through a reference check_schema cannot follow
+    (an anchor, a URI, a $dynamicRef) raises SchemaRecursion here, not on a live call.
+    (The examples are checked with the reference validator below.)"""
+    properties = validator.schema.get("properties")
+    names = list(properties) if isinstance(properties, dict) else []
+    values: tuple[Any, ...] = (None, [], {}, dict.fromkeys(names), {n: {} for n in names})
+    for value in values:
+        validator.is_valid(value)
+
+
 def _usable_output_schema(schema: dict[str, Any], rel: str, problems: list[Problem]) -> bool:
     """The output schema is held to what the input schema is: a bad one would otherwise
     surface only when a result arrives, as a defect of the batch that carries it."""
     try:
         check_schema(schema)
-        ArgumentValidator(schema)
+        _probe(ArgumentValidator(schema))
     except SchemaError as exc:
         where = _pointer(["affordance", "output_schema", *exc.path])
         problems.append(Problem(rel, where, f"not a valid 2020-12 schema: {exc.message}"))

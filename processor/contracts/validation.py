@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sized
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 from urllib.parse import unquote
 
 import jsonschema._keywords as _jsk
@@ -440,7 +440,9 @@ def _ref_cycle(root: Any) -> str | None:
                 stack.append((target, ref))
         for key, value in node.items():
             escaped = key.replace("~", "~0").replace("/", "~1")
-            if key in _IN_PLACE and isinstance(value, dict):
+            if key in ("then", "else") and "if" not in node:
+                stack.append((value, f"{at}/{escaped}"))  # never applied without an if
+            elif key in _IN_PLACE and isinstance(value, dict):
                 edges.append((id(value), f"{at}/{escaped}"))
                 stack.append((value, f"{at}/{escaped}"))
             elif key in _IN_PLACE_LISTS and isinstance(value, list):
@@ -1101,12 +1103,42 @@ class ArgumentValidator:
         return self._explain if self._explain is not False else None
 
     def is_valid(self, instance: Any) -> bool:
-        if self.fast is not None:
-            return self.fast(instance)
-        return bool(self.reference.is_valid(instance))
+        try:
+            if self.fast is not None:
+                return self.fast(instance)
+            return bool(self.reference.is_valid(instance))
+        except BaseException as exc:
+            _reraise(exc)
+
+    def reference_is_valid(self, instance: Any) -> bool:
+        """The reference validator's verdict alone (contract examples are checked by it)."""
+        try:
+            return bool(self.reference.is_valid(instance))
+        except BaseException as exc:
+            _reraise(exc)
 
     def errors(self, instance: Any) -> list[ValidationError]:
-        explain = self.explain
-        if explain is not None:
-            return explain(instance)
-        return list(self.reference.iter_errors(instance))
+        try:
+            explain = self.explain
+            if explain is not None:
+                return explain(instance)
+            return list(self.reference.iter_errors(instance))
+        except BaseException as exc:
+            _reraise(exc)
+
+
+class SchemaRecursion(ValueError):
+    """Validating against the schema recursed without end (a loop of references that
+    never descends into the value): the call is answered as an internal error, and a
+    contract found to do it when loaded is refused."""
+
+
+def _reraise(exc: BaseException) -> NoReturn:
+    """Raise ``exc`` again, as SchemaRecursion where it is the interpreter's recursion
+    limit. Hit inside a Rust extension (rpds, which jsonschema's referencing uses), that
+    limit surfaces as pyo3's PanicException, a BaseException that would pass every
+    ``except Exception`` and stop the process, and the record would come back after the
+    restart."""
+    if isinstance(exc, RecursionError) or type(exc).__name__ == "PanicException":
+        raise SchemaRecursion(f"the schema recursed without end: {exc!r}"[:300]) from exc
+    raise exc

@@ -201,6 +201,32 @@ def test_an_input_schema_that_loops_is_refused_not_a_crash(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(
+    "loop",
+    [
+        {"$anchor": "t", "allOf": [{"$ref": "#t"}]},
+        {"allOf": [{"$ref": ""}]},
+        {"$id": "https://example.com/s", "allOf": [{"$ref": "https://example.com/s"}]},
+        {"allOf": [{"$dynamicRef": "#"}]},
+        {"$defs": {"x": {"$id": "urn:x"}}, "allOf": [{"$ref": "#"}]},
+        {"properties": {"order_id": {"$anchor": "q", "not": {"$ref": "#q"}}}},
+    ],
+)
+def test_a_loop_through_a_reference_the_checks_cannot_follow_is_refused(
+    loop: dict[str, Any], tmp_path: Path
+) -> None:
+    """Anchors, URIs, $dynamicRef, a document with a nested resource: validating a few
+    values when the contract loads finds the loop, instead of the first call."""
+
+    def bad(doc: dict[str, Any]) -> None:
+        doc["affordance"]["input_schema"] = {"type": "object", **loop}
+        doc["affordance"]["examples"] = []
+
+    p = only(refused(folder_with(tmp_path, bad)))
+    assert p.path == "/affordance/input_schema"
+    assert "recursed without end" in p.reason
+
+
+@pytest.mark.parametrize(
     ("output_schema", "path", "reason"),
     [
         ({"type": "objekt"}, "/affordance/output_schema/type", "not a valid 2020-12 schema"),

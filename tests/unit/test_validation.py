@@ -27,12 +27,12 @@ from processor.contracts.validation import (
     ArgumentValidator,
     NotCompilable,
     ReferenceValidator,
+    SchemaRecursion,
     check_schema,
     compile_errors,
     compile_fast,
     ecma_search,
     is_multiple_of,
-    reference_validator,
 )
 from tests.unit.helpers import CONTRACTS_DIR
 
@@ -751,8 +751,8 @@ def test_a_ref_cycle_that_never_descends_into_the_value_is_refused(
     schema: dict[str, Any], where: str
 ) -> None:
     """Before, such a schema loaded, and every call against it ended in RecursionError."""
-    with pytest.raises(RecursionError):
-        reference_validator(schema).is_valid({"a/b": 1})
+    with pytest.raises(SchemaRecursion):  # RecursionError, or pyo3's PanicException
+        ArgumentValidator(schema).reference_is_valid({"a/b": 1})
     with pytest.raises(ValueError, match=f"{where}: a \\$ref cycle"):
         check_schema(schema)
 
@@ -778,6 +778,7 @@ def test_a_ref_cycle_that_never_descends_into_the_value_is_refused(
             "allOf": [{"$ref": "#/$defs/a"}],
             "$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {}},
         },
+        {"then": {"$ref": "#"}, "else": {"$ref": "#"}},  # never applied without an if
     ],
 )
 def test_recursion_through_properties_or_items_is_a_schema_like_any_other(
@@ -787,3 +788,21 @@ def test_recursion_through_properties_or_items_is_a_schema_like_any_other(
     validator = ArgumentValidator(schema)
     for value in ({"child": {"child": {}}, "tree": [[None], None]}, [[[]], {}], None):
         assert validator.is_valid(value) == validator.reference.is_valid(value), value
+
+
+def test_a_loop_no_check_can_see_is_a_value_error_not_a_crash() -> None:
+    """A loop through an anchor, deep under a property: past the interpreter's recursion
+    limit, rpds (under jsonschema's referencing) raises pyo3's PanicException, a
+    BaseException that would pass the gates' ``except Exception`` and stop the processor.
+    It is raised as SchemaRecursion, a ValueError: that call is an internal error."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"properties": {"b": {"$anchor": "b", "not": {"$ref": "#b"}}}}},
+    }
+    validator = ArgumentValidator(schema)
+    for _ in range(3):  # whichever of the two the limit surfaces as
+        with pytest.raises(SchemaRecursion):
+            validator.is_valid({"a": {"b": 1}})
+        with pytest.raises(SchemaRecursion):
+            validator.errors({"a": {"b": 1}})
+    assert validator.is_valid({"a": {}}) is True
