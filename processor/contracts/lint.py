@@ -456,6 +456,23 @@ def _nested_quantifier(pattern: str) -> str | None:
     it tries every way to split the run. None when there is none. (Groups with more in
     them, ``([a-z]+\\.)*``, are not flagged.)"""
     starts: list[int] = []
+    for i, ch in _outside_classes(pattern):
+        if ch == "(":
+            starts.append(i)
+        elif ch == ")" and starts:
+            start = starts.pop()
+            after = pattern[i + 1 :]
+            bound = re.match(r"\{\d+,\d*\}", after)
+            width = 1 if after[:1] in ("*", "+") else bound.end() if bound else 0
+            body = pattern[start + 1 : i]
+            if width and (_REPEATED_ATOM.fullmatch(body) or _overlapping_branches(body)):
+                return pattern[start : i + 1 + width]
+    return None
+
+
+def _outside_classes(pattern: str) -> Iterator[tuple[int, str]]:
+    """(index, character) of a regex's characters that are neither escaped nor inside a
+    character class: its structure (groups, alternation, quantifiers)."""
     i, in_class = 0, False
     while i < len(pattern):
         ch = pattern[i]
@@ -466,41 +483,23 @@ def _nested_quantifier(pattern: str) -> str | None:
             in_class = ch != "]"
         elif ch == "[":
             in_class = True
-        elif ch == "(":
-            starts.append(i)
-        elif ch == ")" and starts:
-            start = starts.pop()
-            after = pattern[i + 1 :]
-            bound = re.match(r"\{\d+,\d*\}", after)
-            width = 1 if after[:1] in ("*", "+") else bound.end() if bound else 0
-            body = pattern[start + 1 : i]
-            if width and (_REPEATED_ATOM.fullmatch(body) or _overlapping_branches(body)):
-                return pattern[start : i + 1 + width]
+        else:
+            yield i, ch
         i += 1
-    return None
 
 
 def _branches(body: str) -> list[str]:
     """A group body's top-level alternatives (``?:`` dropped)."""
     body = body[2:] if body.startswith("?:") else body
-    out, depth, in_class, i, start = [], 0, False, 0, 0
-    while i < len(body):
-        ch = body[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-        elif ch == "(":
+    out, depth, start = [], 0, 0
+    for i, ch in _outside_classes(body):
+        if ch == "(":
             depth += 1
         elif ch == ")":
             depth -= 1
         elif ch == "|" and depth == 0:
             out.append(body[start:i])
             start = i + 1
-        i += 1
     out.append(body[start:])
     return out
 
