@@ -487,6 +487,13 @@ class Processor:
         early = keeping_up and self._inflight is None and not self._redis_backoff
         group = consumer.consumer_group_metadata()
         firsts, offsets = span(records)
+
+        def send_offsets() -> Future[None]:
+            return self._start_bounded(
+                "send_offsets_to_transaction",
+                lambda: producer.send_offsets_to_transaction(offsets, group, 30),
+            )
+
         offsets_sent: Future[None] | None = None
         if early:
             try:
@@ -494,10 +501,7 @@ class Processor:
             except KafkaException as exc:
                 self._failed_transaction(consumer, producer, records, exc)
                 return
-            offsets_sent = self._start_bounded(
-                "send_offsets_to_transaction",
-                lambda: producer.send_offsets_to_transaction(offsets, group, 30),
-            )
+            offsets_sent = send_offsets()
         try:
             decisions = self.decide_batch(records)
             outputs = self.encode_batch(records, decisions)
@@ -525,10 +529,7 @@ class Processor:
             if offsets_sent is None:
                 producer.begin_transaction()
                 if keeping_up:
-                    offsets_sent = self._start_bounded(
-                        "send_offsets_to_transaction",
-                        lambda: producer.send_offsets_to_transaction(offsets, group, 30),
-                    )
+                    offsets_sent = send_offsets()
             if offsets_sent is not None:
                 self._await_bounded(producer, "send_offsets_to_transaction", offsets_sent)
             for topic, key, value, headers in outputs:
