@@ -25,7 +25,7 @@ def calls(n: int, tenants: int = 4) -> list[tuple[str, Item]]:
     """Calls as the processor sends them: each with its own idempotency key, spread over
     tenants, runs and tools, under limits none of them reaches."""
     rate = rate_of(60, 1_000_000)
-    now = 1_800_000_000_000
+    now = int(time.time() * 1000)  # the store expires its hashes by this clock
     return [
         (
             f"t{i % tenants}",
@@ -42,7 +42,7 @@ def calls(n: int, tenants: int = 4) -> list[tuple[str, Item]]:
                 class_budget=1_000_000,
                 cost_cap=1e12,
                 day_cap=1e12,
-                day="20270115",
+                day=time.strftime("%Y%m%d", time.gmtime(now / 1000)),
                 repeats=2,
                 ikey=f"ik-{uuid.uuid4().hex}",
                 hash="sha256:00",

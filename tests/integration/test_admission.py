@@ -4,6 +4,7 @@ transaction, and racing processors."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,11 @@ from processor.state.connection import connect, is_script_error
 
 pytestmark = pytest.mark.integration
 
-NOW = 1_800_000_000_000
+DAY_MS = 86_400_000
+NOW = (int(time.time() * 1000) // DAY_MS + 1) * DAY_MS + DAY_MS // 2
+"""Noon tomorrow (UTC). The store sets its hashes to expire at the end of the day of
+``now`` (Redis's own clock decides when): a fixed date would have them expire on write
+once that day had passed, and every test here would fail from then on."""
 TENANT = "acme"
 
 

@@ -12,6 +12,7 @@ import pytest
 from processor.config import Settings
 from processor.evaluate import CATEGORIES, load_suite, prepare_keys
 from tests.integration.harness import ROOT, ProcessorProcess, isolated, settings_env
+from tests.lifecycle import contracts_with_sunsets_ahead
 
 pytestmark = pytest.mark.integration
 
@@ -30,14 +31,19 @@ def test_the_conformance_suite_passes_at_100_percent(
         "TOOLSENTRY_APPROVERS_FILE": str(keys.approvers),
         "TOOLSENTRY_POLICY_FILE": str(suite.policy),
     }
-    proc = ProcessorProcess(settings, "conformance-1", tmp_path, **trust).start().wait_ready()
+    contracts = {"TOOLSENTRY_CONTRACTS_DIR": str(contracts_with_sunsets_ahead(tmp_path / "c"))}
+    proc = (
+        ProcessorProcess(settings, "conformance-1", tmp_path, **trust, **contracts)
+        .start()
+        .wait_ready()
+    )
     report_path = tmp_path / "report.json"
     try:
         result = subprocess.run(
             [sys.executable, "-m", "processor", "eval", "--suite", str(SUITE),
              "--keys", str(keys.directory), "--timeout", "60", "--report", str(report_path)],
             cwd=ROOT,
-            env={**settings_env(settings, "eval"), "COLUMNS": "200"},
+            env={**settings_env(settings, "eval", **contracts), "COLUMNS": "200"},
             capture_output=True,
             text=True,
             timeout=600,

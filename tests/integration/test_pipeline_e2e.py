@@ -27,6 +27,7 @@ from tests.integration.harness import (
     read_all,
     token,
 )
+from tests.lifecycle import contracts_with_sunsets_ahead, sunset_ahead
 
 pytestmark = pytest.mark.integration
 
@@ -35,10 +36,22 @@ CANCEL = {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm"
 
 
 class E2E:
-    def __init__(self, settings: Settings, client: ToolsentryClient, proc: ProcessorProcess):
+    def __init__(
+        self,
+        settings: Settings,
+        client: ToolsentryClient,
+        proc: ProcessorProcess,
+        contracts_dir: Path,
+    ):
         self.settings = settings
         self.client = client
         self.proc = proc
+        self.contracts_dir = contracts_dir
+        """The shipped contracts, deprecated versions sunsetted a year from today."""
+
+    def processor(self, instance_id: str, log_dir: Path) -> ProcessorProcess:
+        """Another instance in this module's group, on the same contracts."""
+        return processor(self.settings, instance_id, log_dir, self.contracts_dir)
 
     def call(self, tool: str, arguments: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
         run_id = kw.pop("run_id", f"run-{uuid.uuid4().hex[:8]}")
@@ -53,18 +66,27 @@ class E2E:
         return [c for c in decoded if c["proposal_id"] == proposal_id]
 
 
+def processor(
+    settings: Settings, instance_id: str, log_dir: Path, contracts_dir: Path
+) -> ProcessorProcess:
+    return ProcessorProcess(
+        settings, instance_id, log_dir, TOOLSENTRY_CONTRACTS_DIR=str(contracts_dir)
+    )
+
+
 @pytest.fixture(scope="module")
 def e2e(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     settings = isolated(stack_settings, "e2e")
+    contracts_dir = contracts_with_sunsets_ahead(tmp_path_factory.mktemp("contracts"))
     entities = existing("acme", "cancel_order", CANCEL)
     for version in ("2.0.0", "2.1.0"):
         entities += existing("acme", "charge_customer_card_v2", _charge_arguments(version))
     publish_references(settings, entities)
-    proc = ProcessorProcess(settings, "e2e-1", tmp_path_factory.mktemp("logs")).start()
+    proc = processor(settings, "e2e-1", tmp_path_factory.mktemp("logs"), contracts_dir).start()
     wait_until_loaded(settings)
     client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
     try:
-        yield E2E(settings, client, proc)
+        yield E2E(settings, client, proc, contracts_dir)
     finally:
         client.close()
         if proc.alive():
@@ -79,7 +101,7 @@ def test_valid_call_is_routed_with_a_complete_observation(e2e: E2E) -> None:
     obs = e2e.call(
         "cancel_order", CANCEL, run_id=run_id, traceparent=TRACEPARENT, approvals=approvals
     )
-    contracts = load_contracts(ROOT / "contracts")
+    contracts = load_contracts(e2e.contracts_dir)
     assert obs["decision"] == "ROUTED"
     assert obs["gate"] == "route"
     assert obs["run_id"] == run_id and obs["tenant_id"] == "acme"
@@ -158,7 +180,7 @@ def test_unknown_and_look_alike_tools_list_the_allowed_tools(e2e: E2E) -> None:
         assert obs["gate"] == "resolve"
         assert obs["status"]["taxonomy_class"] == "STRUCTURAL_VIOLATION"
         assert obs["result_payload"]["errors"][0]["code"] == "unknown_tool"
-        assert obs["allowed_tools"] == sorted(load_contracts(ROOT / "contracts").names)
+        assert obs["allowed_tools"] == sorted(load_contracts(e2e.contracts_dir).names)
         assert obs["tool_identity"]["name"] == name
 
 
@@ -284,13 +306,13 @@ def test_a_client_keeps_its_own_runs_and_the_runs_it_follows(e2e: E2E) -> None:
 
 
 def test_sigterm_finishes_and_exits_cleanly(e2e: E2E, tmp_path: Path) -> None:
-    early = ProcessorProcess(e2e.settings, "e2e-early", tmp_path).start()
+    early = e2e.processor("e2e-early", tmp_path).start()
     deadline = time.monotonic() + 60
     while "consuming" not in early.log() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert early.terminate() == 0, early.log()[-2000:]  # before it has joined the group
 
-    proc = ProcessorProcess(e2e.settings, "e2e-2", tmp_path).start().wait_ready()
+    proc = e2e.processor("e2e-2", tmp_path).start().wait_ready()
     obs = e2e.call("lookup_order", {"order_id": "WO-12345-A"})
     assert obs["decision"] == "ROUTED"
     assert proc.terminate() == 0, proc.log()[-2000:]
@@ -319,7 +341,7 @@ def test_lifecycle_newest_active_deprecated_warns_sunsetted_refused(e2e: E2E) ->
     old = e2e.call("charge_customer_card_v2", _charge_arguments("2.0.0"), version="2.0.0")
     assert old["decision"] == "PENDING_APPROVAL" and old["tool_identity"]["version"] == "2.0.0"
     [warning] = old["result_payload"]["warnings"]
-    assert "deprecated" in warning and "2027-03-31" in warning
+    assert "deprecated" in warning and sunset_ahead() in warning
     assert "charge_customer_card_v2@2.1.0" in warning
 
     gone = e2e.call("charge_customer_card_v2", _charge_arguments("2.1.0"), version="1.0.0")

@@ -33,6 +33,7 @@ from processor.gates.resolve import resolve_tool
 from processor.gates.schema import check_arguments
 from processor.model import Rejection, SourceRecord, TaxonomyClass
 from processor.policy import Budgets, Policy, parse_policy
+from tests.lifecycle import contracts_with_sunsets_ahead
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE_DIR = ROOT / "tests" / "conformance"
@@ -193,8 +194,9 @@ def suite() -> Suite:
 
 
 @pytest.fixture(scope="module")
-def pack() -> ContractSet:
-    return load_contracts(ROOT / "contracts")
+def pack(tmp_path_factory: pytest.TempPathFactory) -> ContractSet:
+    """The pack the integration run's processor loads (see tests/lifecycle.py)."""
+    return load_contracts(contracts_with_sunsets_ahead(tmp_path_factory.mktemp("contracts")))
 
 
 # -- the structure -----------------------------------------------------------------------------
