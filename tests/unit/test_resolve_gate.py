@@ -13,7 +13,7 @@ from processor.contracts.registry import Contract, ContractSet, load_contracts
 from processor.gates.resolve import resolve_tool
 from processor.identity import DEVELOPMENT_WARNING
 from processor.model import Decision, Gate, Outcome, Proposal, Rejection, TaxonomyClass
-from tests.unit.helpers import CONTRACTS_DIR, decide_envelope, envelope
+from tests.unit.helpers import CONTRACTS_DIR, NOW_MS, decide_envelope, envelope
 
 ALL_TOOLS = load_contracts(CONTRACTS_DIR).callable_names
 
@@ -52,7 +52,7 @@ def proposal(name: str | None, version: str | None = None, **fields: Any) -> Pro
 
 
 def refused(p: Proposal, contracts: ContractSet) -> Rejection:
-    result = resolve_tool(p, contracts)
+    result = resolve_tool(p, contracts, NOW_MS)  # before every sunset date written here
     assert isinstance(result, Rejection), result
     assert result.taxonomy is TaxonomyClass.STRUCTURAL_VIOLATION
     assert result.gate is Gate.RESOLVE
@@ -62,7 +62,7 @@ def refused(p: Proposal, contracts: ContractSet) -> Rejection:
 
 
 def resolved(p: Proposal, contracts: ContractSet) -> Contract:
-    result = resolve_tool(p, contracts)
+    result = resolve_tool(p, contracts, NOW_MS)  # before every sunset date written here
     assert isinstance(result, Contract), result
     return result
 
