@@ -91,6 +91,8 @@ def verify_decision(
         entry["tool_version"],
         entry["payload_hash"],
         SideEffectClass(entry["side_effect_class"]),
+        entry["requested_by_user"],
+        entry["requested_by_agent"],
     )
     requester = Principal(
         entry["tenant_id"],

@@ -2,10 +2,13 @@
 
 An approval is a small JSON object signed with the approver's Ed25519 key
 (the seed's approval token plus a signature). It binds one decision to one
-payload hash, tool version, trace and tenant, and carries an expiry; the
-processor refuses one that is expired, bound to anything else, signed by a key
-it does not know, from an approver not allowed for the call's risk class, or
-from the principal that proposed the call. Use-once is enforced in Redis
+payload hash, tool version, trace, tenant and requester (the user and agent
+the call is proposed under), and carries an expiry; the processor refuses one
+that is expired, bound to anything else, signed by a key it does not know,
+from an approver not allowed for the call's risk class, or from the principal
+that proposed the call. Bound to its requester, an approval attached to a
+proposal cannot be lifted by another agent of the tenant that copies the
+trace and the arguments. Use-once is enforced in Redis
 (``processor.state.approvals``), because it is the only check that needs
 memory.
 
@@ -42,6 +45,8 @@ _SIGNED_FIELDS = (
     "tool_name",
     "tool_version",
     "payload_hash",
+    "requested_by_user",
+    "requested_by_agent",
     "approver_id",
     "decision",
     "approved_at",
@@ -136,6 +141,8 @@ def sign_approval(
     tool_name: str,
     tool_version: str,
     payload_hash: str,
+    requested_by_user: str,
+    requested_by_agent: str,
     decision: str = APPROVED,
     request_id: str | None = None,
     now_ms: int,
@@ -151,6 +158,8 @@ def sign_approval(
         "tool_name": tool_name,
         "tool_version": tool_version,
         "payload_hash": payload_hash,
+        "requested_by_user": requested_by_user,
+        "requested_by_agent": requested_by_agent,
         "approver_id": approver_id,
         "decision": decision,
         "approved_at": iso(now_ms),
@@ -179,6 +188,8 @@ def sign_for_request(
         "tool_name": request["tool_name"],
         "tool_version": request["tool_version"],
         "payload_hash": request["payload_hash"],
+        "requested_by_user": request["requested_by_user"],
+        "requested_by_agent": request["requested_by_agent"],
         "request_id": request["request_id"],
         **overrides,
     }
@@ -214,6 +225,8 @@ class Binding:
     tool_version: str
     payload_hash: str
     side_effect_class: SideEffectClass
+    requested_by_user: str
+    requested_by_agent: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,15 +279,17 @@ def verify_approval(
             index,
         )
     checks = (
-        ("tenant_id", binding.tenant_id, "approval_tenant_mismatch"),
-        ("tool_name", binding.tool_name, "approval_tool_mismatch"),
-        ("tool_version", binding.tool_version, "approval_version_mismatch"),
-        ("payload_hash", binding.payload_hash, "approval_payload_mismatch"),
-        ("trace_id", binding.trace_id, "approval_trace_mismatch"),
+        ("tenant_id", binding.tenant_id, "approval_tenant_mismatch", "tenant id"),
+        ("tool_name", binding.tool_name, "approval_tool_mismatch", "tool name"),
+        ("tool_version", binding.tool_version, "approval_version_mismatch", "tool version"),
+        ("payload_hash", binding.payload_hash, "approval_payload_mismatch", "payload hash"),
+        ("trace_id", binding.trace_id, "approval_trace_mismatch", "trace id"),
+        ("requested_by_user", binding.requested_by_user, "approval_requester_mismatch", "user"),
+        ("requested_by_agent", binding.requested_by_agent, "approval_requester_mismatch", "agent"),
     )
-    for name, expected, code in checks:
+    for name, expected, code, what in checks:
         if approval.get(name) != expected:
-            return _no(code, f"the approval is bound to another {name.replace('_', ' ')}", index)
+            return _no(code, f"the approval is bound to another {what}", index)
     try:
         expires = parse_iso_ms(approval["expires_at"])
     except ValueError:

@@ -288,6 +288,8 @@ class Runner:
                 "tool_name": step["tool"],
                 "tool_version": _version(self.contracts, step),
                 "payload_hash": payload_hash,
+                "requested_by_user": principal["user_id"],
+                "requested_by_agent": principal["agent_id"],
             }
             if tamper == "payload":
                 fields["payload_hash"] = "sha256:" + hashlib.sha256(b"other").hexdigest()
@@ -297,6 +299,8 @@ class Runner:
                 fields["trace_id"] = uuid.uuid4().hex
             elif tamper == "tool":
                 fields["tool_name"] = "lookup_order"
+            elif tamper == "requester":  # given for another user's identical call
+                fields["requested_by_user"] = principal["user_id"] + "-other"
             when = now_ms - 3_600_000 if tamper == "expired" else now_ms
             approval = sign_approval(
                 self.approver_keys[approver],

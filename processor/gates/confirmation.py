@@ -119,6 +119,8 @@ def check_confirmation(
             contract.version,
             call.payload_hash,
             contract.side_effect_class,
+            principal.user_id,
+            principal.agent_id,
         )
         errors: list[FieldError] = []
         good: dict[str, str] = {}

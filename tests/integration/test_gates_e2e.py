@@ -215,6 +215,8 @@ class Parked:
     traceparent: str
     tool: str
     arguments: dict[str, Any]
+    requester: str
+    """The principal (a key of ``World.principals``) the call was proposed under."""
 
 
 class World:
@@ -224,13 +226,22 @@ class World:
         self.settings = settings
         self.proc = proc
         self.issuer: TokenIssuer = issuer(settings)
-        self.tokens = {
-            "agent": token(settings, ACME, user="u-agent", agent="agent-1"),
-            "globex": token(settings, GLOBEX, user="u-globex", agent="agent-g"),
+        self.principals = {
+            "agent": ("u-agent", "agent-1"),
+            "globex": ("u-globex", "agent-g"),
             # The requester is an approver itself: it may not approve its own call.
-            "ops1": token(settings, ACME, user="ops-1", agent="agent-ops"),
-            "narrow": token(settings, ACME, scopes=["orders:read"], user="u-narrow"),
-            "public": token(settings, ACME, clearance="public", user="u-public"),
+            "ops1": ("ops-1", "agent-ops"),
+            "narrow": ("u-narrow", "agent-test"),
+            "public": ("u-public", "agent-test"),
+        }
+        """Each principal's (user id, agent id): an approval names the requester it is for."""
+        p = self.principals
+        self.tokens = {
+            "agent": token(settings, ACME, user=p["agent"][0], agent=p["agent"][1]),
+            "globex": token(settings, GLOBEX, user=p["globex"][0], agent=p["globex"][1]),
+            "ops1": token(settings, ACME, user=p["ops1"][0], agent=p["ops1"][1]),
+            "narrow": token(settings, ACME, scopes=["orders:read"], user=p["narrow"][0]),
+            "public": token(settings, ACME, clearance="public", user=p["public"][0]),
         }
         self.clients = {
             name: ToolsentryClient(
@@ -289,9 +300,9 @@ class World:
             traceparent, trace_id = new_trace()
             rid = run_id()
             pid = self.propose(who, tool, arguments, run_id=rid, traceparent=traceparent)
-            sent.append((pid, rid, traceparent, trace_id, tool, arguments))
+            sent.append((pid, rid, traceparent, trace_id, tool, arguments, who))
         out = []
-        for pid, rid, traceparent, trace_id, tool, arguments in sent:
+        for pid, rid, traceparent, trace_id, tool, arguments, who in sent:
             obs = self.wait(pid)
             refused(
                 obs,
@@ -303,7 +314,7 @@ class World:
             request_id = obs["approval_request_id"]
             assert isinstance(request_id, str) and request_id.startswith("req_")
             assert request_id in obs["next_action"]
-            out.append(Parked(pid, rid, request_id, trace_id, traceparent, tool, arguments))
+            out.append(Parked(pid, rid, request_id, trace_id, traceparent, tool, arguments, who))
         return out
 
     # -- approvals ---------------------------------------------------------------------------
@@ -316,6 +327,7 @@ class World:
         tool: str,
         arguments: dict[str, Any],
         tenant: str = ACME,
+        requester: str = "agent",
         request_id: str | None = None,
         decision: str = "approved",
         now_ms: int | None = None,
@@ -336,6 +348,8 @@ class World:
             tool_name=tool,
             tool_version="1.0.0",
             payload_hash=payload_hash(arguments),
+            requested_by_user=self.principals[requester][0],
+            requested_by_agent=self.principals[requester][1],
             decision=decision,
             request_id=request_id,
             now_ms=int(time.time() * 1000) if now_ms is None else now_ms,
@@ -346,6 +360,7 @@ class World:
 
     def sign_for(self, parked: Parked, approver: str, **kw: Any) -> dict[str, Any]:
         kw.setdefault("arguments", parked.arguments)
+        kw.setdefault("requester", parked.requester)
         return self.sign(
             approver,
             trace_id=parked.trace_id,
@@ -827,11 +842,14 @@ def test_attached_approvals_not_valid_for_the_call_are_refused(world: World) -> 
         ("agent", "viewer", {}, {}, "approver_not_allowed"),
         ("ops1", "ops-1", {}, {}, "self_approval"),
         ("agent", "ops-2", {"decision": "rejected", "reason": "no"}, {}, "approval_rejected"),
+        # Given for another agent's identical call (same trace, same arguments).
+        ("agent", "ops-1", {"requester": "narrow"}, {}, "approval_requester_mismatch"),
     ]  # fmt: skip
     sent = []
     for who, approver, options, changes, code in cases:
         traceparent, trace_id = new_trace()
         options = {"arguments": cancel(), **options}
+        options.setdefault("requester", who)
         approval = {**world.sign(approver, trace_id=trace_id, tool="cancel_order", **options)}
         approval.update(changes)
         pid = world.propose(
@@ -1013,6 +1031,7 @@ def test_a_proposal_reusing_a_parked_ones_id_does_not_inherit_its_votes(world: W
         traceparent,
         "transfer_funds",
         TRANSFER,
+        first.requester,
     )
     assert second.request_id != first.request_id
 

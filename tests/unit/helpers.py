@@ -115,6 +115,8 @@ def approvals_for(
         "tool_name": packet["tool_name"],
         "tool_version": packet["tool_version"],
         "payload_hash": packet["payload_hash"],
+        "requested_by_user": packet["requested_by_user"],
+        "requested_by_agent": packet["requested_by_agent"],
     }
     fields.update(kw)
     return [

@@ -23,8 +23,13 @@ from processor.model import FieldError, Principal, SideEffectClass
 
 KEY = ed25519.Ed25519PrivateKey.generate()
 PUBLIC = b64url.encode(KEY.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
-BINDING = Binding("acme", "trace-1", "cancel_order", "1.0.0", "sha256:ab",
-                  SideEffectClass.HIGH_RISK_EXTERNAL)  # fmt: skip
+
+
+def _binding(requester: Principal) -> Binding:
+    """The call under test, proposed by ``requester``."""
+    return Binding("acme", "trace-1", "cancel_order", "1.0.0", "sha256:ab",
+                   SideEffectClass.HIGH_RISK_EXTERNAL, requester.user_id,
+                   requester.agent_id)  # fmt: skip
 
 
 def _file(tmp_path: Path, extra: str = "") -> Path:
@@ -40,13 +45,19 @@ def _requester(user: str, agent: str = "agent-1") -> Principal:
     return Principal("acme", user, agent, frozenset(), "internal")
 
 
-def _verify(tmp_path: Path, requester: Principal, extra: str) -> VerifiedApproval | FieldError:
+def _verify(
+    tmp_path: Path, requester: Principal, extra: str = "", signed_for: Principal | None = None
+) -> VerifiedApproval | FieldError:
+    """``requester`` presents an approval signed for the call ``signed_for`` (by default,
+    the requester's own) proposed."""
     now = int(time.time() * 1000)
+    to = signed_for or requester
     approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
                              tool_name="cancel_order", tool_version="1.0.0",
-                             payload_hash="sha256:ab", now_ms=now)  # fmt: skip
-    return verify_approval(approval, load_approvers(_file(tmp_path, extra)), BINDING, requester,
-                           now)  # fmt: skip
+                             payload_hash="sha256:ab", requested_by_user=to.user_id,
+                             requested_by_agent=to.agent_id, now_ms=now)  # fmt: skip
+    return verify_approval(approval, load_approvers(_file(tmp_path, extra)), _binding(requester),
+                           requester, now)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -66,6 +77,22 @@ def test_nobody_approves_a_call_made_under_one_of_their_ids(
         assert isinstance(got, FieldError) and got.code == "self_approval"
     else:
         assert isinstance(got, VerifiedApproval) and got.approver_id == "ops-1"
+
+
+@pytest.mark.parametrize(
+    ("user", "agent"),
+    [("u-2", "agent-1"), ("u-1", "agent-2"), ("u-2", "agent-2")],
+)
+def test_an_approval_given_for_one_requester_does_not_pass_for_another(
+    tmp_path: Path, user: str, agent: str
+) -> None:
+    """Another agent (or user) of the tenant that copies a call's trace and arguments, and
+    attaches the approval given for it, gets nothing: the approval names its requester."""
+    got = _verify(tmp_path, _requester(user, agent), signed_for=_requester("u-1", "agent-1"))
+    assert isinstance(got, FieldError) and got.code == "approval_requester_mismatch"
+    assert got.message == f"the approval is bound to another {'user' if user != 'u-1' else 'agent'}"
+    own = _verify(tmp_path, _requester("u-1", "agent-1"))
+    assert isinstance(own, VerifiedApproval)
 
 
 def test_subjects_must_be_a_list_of_ids(tmp_path: Path) -> None:

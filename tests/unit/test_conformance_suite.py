@@ -71,6 +71,7 @@ TAMPER_CODES = {
     "version": "approval_version_mismatch",
     "trace": "approval_trace_mismatch",
     "tool": "approval_tool_mismatch",
+    "requester": "approval_requester_mismatch",
     "expired": "approval_expired",
     "signature": "approval_signature_invalid",
     "unregistered": "approver_unknown",
