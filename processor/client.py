@@ -8,8 +8,9 @@ matched to proposals by ``proposal_id``.
 
 The observations topic carries every run of every agent. A client keeps only those
 of the runs it proposed under (or was told to follow with ``follow``), as the bytes it
-read, decoded when asked for; a run with no traffic for ``retain_s`` is forgotten with
-its observations. An agent runtime's memory then follows its own runs, not the fleet's.
+read, decoded when asked for; a proposal with no traffic for ``retain_s`` is forgotten
+with its observations, and a run with none left. An agent runtime's memory then follows
+its own recent calls, not the fleet's.
 """
 
 from __future__ import annotations
@@ -140,29 +141,33 @@ class ToolsentryClient:
                 with self._cond:
                     for run, pid, value in got:
                         run.last = now
+                        run.proposals[pid] = now
                         if pid not in self._observed:
                             self._observed[pid] = []
                             self.arrivals[pid] = now
-                            run.proposals.add(pid)
                         self._observed[pid].append(value)
                     self._cond.notify_all()
             if now - self._pruned_at > min(self.retain_s, 10.0):
                 self._prune(now)
 
     def _prune(self, now: float) -> None:
-        """Forget the runs with no traffic for ``retain_s``, and their observations, unless
-        a caller waits on one of their proposals."""
+        """Forget the proposals with no traffic for ``retain_s``, and their observations,
+        unless a caller waits on them; and the runs left with none and no traffic either.
+        A run that stays busy for hours keeps only its recent proposals."""
         self._pruned_at = now
         with self._cond:
-            idle = [
-                k
-                for k, r in self._runs.items()
-                if now - r.last > self.retain_s and not any(p in self._waiting for p in r.proposals)
-            ]
-            for key in idle:
-                for pid in self._runs.pop(key).proposals:
+            for key, run in list(self._runs.items()):
+                stale = [
+                    pid
+                    for pid, seen in run.proposals.items()
+                    if now - seen > self.retain_s and pid not in self._waiting
+                ]
+                for pid in stale:
+                    del run.proposals[pid]
                     self._observed.pop(pid, None)
                     self.arrivals.pop(pid, None)
+                if not run.proposals and now - run.last > self.retain_s:
+                    del self._runs[key]
 
     def follow(self, run_id: str | bytes, proposal_id: str | None = None) -> None:
         """Keep the observations of a run proposed elsewhere (another process's agent, an
@@ -175,7 +180,7 @@ class ToolsentryClient:
             run = self._runs.setdefault(key, _Run())
             run.last = time.monotonic()
             if proposal_id is not None:
-                run.proposals.add(proposal_id)
+                run.proposals[proposal_id] = run.last
 
     # -- proposing -------------------------------------------------------------------------
 
@@ -346,13 +351,14 @@ class ToolsentryClient:
 
 
 class _Run:
-    """A run the client follows: when it last saw traffic, and its proposals' ids."""
+    """A run the client follows: when it last saw traffic, and when each of its proposals
+    did (proposed, or an observation read)."""
 
     __slots__ = ("last", "proposals")
 
     def __init__(self) -> None:
         self.last = time.monotonic()
-        self.proposals: set[str] = set()
+        self.proposals: dict[str, float] = {}
 
 
 def _ids(value: bytes) -> tuple[str | None, str | None]:

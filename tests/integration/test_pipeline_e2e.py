@@ -252,7 +252,8 @@ def test_one_runs_proposals_keep_their_order(e2e: E2E) -> None:
 
 def test_a_client_keeps_its_own_runs_and_the_runs_it_follows(e2e: E2E) -> None:
     """The observations topic carries every agent's runs; a client keeps its own, those it
-    was told to follow, and forgets a run once it has been idle for ``retain_s``."""
+    was told to follow, and forgets a proposal once it has been idle for ``retain_s`` (its
+    run busy or not), and a run once all of it has."""
     partitions = e2e.settings.stack.partitions
     followed = f"followed-{uuid.uuid4().hex[:8]}"
     # Another run on the same partition, so that reading the followed run's observation
@@ -288,11 +289,22 @@ def test_a_client_keeps_its_own_runs_and_the_runs_it_follows(e2e: E2E) -> None:
         assert watcher.history(seen) != []
         waiter.join()
         assert timed_out
+        # The run stays busy (a call every 0.3 s), but the proposal idle past retain_s,
+        # with nobody waiting, is forgotten: a long-lived run keeps only its recent calls.
         deadline = time.monotonic() + 15
+        latest = seen
         while watcher.history(seen) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert watcher.history(seen) == []  # idle past retain_s, nobody waiting: forgotten
+            latest = e2e.client.propose("search_kb", {"query": "later"}, run_id=followed)
+            watcher.wait(latest, 60)
+            time.sleep(0.3)
+        assert watcher.history(seen) == []
+        assert watcher.history(latest) != []
+        assert followed.encode() in watcher._runs
         assert e2e.client.history(seen) != []  # the proposer's client keeps it (an hour)
+        deadline = time.monotonic() + 15
+        while followed.encode() in watcher._runs and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert watcher.history(latest) == []  # the whole run idle: forgotten
     finally:
         watcher.close()
     sender = ToolsentryClient(e2e.settings, "acme", watch=False)
