@@ -35,7 +35,10 @@
 -- Replay safety: every verdict is kept in the tenant's 'done' hash under its input
 -- record's position (topic/partition/offset) until the batch's Kafka transaction
 -- commits. A batch applied again after an aborted transaction gets the verdicts it got
--- the first time, and no counter or record moves twice.
+-- the first time, and no counter or record moves twice. A call's marker also names its
+-- idempotency key and payload hash ("\1<key>\1<hash>\1<verdict>"): a position decided
+-- again as another call (a contract reloaded meanwhile, another version or payload)
+-- must not take the first call's "ok", which would route it with no record of its own.
 
 local base = KEYS[1]
 local H = cjson.decode(ARGV[1])
@@ -426,8 +429,16 @@ end
 -- record is at (a copy refused as in flight holds nothing). Its verdict becomes a refusal,
 -- so a replay of its batch refuses it too, even should the defect not recur. Nothing ran:
 -- a retry under the key is not blocked. Idempotent: a position voided before says so.
+-- A marker's verdict, without the key and hash a call's marker leads with.
+local function verdict_of(marker)
+  if marker and string.byte(marker, 1) == 1 then
+    return string.match(marker, '^\1[^\1]*\1[^\1]*\1(.*)$')
+  end
+  return marker
+end
+
 local function void(c)
-  local was = redis.call('HGET', done_key, c.of)
+  local was = verdict_of(redis.call('HGET', done_key, c.of))
   if was == 'no|voided|0' then return {status = 'voided'} end
   local attempt = was and tonumber(string.match(was, '^ok|(%d+)$'))
   local rec = record_of(c.ikey)
@@ -443,16 +454,24 @@ end
 
 local fresh = {}
 for i, a in ipairs(items) do
-  if earlier[i] then
-    -- The verdict of this very position, unless the record was decided as another kind
-    -- of item this time (the world changed between the two: a refused proposal is now a
-    -- call). A call never takes a refusal's or a release's "ok" (written 'ok|0'; a call's
-    -- own names its attempt, 1 or more): it would go with no record and no charge. Any
-    -- other verdict a call could take refuses it or answers from its key's record.
-    if a[1] == 1 and earlier[i] == 'ok|0' then
+  local was = earlier[i]
+  if was then
+    -- The verdict of this very position, unless the record was decided as something
+    -- else this time (the world changed between the two: a refused proposal is now a
+    -- call, or a call is another call). A call never takes a refusal's or a release's
+    -- "ok" (written 'ok|0'; a call's own names its attempt, 1 or more), nor another
+    -- call's: it would go with no record and no charge of its own. Any other verdict a
+    -- call could take refuses it or answers from its key's record.
+    local ikey, hash, verdict
+    if string.byte(was, 1) == 1 then
+      ikey, hash, verdict = string.match(was, '^\1([^\1]*)\1([^\1]*)\1(.*)$')
+    else
+      verdict = was
+    end
+    if a[1] == 1 and (verdict == 'ok|0' or (ikey and (ikey ~= a[7] or hash ~= a[8]))) then
       out[i] = 'no|replay_changed|0'
     else
-      out[i] = earlier[i]
+      out[i] = verdict
     end
   else
     local c = unwire(a)
@@ -469,7 +488,10 @@ for i, a in ipairs(items) do
       verdict = settle(c)
     end
     local text = encode(verdict)
-    if c.kind ~= 'void' then
+    if c.kind == 'call' then
+      fresh[#fresh + 1] = c.pos
+      fresh[#fresh + 1] = '\1' .. c.ikey .. '\1' .. c.hash .. '\1' .. text
+    elseif c.kind ~= 'void' then
       fresh[#fresh + 1] = c.pos
       fresh[#fresh + 1] = text
     end

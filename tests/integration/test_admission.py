@@ -191,6 +191,30 @@ def test_a_position_decided_again_as_another_kind_of_item_is_not_let_through(
     assert store.apply([refused]) == [first]  # the same kind gets its verdict again
 
 
+def test_a_position_decided_again_as_another_call_does_not_take_the_first_ones_ok(
+    store: AdmissionStore,
+) -> None:
+    # A call was admitted; its transaction aborted, and decided again (contracts reloaded
+    # meanwhile) the same record is another call: another version's key, or another
+    # payload. The first call's "ok" must not route it: it would run with no idempotency
+    # record of its own, so a duplicate of it would run again.
+    first = call()
+    [admitted] = store.apply([first])
+    assert admitted["ok"] is True and admitted["attempt"] == 1
+    counters = store.run_counters(TENANT, "run-1", NOW)
+    pos = first[1]["pos"]
+    other_key = call(pos=pos)
+    other_payload = call(pos=pos, ikey=first[1]["ikey"], hash="h2")
+    assert whys(store.apply([other_key])) == ["replay_changed"]
+    assert whys(store.apply([other_payload])) == ["replay_changed"]
+    assert store.record(TENANT, other_key[1]["ikey"], NOW) == {}
+    assert store.run_counters(TENANT, "run-1", NOW) == counters  # nothing charged twice
+    assert store.apply([first]) == [admitted]  # the same call gets its verdict again
+    refused = step(pos=pos, repair=False)  # now refused by a gate: the refusal stands
+    assert store.apply([refused]) == [admitted]
+    assert store.run_counters(TENANT, "run-1", NOW) == counters
+
+
 def test_a_script_that_fails_on_its_input_is_a_defect_not_redis_down(redis_backend: str) -> None:
     client = connect(redis_backend)
     with pytest.raises(redis.exceptions.ResponseError) as failed:
