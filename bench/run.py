@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from confluent_kafka import OFFSET_END, Consumer, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from bench.modes import foundation_decide
@@ -238,12 +238,21 @@ class RawArrivals:
 
     def _read(self) -> None:
         while not self._closed.is_set():
-            first = self._consumer.poll(0.1)
-            messages = [first, *self._consumer.consume(500, 0)] if first is not None else []
+            try:
+                first = self._consumer.poll(0.1)
+                messages = [first, *self._consumer.consume(500, 0)] if first is not None else []
+            except KafkaException:
+                time.sleep(0.1)
+                continue
             now = time.monotonic()
             for m in messages:
-                if m.error() is None and m.value():
-                    self.arrivals.setdefault(orjson.loads(m.value())["proposal_id"], now)
+                if m.error() is not None or not m.value():
+                    continue
+                try:
+                    pid = orjson.loads(m.value())["proposal_id"]
+                except (ValueError, TypeError, KeyError):
+                    continue  # not one of the corpus's proposals: never waited for
+                self.arrivals.setdefault(pid, now)
 
     def wait(self, count: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

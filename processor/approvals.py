@@ -110,9 +110,18 @@ def load_approvers(path: Path | None) -> dict[str, Approver]:
     return out
 
 
+_REQUESTER_FIELDS = ("requested_by_user", "requested_by_agent")
+
+
 def signing_bytes(approval: dict[str, Any]) -> bytes:
-    """The exact bytes an approver signs: the signed fields, canonical JSON."""
-    return orjson.dumps({k: approval.get(k) for k in _SIGNED_FIELDS}, option=orjson.OPT_SORT_KEYS)
+    """The exact bytes an approver signs: the signed fields, canonical JSON. The requester
+    fields are left out when the approval has none, as approvals signed before they were
+    added were: such an approval still verifies, and is then refused for naming no
+    requester, which says what to do about it."""
+    signed = {
+        k: approval.get(k) for k in _SIGNED_FIELDS if k not in _REQUESTER_FIELDS or k in approval
+    }
+    return orjson.dumps(signed, option=orjson.OPT_SORT_KEYS)
 
 
 def iso(ms: int) -> str:
@@ -276,6 +285,13 @@ def verify_approval(
             "approver_not_allowed",
             f"{approver.approver_id} may not approve {binding.side_effect_class.value} calls"
             f" of tenant {binding.tenant_id}",
+            index,
+        )
+    if not all(isinstance(approval.get(k), str) for k in _REQUESTER_FIELDS):
+        return _no(
+            "approval_requester_mismatch",
+            "the approval names no requester (signed by an earlier version): it must be "
+            "signed again, for the requester its confirmation packet names",
             index,
         )
     checks = (

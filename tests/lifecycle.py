@@ -27,14 +27,15 @@ def sunset_ahead() -> str:
     return (dt.datetime.now(dt.UTC).date() + dt.timedelta(days=365)).isoformat()
 
 
-def contracts_with_sunsets_ahead(directory: Path) -> Path:
+def contracts_with_sunsets_ahead(directory: Path, sunset: str | None = None) -> Path:
     """Copy the shipped contracts into ``directory``, every deprecated version's sunset date
-    set to ``sunset_ahead()``. Fails if no version was moved: the tests that use the copy
-    would then no longer exercise a deprecated version."""
+    set to ``sunset`` (default ``sunset_ahead()``). Fails if no version was moved: the tests
+    that use the copy would then no longer exercise a deprecated version."""
     shutil.copytree(CONTRACTS, directory, dirs_exist_ok=True)
+    sunset = sunset or sunset_ahead()
     moved = 0
     for path in sorted(directory.rglob("*.yaml")):
-        text, n = _SUNSET.subn(rf'\g<1>"{sunset_ahead()}"', path.read_text())
+        text, n = _SUNSET.subn(rf'\g<1>"{sunset}"', path.read_text())
         if n:
             path.write_text(text)
             moved += n

@@ -36,9 +36,12 @@
 -- record's position (topic/partition/offset) until the batch's Kafka transaction
 -- commits. A batch applied again after an aborted transaction gets the verdicts it got
 -- the first time, and no counter or record moves twice. A call's marker also names its
--- idempotency key and payload hash ("\1<key>\1<hash>\1<verdict>"): a position decided
--- again as another call (a contract reloaded meanwhile, another version or payload)
--- must not take the first call's "ok", which would route it with no record of its own.
+-- idempotency key, payload hash, tool and whether it was parked
+-- ("\1<key>\1<hash>\1<tool>\1<0|1>\1<verdict>"): a position decided again as another
+-- call (contracts or policy reloaded meanwhile: another derived key, another tool, a
+-- call now parked or no longer) must not take the first call's "ok", which would route
+-- it with no record of its own, or leave a parked call under a record that waits for
+-- no approval.
 
 local base = KEYS[1]
 local H = cjson.decode(ARGV[1])
@@ -432,7 +435,7 @@ end
 -- A marker's verdict, without the key and hash a call's marker leads with.
 local function verdict_of(marker)
   if marker and string.byte(marker, 1) == 1 then
-    return string.match(marker, '^\1[^\1]*\1[^\1]*\1(.*)$')
+    return string.match(marker, '^\1[^\1]*\1[^\1]*\1[^\1]*\1[01]\1(.*)$')
   end
   return marker
 end
@@ -462,13 +465,16 @@ for i, a in ipairs(items) do
     -- "ok" (written 'ok|0'; a call's own names its attempt, 1 or more), nor another
     -- call's: it would go with no record and no charge of its own. Any other verdict a
     -- call could take refuses it or answers from its key's record.
-    local ikey, hash, verdict
+    local ikey, hash, tool, parked, verdict
     if string.byte(was, 1) == 1 then
-      ikey, hash, verdict = string.match(was, '^\1([^\1]*)\1([^\1]*)\1(.*)$')
+      ikey, hash, tool, parked, verdict =
+        string.match(was, '^\1([^\1]*)\1([^\1]*)\1([^\1]*)\1([01])\1(.*)$')
     else
       verdict = was
     end
-    if a[1] == 1 and (verdict == 'ok|0' or (ikey and (ikey ~= a[7] or hash ~= a[8]))) then
+    local changed = ikey and (ikey ~= a[7] or hash ~= a[8] or tool ~= a[4]
+                              or parked ~= (a[11] == 1 and '1' or '0'))
+    if a[1] == 1 and (verdict == 'ok|0' or changed) then
       out[i] = 'no|replay_changed|0'
     else
       out[i] = verdict
@@ -490,7 +496,8 @@ for i, a in ipairs(items) do
     local text = encode(verdict)
     if c.kind == 'call' then
       fresh[#fresh + 1] = c.pos
-      fresh[#fresh + 1] = '\1' .. c.ikey .. '\1' .. c.hash .. '\1' .. text
+      fresh[#fresh + 1] = '\1' .. c.ikey .. '\1' .. c.hash .. '\1' .. c.tool .. '\1'
+        .. (c.park and '1' or '0') .. '\1' .. text
     elseif c.kind ~= 'void' then
       fresh[#fresh + 1] = c.pos
       fresh[#fresh + 1] = text

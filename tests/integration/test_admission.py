@@ -194,19 +194,27 @@ def test_a_position_decided_again_as_another_kind_of_item_is_not_let_through(
 def test_a_position_decided_again_as_another_call_does_not_take_the_first_ones_ok(
     store: AdmissionStore,
 ) -> None:
-    # A call was admitted; its transaction aborted, and decided again (contracts reloaded
-    # meanwhile) the same record is another call: another version's key, or another
-    # payload. The first call's "ok" must not route it: it would run with no idempotency
-    # record of its own, so a duplicate of it would run again.
+    # A call was admitted; its transaction aborted, and decided again (contracts or policy
+    # reloaded meanwhile) the same record is another call: another version's derived key,
+    # another tool under the caller's own key, or a call that now waits for approval. The
+    # first call's "ok" must not route it: it would run with no idempotency record of its
+    # own (a duplicate of it would run again), or stay parked under a record that waits
+    # for no approval.
     first = call()
     [admitted] = store.apply([first])
     assert admitted["ok"] is True and admitted["attempt"] == 1
     counters = store.run_counters(TENANT, "run-1", NOW)
     pos = first[1]["pos"]
     other_key = call(pos=pos)
-    other_payload = call(pos=pos, ikey=first[1]["ikey"], hash="h2")
-    assert whys(store.apply([other_key])) == ["replay_changed"]
-    assert whys(store.apply([other_payload])) == ["replay_changed"]
+    same_key = {"ikey": first[1]["ikey"], "hash": first[1]["hash"]}
+    changed = [
+        other_key,
+        call(pos=pos, ikey=first[1]["ikey"], hash="h2"),  # another payload
+        call(pos=pos, tool="lookup_order", **same_key),  # another tool (a caller's own key)
+        call(pos=pos, park=True, **same_key),  # now parked (a policy reloaded)
+    ]
+    for other in changed:
+        assert whys(store.apply([other])) == ["replay_changed"], other
     assert store.record(TENANT, other_key[1]["ikey"], NOW) == {}
     assert store.run_counters(TENANT, "run-1", NOW) == counters  # nothing charged twice
     assert store.apply([first]) == [admitted]  # the same call gets its verdict again

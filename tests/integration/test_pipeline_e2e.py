@@ -42,12 +42,15 @@ class E2E:
         client: ToolsentryClient,
         proc: ProcessorProcess,
         contracts_dir: Path,
+        sunset: str,
     ):
         self.settings = settings
         self.client = client
         self.proc = proc
         self.contracts_dir = contracts_dir
         """The shipped contracts, deprecated versions sunsetted a year from today."""
+        self.sunset = sunset
+        """That sunset date, as written when the module's processor started."""
 
     def processor(self, instance_id: str, log_dir: Path) -> ProcessorProcess:
         """Another instance in this module's group, on the same contracts."""
@@ -77,7 +80,8 @@ def processor(
 @pytest.fixture(scope="module")
 def e2e(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     settings = isolated(stack_settings, "e2e")
-    contracts_dir = contracts_with_sunsets_ahead(tmp_path_factory.mktemp("contracts"))
+    sunset = sunset_ahead()
+    contracts_dir = contracts_with_sunsets_ahead(tmp_path_factory.mktemp("contracts"), sunset)
     entities = existing("acme", "cancel_order", CANCEL)
     for version in ("2.0.0", "2.1.0"):
         entities += existing("acme", "charge_customer_card_v2", _charge_arguments(version))
@@ -86,7 +90,7 @@ def e2e(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> I
     wait_until_loaded(settings)
     client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
     try:
-        yield E2E(settings, client, proc, contracts_dir)
+        yield E2E(settings, client, proc, contracts_dir, sunset)
     finally:
         client.close()
         if proc.alive():
@@ -292,10 +296,11 @@ def test_a_client_keeps_its_own_runs_and_the_runs_it_follows(e2e: E2E) -> None:
         # The run stays busy (a call every 0.3 s), but the proposal idle past retain_s,
         # with nobody waiting, is forgotten: a long-lived run keeps only its recent calls.
         deadline = time.monotonic() + 15
-        latest = seen
-        while watcher.history(seen) and time.monotonic() < deadline:
+        while True:
             latest = e2e.client.propose("search_kb", {"query": "later"}, run_id=followed)
             watcher.wait(latest, 60)
+            if not watcher.history(seen) or time.monotonic() > deadline:
+                break
             time.sleep(0.3)
         assert watcher.history(seen) == []
         assert watcher.history(latest) != []
@@ -304,7 +309,8 @@ def test_a_client_keeps_its_own_runs_and_the_runs_it_follows(e2e: E2E) -> None:
         deadline = time.monotonic() + 15
         while followed.encode() in watcher._runs and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert watcher.history(latest) == []  # the whole run idle: forgotten
+        assert followed.encode() not in watcher._runs  # the whole run idle: forgotten
+        assert watcher.history(latest) == []
     finally:
         watcher.close()
     sender = ToolsentryClient(e2e.settings, "acme", watch=False)
@@ -353,7 +359,7 @@ def test_lifecycle_newest_active_deprecated_warns_sunsetted_refused(e2e: E2E) ->
     old = e2e.call("charge_customer_card_v2", _charge_arguments("2.0.0"), version="2.0.0")
     assert old["decision"] == "PENDING_APPROVAL" and old["tool_identity"]["version"] == "2.0.0"
     [warning] = old["result_payload"]["warnings"]
-    assert "deprecated" in warning and sunset_ahead() in warning
+    assert "deprecated" in warning and e2e.sunset in warning
     assert "charge_customer_card_v2@2.1.0" in warning
 
     gone = e2e.call("charge_customer_card_v2", _charge_arguments("2.1.0"), version="1.0.0")

@@ -17,6 +17,7 @@ from processor.approvals import (
     VerifiedApproval,
     load_approvers,
     sign_approval,
+    signing_bytes,
     verify_approval,
 )
 from processor.model import FieldError, Principal, SideEffectClass
@@ -93,6 +94,28 @@ def test_an_approval_given_for_one_requester_does_not_pass_for_another(
     assert got.message == f"the approval is bound to another {'user' if user != 'u-1' else 'agent'}"
     own = _verify(tmp_path, _requester("u-1", "agent-1"))
     assert isinstance(own, VerifiedApproval)
+
+
+def test_an_approval_signed_before_requesters_were_bound_is_refused_for_naming_none(
+    tmp_path: Path,
+) -> None:
+    """An approval an earlier version signed (no requester fields) verifies, and is then
+    refused with a reason that says to sign it again, not as a bad signature."""
+    requester = _requester("u-1")
+    now = int(time.time() * 1000)
+    approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
+                             tool_name="cancel_order", tool_version="1.0.0",
+                             payload_hash="sha256:ab", requested_by_user="u-1",
+                             requested_by_agent="agent-1", now_ms=now)  # fmt: skip
+    old = {k: v for k, v in approval.items() if not k.startswith("requested_by_")}
+    old["signature"] = b64url.encode(KEY.sign(signing_bytes(old)))
+    approvers = load_approvers(_file(tmp_path))
+    got = verify_approval(old, approvers, _binding(requester), requester, now)
+    assert isinstance(got, FieldError) and got.code == "approval_requester_mismatch"
+    assert "names no requester" in got.message
+    forged = {**old, "requested_by_user": "u-1", "requested_by_agent": "agent-1"}
+    got = verify_approval(forged, approvers, _binding(requester), requester, now)
+    assert isinstance(got, FieldError) and got.code == "approval_signature_invalid"
 
 
 def test_subjects_must_be_a_list_of_ids(tmp_path: Path) -> None:
