@@ -914,6 +914,8 @@ def test_decisions_on_tool_approvals_are_checked_and_release_once(world: World) 
             "expires_at": "2099-01-01T00:00:00.000Z",
         },
         "approver_not_allowed": world.sign_for(parked, "viewer"),
+        # Signed for the request, but naming another requester than its packet does.
+        "approval_requester_mismatch": world.sign_for(parked, "ops-2", requester="narrow"),
         "approval_unknown_request": {
             **world.sign_for(parked, "ops-2"),
             "request_id": "req_000000000000000000000000",

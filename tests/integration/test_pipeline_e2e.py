@@ -293,11 +293,13 @@ def test_a_client_keeps_its_own_runs_and_the_runs_it_follows(e2e: E2E) -> None:
         assert watcher.history(seen) != []
         waiter.join()
         assert timed_out
-        # The run stays busy (a call every 0.3 s), but the proposal idle past retain_s,
-        # with nobody waiting, is forgotten: a long-lived run keeps only its recent calls.
+        # The run stays busy (a call every 0.3 s, each followed as an operator's console
+        # follows a call it shows), but the proposal idle past retain_s, with nobody
+        # waiting, is forgotten: a long-lived run keeps only its recent calls.
         deadline = time.monotonic() + 15
         while True:
             latest = e2e.client.propose("search_kb", {"query": "later"}, run_id=followed)
+            watcher.follow(followed, latest)
             watcher.wait(latest, 60)
             if not watcher.history(seen) or time.monotonic() > deadline:
                 break
