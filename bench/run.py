@@ -9,8 +9,9 @@ confirmation, budgets, rate limits, idempotency in Redis) and (c) the naive
 processor each consume the same
 pre-produced proposals from their own topics, in their own process; (d)
 times the decision core in this process; the latency runs offer a fixed
-rate to a running processor, with the foundation's gates and as shipped, and
-measure proposal -> observation.
+rate to a running processor (the passthrough, the foundation's gates, and as
+shipped) and measure proposal -> observation, the passthrough's being the
+pipe's own latency.
 Machines here are noisy: read the ratios, which compare runs made minutes
 apart on the same machine, rather than the absolute numbers.
 """
@@ -57,8 +58,7 @@ from processor.state.references import ReferenceLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("passthrough", "foundation", "toolsentry")
-LATENCY_MODES = ("passthrough", "foundation", "toolsentry")
-"""The passthrough's latency is the pipe's own: the same loop and transactions, no gates."""
+"""Timed for throughput and for latency: the passthrough's figures are the pipe's own."""
 
 
 VALID_SHARE = 0.84
@@ -469,7 +469,7 @@ def main() -> None:
         print(f"(c) naive, {args.naive_count} proposals ...", flush=True)
         c = throughput(settings, "naive", records[: args.naive_count])
         lat: dict[str, dict[str, Any]] = {}
-        for mode in LATENCY_MODES:
+        for mode in MODES:
             print(f"latency at {args.rate}/s for {args.seconds:.0f}s, {mode} ...", flush=True)
             lat[mode] = latency(settings, tokens, args.rate, args.seconds, mode)
     finally:

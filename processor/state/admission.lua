@@ -425,14 +425,7 @@ local function release(c)
   return {ok = true, attempt = rec.a or 1}
 end
 
--- A call admitted for a record that then failed alone on a defect: it was answered
--- UNKNOWN_ERROR and never routed, so its record must not wait for a result that will not
--- come (a retry under its key would meet IDEMPOTENCY_CONFLICT until its deadline). Only
--- what this very position took is undone: its verdict must be "ok" with the attempt the
--- record is at (a copy refused as in flight holds nothing). Its verdict becomes a refusal,
--- so a replay of its batch refuses it too, even should the defect not recur. Nothing ran:
--- a retry under the key is not blocked. Idempotent: a position voided before says so.
--- A marker's verdict, without the key and hash a call's marker leads with.
+-- A marker's verdict, without the key, hash, tool and park flag a call's marker leads with.
 local function verdict_of(marker)
   if marker and string.byte(marker, 1) == 1 then
     return string.match(marker, '^\1[^\1]*\1[^\1]*\1[^\1]*\1[01]\1(.*)$')
@@ -440,6 +433,13 @@ local function verdict_of(marker)
   return marker
 end
 
+-- A call admitted for a record that then failed alone on a defect: it was answered
+-- UNKNOWN_ERROR and never routed, so its record must not wait for a result that will not
+-- come (a retry under its key would meet IDEMPOTENCY_CONFLICT until its deadline). Only
+-- what this very position took is undone: its verdict must be "ok" with the attempt the
+-- record is at (a copy refused as in flight holds nothing). Its verdict becomes a refusal,
+-- so a replay of its batch refuses it too, even should the defect not recur. Nothing ran:
+-- a retry under the key is not blocked. Idempotent: a position voided before says so.
 local function void(c)
   local was = verdict_of(redis.call('HGET', done_key, c.of))
   if was == 'no|voided|0' then return {status = 'voided'} end
