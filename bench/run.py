@@ -28,24 +28,21 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
-from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from bench.modes import foundation_decide
 from processor.approvals import load_approvers
-from processor.client import ToolsentryClient
+from processor.client import ToolsentryClient, next_messages, observations_consumer
 from processor.config import IdentitySettings, Settings, Topics
 from processor.contracts.registry import load_contracts
 from processor.gates.parse import Limits
 from processor.gates.semantic import RefEntry
 from processor.identity import TokenIssuer, Verifier
-from processor.kafka.offsets import high_watermark
 from processor.kafka.topics import ensure_topics
 from processor.keys import init_keys
 from processor.metrics import Metrics
@@ -215,35 +212,14 @@ class RawArrivals:
 
     def __init__(self, settings: Settings) -> None:
         self.arrivals: dict[str, float] = {}
-        self._consumer = Consumer(
-            settings.client_config(
-                **{
-                    "group.id": f"bench-raw-{uuid.uuid4()}",
-                    "enable.auto.commit": False,
-                    "isolation.level": "read_committed",
-                    "fetch.wait.max.ms": 20,
-                }
-            )
-        )
-        topic = settings.topics.observations
-        parts = sorted(self._consumer.list_topics(topic, timeout=10).topics[topic].partitions)
-        assignment = []
-        for n in parts:
-            high = high_watermark(self._consumer, TopicPartition(topic, n))
-            assignment.append(TopicPartition(topic, n, high if high >= 0 else OFFSET_END))
-        self._consumer.assign(assignment)
+        self._consumer = observations_consumer(settings, "bench-raw")
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._read, name="raw-arrivals", daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
         while not self._closed.is_set():
-            try:
-                first = self._consumer.poll(0.1)
-                messages = [first, *self._consumer.consume(500, 0)] if first is not None else []
-            except KafkaException:
-                time.sleep(0.1)
-                continue
+            messages = next_messages(self._consumer)
             now = time.monotonic()
             for m in messages:
                 if m.error() is not None or not m.value():

@@ -31,6 +31,7 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
+    Message,
     Producer,
     TopicPartition,
 )
@@ -92,39 +93,14 @@ class ToolsentryClient:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         if watch:
-            self._consumer = Consumer(
-                settings.client_config(
-                    **{
-                        "group.id": f"toolsentry-client-{uuid.uuid4()}",
-                        "enable.auto.commit": False,
-                        "isolation.level": "read_committed",
-                        "fetch.wait.max.ms": 20,
-                    }
-                )
-            )
-            self._assign_from_end()
+            self._consumer = observations_consumer(settings, "toolsentry-client")
             self._thread = threading.Thread(target=self._watch, name="observations", daemon=True)
             self._thread.start()
-
-    def _assign_from_end(self) -> None:
-        topic = self.settings.topics.observations
-        meta = self._consumer.list_topics(topic, timeout=10)
-        parts = sorted(meta.topics[topic].partitions)
-        assignment = []
-        for p in parts:
-            high = high_watermark(self._consumer, TopicPartition(topic, p))
-            assignment.append(TopicPartition(topic, p, high if high >= 0 else OFFSET_END))
-        self._consumer.assign(assignment)
 
     def _watch(self) -> None:
         obs = codec("observation")
         while not self._closed.is_set():
-            try:
-                first = self._consumer.poll(0.1)
-                messages = [first, *self._consumer.consume(500, 0)] if first is not None else []
-            except KafkaException:
-                time.sleep(0.1)
-                continue
+            messages = next_messages(self._consumer)
             got: list[tuple[_Run, str, bytes]] = []
             for m in messages:
                 run = self._runs.get(m.key() or b"")
@@ -348,6 +324,40 @@ class ToolsentryClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def observations_consumer(settings: Settings, group_prefix: str) -> Consumer:
+    """A read_committed consumer of the observations topic, assigned every partition from
+    its end as it stands now (no group membership, nothing committed)."""
+    consumer = Consumer(
+        settings.client_config(
+            **{
+                "group.id": f"{group_prefix}-{uuid.uuid4()}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "fetch.wait.max.ms": 20,
+            }
+        )
+    )
+    topic = settings.topics.observations
+    parts = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+    assignment = []
+    for p in parts:
+        high = high_watermark(consumer, TopicPartition(topic, p))
+        assignment.append(TopicPartition(topic, p, high if high >= 0 else OFFSET_END))
+    consumer.assign(assignment)
+    return consumer
+
+
+def next_messages(consumer: Consumer) -> list[Message]:
+    """What ``consumer`` has now, waiting up to 0.1 s for the first record; none (after a
+    short pause) when the consumer fails, so a reader loop goes on."""
+    try:
+        first = consumer.poll(0.1)
+        return [first, *consumer.consume(500, 0)] if first is not None else []
+    except KafkaException:
+        time.sleep(0.1)
+        return []
 
 
 class _Run:
