@@ -36,12 +36,12 @@
 -- record's position (topic/partition/offset) until the batch's Kafka transaction
 -- commits. A batch applied again after an aborted transaction gets the verdicts it got
 -- the first time, and no counter or record moves twice. A call's marker also names its
--- idempotency key, payload hash, tool and whether it was parked
--- ("\1<key>\1<hash>\1<tool>\1<0|1>\1<verdict>"): a position decided again as another
--- call (contracts or policy reloaded meanwhile: another derived key, another tool, a
--- call now parked or no longer) must not take the first call's "ok", which would route
--- it with no record of its own, or leave a parked call under a record that waits for
--- no approval.
+-- idempotency key, payload hash, tool, whether it was parked, and what it took (see
+-- marker_of): a position decided again as another call (contracts or policy reloaded
+-- meanwhile: another derived key, another tool, a call now parked or no longer) must
+-- not take the first call's "ok", which would route it with no record of its own, or
+-- leave a parked call under a record that waits for no approval; and the first call,
+-- which never ran, gives back what it took (see give_back).
 
 local base = KEYS[1]
 local H = cjson.decode(ARGV[1])
@@ -163,10 +163,11 @@ local records, record_day = {}, {}
 if #ikeys > 0 then
   for day = today, today + HORIZON do gather(idem_bucket(day), day, ikeys, records, record_day) end
 end
-local runs, run_day = {}, {}
+local runs, run_day, run_read = {}, {}, {}
 if #run_ids > 0 then
   for day = today, today - 1, -1 do gather(run_bucket(day), day, run_ids, runs, run_day) end
 end
+for _, id in ipairs(run_ids) do run_read[id] = true end
 for _, ikey in ipairs(ikeys) do records[ikey] = records[ikey] or false end
 local record_dirty, run_dirty = {}, {}
 
@@ -186,6 +187,10 @@ end
 -- A run's counters (steps, class:<group>, cost, sig:<signature>, repairs, bad:<signature>),
 -- a tool's GCRA arrival time and a day's cost live here while the batch is decided.
 local function run_of(id)
+  if not run_read[id] then  -- not named by the batch's new items (a call given back)
+    run_read[id] = true
+    for day = today, today - 1, -1 do gather(run_bucket(day), day, {id}, runs, run_day) end
+  end
   local counters = runs[id]
   if not counters then
     counters = {}
@@ -285,6 +290,18 @@ local function spent_elsewhere(ids, pos)
   return false
 end
 
+-- What an admitted call took, for its position's marker (see give_back):
+-- "<resubmitted 0|1>;<cost>;<signature>;<day, when its cost counted for the day's cap>;
+-- <rate interval, when it is rate limited>;<budget group>;<approvals' ids (JSON), if any>".
+-- A budget group is one of a fixed few names, and JSON escapes every control character.
+local function took(c, charged)
+  local approvals = c.approvals and cjson.encode(c.approvals) or ''
+  if charged then return '1;;;;;;' .. approvals end
+  return '0;' .. string.format('%.17g', c.cost) .. ';' .. c.sig .. ';'
+    .. ((c.day_cap and c.cost > 0) and c.day or '') .. ';'
+    .. (c.rate and string.format('%.17g', c.rate[1]) or '') .. ';' .. c.group .. ';' .. approvals
+end
+
 local function admit_call(c)
   local counters = run_of(c.run)
   if unrequested(c.ikey, c.hash, c.tool) then
@@ -337,7 +354,7 @@ local function admit_call(c)
   local next_attempt = charged and math.max(attempt, 1) or attempt + 1
   put_record(c.ikey, {s = 'PENDING', h = c.hash, n = c.tool, c = c.call, d = c.deadline,
                       w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant}, c.ttl)
-  return {ok = true, attempt = next_attempt}
+  return {ok = true, attempt = next_attempt, took = took(c, charged)}
 end
 
 local function admit_step(c)
@@ -425,23 +442,88 @@ local function release(c)
   return {ok = true, attempt = rec.a or 1}
 end
 
--- A marker's verdict, without the key, hash, tool and park flag a call's marker leads with.
-local function verdict_of(marker)
-  if marker and string.byte(marker, 1) == 1 then
-    return string.match(marker, '^\1[^\1]*\1[^\1]*\1[^\1]*\1[01]\1(.*)$')
+-- A call's marker: "\2<key>\2<hash>\2<tool>\2<parked 0|1>\2<what it took>\2<verdict>"
+-- (what it took: see took; empty unless admitted). Markers an earlier version wrote lead
+-- with "\1" and hold no "what it took". Anything else is a verdict alone.
+local function marker_of(was)
+  local lead = string.byte(was, 1)
+  if lead == 2 then
+    return string.match(was, '^\2([^\2]*)\2([^\2]*)\2([^\2]*)\2([01])\2([^\2]*)\2(.*)$')
+  elseif lead == 1 then
+    local ikey, hash, tool, parked, verdict =
+      string.match(was, '^\1([^\1]*)\1([^\1]*)\1([^\1]*)\1([01])\1(.*)$')
+    return ikey, hash, tool, parked, '', verdict
   end
-  return marker
+  return nil, nil, nil, nil, '', was
+end
+
+local function refund(id, field, by)
+  local counters = run_of(id)
+  local left = (counters[field] or 0) - by
+  counters[field] = left > 1e-9 and left or nil
+  run_dirty[id] = true
+end
+
+-- Give back what the call admitted at `pos` took from its run, its tenant's day and its
+-- tool's rate, and the approvals it spent. Only for a call that never ran: its batch's
+-- transaction aborted and the position was then decided as something else, or it failed
+-- alone on a defect (void). Its step stays counted: the position is still a proposal of
+-- its run. Returns whether it was a resubmitted parked call (which took nothing then).
+local function give_back(pos, run, tool, took_)
+  local again, cost, sig, day, interval, group, approvals =
+    string.match(took_, '^([01]);([^;]*);([^;]*);([^;]*);([^;]*);([^;]*);(.*)$')
+  if not again then return false end
+  if approvals ~= '' then
+    for _, id in ipairs(cjson.decode(approvals)) do
+      local key = base .. ':apr:' .. id
+      if redis.call('GET', key) == pos then redis.call('DEL', key) end
+    end
+  end
+  if again == '1' then return true end
+  refund(run, 'sig:' .. sig, 1)
+  refund(run, 'class:' .. group, 1)
+  refund(run, 'cost', tonumber(cost))
+  if day ~= '' then
+    days[day] = math.max(0, day_cost(day) - tonumber(cost))
+    day_dirty[day] = true
+  end
+  if interval ~= '' then
+    local key = base .. ':rl:' .. tool
+    local left = redis.call('PTTL', key)
+    if left > 0 then
+      tats[tool] = tat_of(tool) - tonumber(interval)
+      tat_ttl[tool] = math.max(tat_ttl[tool] or 0, left)
+    end
+  end
+  return false
+end
+
+-- The record a call admitted at attempt `attempt` took, if it still holds it: back to
+-- retryable (nothing ran), or, for a resubmitted parked call, back to waiting for approval.
+local function release_record(ikey, attempt, hash, call, resubmitted)
+  local rec = record_of(ikey)
+  if not (attempt and attempt >= 1 and rec and rec.s == 'PENDING' and rec.a == attempt
+          and rec.h == hash and (call == nil or rec.c == call)) then
+    return false
+  end
+  if resubmitted then rec.w = 1 else rec.s, rec.w = 'FAILED_RETRYABLE', 0 end
+  records[ikey] = rec
+  record_dirty[ikey] = record_dirty[ikey] or record_day[ikey]
+  return true
 end
 
 -- A call admitted for a record that then failed alone on a defect: it was answered
 -- UNKNOWN_ERROR and never routed, so its record must not wait for a result that will not
--- come (a retry under its key would meet IDEMPOTENCY_CONFLICT until its deadline). Only
--- what this very position took is undone: its verdict must be "ok" with the attempt the
--- record is at (a copy refused as in flight holds nothing). Its verdict becomes a refusal,
--- so a replay of its batch refuses it too, even should the defect not recur. Nothing ran:
--- a retry under the key is not blocked. Idempotent: a position voided before says so.
+-- come (a retry under its key would meet IDEMPOTENCY_CONFLICT until its deadline), nor
+-- keep what it took from the budgets. Only what this very position took is undone: its
+-- verdict must be "ok" with the attempt the record is at (a copy refused as in flight
+-- holds nothing). Its verdict becomes a refusal, so a replay of its batch refuses it too,
+-- even should the defect not recur. Nothing ran: a retry under the key is not blocked.
+-- Idempotent: a position voided before says so.
 local function void(c)
-  local was = verdict_of(redis.call('HGET', done_key, c.of))
+  local marker = redis.call('HGET', done_key, c.of)
+  if not marker then return {status = 'unchanged'} end
+  local ikey, hash, tool, _, took_, was = marker_of(marker)
   if was == 'no|voided|0' then return {status = 'voided'} end
   local attempt = was and tonumber(string.match(was, '^ok|(%d+)$'))
   local rec = record_of(c.ikey)
@@ -449,8 +531,13 @@ local function void(c)
           and rec.s == 'PENDING') then
     return {status = 'unchanged'}
   end
-  rec.s, rec.w = 'FAILED_RETRYABLE', 0
-  put_record(c.ikey, rec, c.ttl)
+  if ikey == c.ikey and took_ ~= '' then
+    release_record(c.ikey, attempt, hash, c.call, false)
+    give_back(c.of, rec.r, tool, took_)
+  else  -- a marker an earlier version wrote: the record alone
+    rec.s, rec.w = 'FAILED_RETRYABLE', 0
+    put_record(c.ikey, rec, c.ttl)
+  end
   redis.call('HSET', done_key, c.of, 'no|voided|0')
   return {status = 'voided'}
 end
@@ -461,20 +548,24 @@ for i, a in ipairs(items) do
   if was then
     -- The verdict of this very position, unless the record was decided as something
     -- else this time (the world changed between the two: a refused proposal is now a
-    -- call, or a call is another call). A call never takes a refusal's or a release's
-    -- "ok" (written 'ok|0'; a call's own names its attempt, 1 or more), nor another
-    -- call's: it would go with no record and no charge of its own. Any other verdict a
-    -- call could take refuses it or answers from its key's record.
-    local ikey, hash, tool, parked, verdict
-    if string.byte(was, 1) == 1 then
-      ikey, hash, tool, parked, verdict =
-        string.match(was, '^\1([^\1]*)\1([^\1]*)\1([^\1]*)\1([01])\1(.*)$')
-    else
-      verdict = was
-    end
-    local changed = ikey and (ikey ~= a[7] or hash ~= a[8] or tool ~= a[4]
-                              or parked ~= (a[11] == 1 and '1' or '0'))
-    if a[1] == 1 and (verdict == 'ok|0' or changed) then
+    -- call, or a call is another call or refused). A call never takes a refusal's or a
+    -- release's "ok" (written 'ok|0'; a call's own names its attempt, 1 or more), nor
+    -- another call's: it would go with no record and no charge of its own. A call
+    -- admitted the first time and decided as anything else now never ran (its
+    -- transaction aborted): what it took is given back (its record, budgets, rate and
+    -- approvals), once, and the position answers as a refusal from then on.
+    local ikey, hash, tool, parked, took_, verdict = marker_of(was)
+    local same = ikey and a[1] == 1 and ikey == a[7] and hash == a[8] and tool == a[4]
+      and parked == (a[11] == 1 and '1' or '0')
+    if ikey and not same and took_ ~= '' then
+      local attempt = tonumber(string.match(verdict or '', '^ok|(%d+)$'))
+      local resubmitted = give_back(a[2], a[3], tool, took_)
+      release_record(ikey, attempt, hash, nil, resubmitted)
+      -- a refused proposal is a step that passed the budgets: 'ok|0'
+      out[i] = a[1] == 1 and 'no|replay_changed|0' or 'ok|0'
+      fresh[#fresh + 1] = a[2]
+      fresh[#fresh + 1] = out[i]
+    elseif verdict == nil or (a[1] == 1 and (verdict == 'ok|0' or not same and ikey)) then
       out[i] = 'no|replay_changed|0'
     else
       out[i] = verdict
@@ -496,8 +587,8 @@ for i, a in ipairs(items) do
     local text = encode(verdict)
     if c.kind == 'call' then
       fresh[#fresh + 1] = c.pos
-      fresh[#fresh + 1] = '\1' .. c.ikey .. '\1' .. c.hash .. '\1' .. c.tool .. '\1'
-        .. (c.park and '1' or '0') .. '\1' .. text
+      fresh[#fresh + 1] = '\2' .. c.ikey .. '\2' .. c.hash .. '\2' .. c.tool .. '\2'
+        .. (c.park and '1' or '0') .. '\2' .. (verdict.took or '') .. '\2' .. text
     elseif c.kind ~= 'void' then
       fresh[#fresh + 1] = c.pos
       fresh[#fresh + 1] = text

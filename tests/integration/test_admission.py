@@ -191,36 +191,106 @@ def test_a_position_decided_again_as_another_kind_of_item_is_not_let_through(
     assert store.apply([refused]) == [first]  # the same kind gets its verdict again
 
 
-def test_a_position_decided_again_as_another_call_does_not_take_the_first_ones_ok(
-    store: AdmissionStore,
+TIGHT = {"group": "write", "class_budget": 1, "cost": 2.0, "cost_cap": 2.0, "day_cap": 100.0,
+         "rate": (60_000, 1), "repeats": 1, "approvals": ["appr-1"],
+         "approvals_ttl": 3_600_000}  # fmt: skip
+"""Limits one call uses up: a second is refused by each of them unless the first gives back."""
+
+
+@pytest.mark.parametrize("change", ["key", "payload", "tool", "parked", "refused"])
+def test_a_call_decided_again_as_something_else_gives_back_what_it_took_once(
+    store: AdmissionStore, change: str
 ) -> None:
     # A call was admitted; its transaction aborted, and decided again (contracts or policy
-    # reloaded meanwhile) the same record is another call: another version's derived key,
-    # another tool under the caller's own key, or a call that now waits for approval. The
-    # first call's "ok" must not route it: it would run with no idempotency record of its
-    # own (a duplicate of it would run again), or stay parked under a record that waits
-    # for no approval.
+    # reloaded meanwhile) the same record is something else: another version's derived
+    # key, another payload or tool under the caller's own key, a call that now waits for
+    # approval, or a proposal a gate now refuses. The first call's "ok" must not route it
+    # (it would run with no record of its own, or stay parked under a record that waits
+    # for no approval). The first call never ran: its record, budgets, day's cost, rate
+    # and approval are given back, once, and only its step stays counted.
+    run = f"run-{change}"
+    tool = "charge_tight"
+    day_before = store.day_cost(TENANT, "20270115")
+    first = call(run=run, tool=tool, **TIGHT)
+    assert store.apply([first]) == [{"ok": True, "attempt": 1}]
+    taken = store.run_counters(TENANT, run, NOW)
+    assert taken == {"steps": 1, "class:write": 1, "cost": 2.0, f"sig:{first[1]['sig']}": 1}
+    assert store.day_cost(TENANT, "20270115") == day_before + 2.0
+    pos, key = first[1]["pos"], first[1]["ikey"]
+    same = {"run": run, "ikey": key, "hash": "h1"}
+    again = {
+        "key": call(pos=pos, run=run, tool=tool),
+        "payload": call(pos=pos, run=run, tool=tool, ikey=key, hash="h2"),
+        "tool": call(pos=pos, tool="lookup_order", **same),
+        "parked": call(pos=pos, tool=tool, park=True, **same),
+        "refused": step(pos=pos, run=run, repair=False),
+    }[change]
+    answer = None if change == "refused" else "replay_changed"
+    for _ in range(2):  # given back once: a second replay gives back nothing more
+        assert whys(store.apply([again])) == [answer]
+        assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+        assert store.run_counters(TENANT, run, NOW) == {"steps": 1}
+        assert store.day_cost(TENANT, "20270115") == day_before
+    # The first call decided again at its old position is refused: it would go with its
+    # record no longer waiting for it.
+    assert whys(store.apply([first])) == ["replay_changed"]
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+    # Proposed again, the call goes, and takes what it took the first time: its approval,
+    # budget, cost, loop-guard count and rate are its own again.
+    retry = call(run=run, tool=tool, ikey=key, sig=first[1]["sig"], **TIGHT)
+    assert store.apply([retry]) == [{"ok": True, "attempt": 2}]
+    assert store.run_counters(TENANT, run, NOW) == {**taken, "steps": 2}
+    assert store.day_cost(TENANT, "20270115") == day_before + 2.0
+    # ... and nothing more: a second call is refused by the limits it used up.
+    other = call(run=run, tool=tool, sig=first[1]["sig"], **{**TIGHT, "approvals": ["appr-9"]})
+    assert whys(store.apply([other])) == ["loop"]
+
+
+def test_a_call_marker_an_earlier_version_wrote_is_still_read(store: AdmissionStore) -> None:
+    """An instance of the version before ("\\1<key>\\1<hash>\\1<tool>\\1<parked>\\1<verdict>",
+    no record of what the call took) admitted a call and its transaction aborted: replayed
+    as the same call it gets its verdict; as another, it is refused, and what the first
+    took stays taken (its marker does not say); voided, its record becomes retryable."""
     first = call()
-    [admitted] = store.apply([first])
-    assert admitted["ok"] is True and admitted["attempt"] == 1
-    counters = store.run_counters(TENANT, "run-1", NOW)
-    pos = first[1]["pos"]
-    other_key = call(pos=pos)
-    same_key = {"ikey": first[1]["ikey"], "hash": first[1]["hash"]}
-    changed = [
-        other_key,
-        call(pos=pos, ikey=first[1]["ikey"], hash="h2"),  # another payload
-        call(pos=pos, tool="lookup_order", **same_key),  # another tool (a caller's own key)
-        call(pos=pos, park=True, **same_key),  # now parked (a policy reloaded)
-    ]
-    for other in changed:
-        assert whys(store.apply([other])) == ["replay_changed"], other
-    assert store.record(TENANT, other_key[1]["ikey"], NOW) == {}
-    assert store.run_counters(TENANT, "run-1", NOW) == counters  # nothing charged twice
-    assert store.apply([first]) == [admitted]  # the same call gets its verdict again
-    refused = step(pos=pos, repair=False)  # now refused by a gate: the refusal stands
-    assert store.apply([refused]) == [admitted]
-    assert store.run_counters(TENANT, "run-1", NOW) == counters
+    pos, key, fields = first[1]["pos"], first[1]["ikey"], first[1]
+    assert store.apply([first]) == [{"ok": True, "attempt": 1}]
+    old = f"\x01{key}\x01{fields['hash']}\x01{fields['tool']}\x010\x01ok|1"
+    store.client.hset(f"{store._base(TENANT)}:done", pos, old)
+    assert store.apply([first]) == [{"ok": True, "attempt": 1}]
+    taken = store.run_counters(TENANT, "run-1", NOW)
+    assert whys(store.apply([call(pos=pos)])) == ["replay_changed"]
+    assert store.run_counters(TENANT, "run-1", NOW) == taken
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
+    void = void_item(fields)
+    assert void is not None
+    assert store.apply([(TENANT, void)]) == [{"status": "voided"}]
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+    assert store.run_counters(TENANT, "run-1", NOW) == taken
+
+
+def test_an_approved_call_decided_again_as_another_waits_for_its_approval_again(
+    store: AdmissionStore,
+) -> None:
+    """A parked call resubmitted with its approvals was charged when it was parked. If the
+    resubmission's transaction aborts and it is decided again as something else, its record
+    goes back to waiting for approval and its approvals are unspent; resubmitted again, it
+    goes, still charged once."""
+    parked = call(park=True, group="critical", class_budget=1, deadline=NOW + 600_000)
+    key = parked[1]["ikey"]
+    assert whys(store.apply([parked])) == [None]
+    spend = {"approvals": ["appr-1"], "approvals_ttl": 3_600_000}
+    resubmitted = call(ikey=key, group="critical", class_budget=1, **spend)
+    assert whys(store.apply([resubmitted])) == [None]
+    assert store.record(TENANT, key, NOW)["awaiting"] == "0"
+    changed = call(pos=resubmitted[1]["pos"], ikey=key, hash="h2", group="critical",
+                   class_budget=1, **spend)  # fmt: skip
+    assert whys(store.apply([changed])) == ["replay_changed"]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "1")
+    assert store.run_counters(TENANT, "run-1", NOW)["class:critical"] == 1
+    again = call(ikey=key, group="critical", class_budget=1, **spend)
+    assert whys(store.apply([again])) == [None]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:critical"] == 1
 
 
 def test_a_script_that_fails_on_its_input_is_a_defect_not_redis_down(redis_backend: str) -> None:
@@ -437,6 +507,8 @@ def test_a_call_whose_record_failed_alone_does_not_hold_its_key(store: Admission
 
     assert store.apply([(TENANT, void)]) == [{"status": "voided"}]
     assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+    # What it took from the budgets is given back: only the two proposals' steps stay.
+    assert store.run_counters(TENANT, "run-1", NOW) == {"steps": 2}
     assert store.apply([(TENANT, void)]) == [{"status": "voided"}]  # idempotent: it says so
     # A replay of its batch refuses it too, even should the defect not recur: it must not
     # go with its record no longer waiting for it.
