@@ -106,6 +106,14 @@ def load_approvers(path: Path | None) -> dict[str, Approver]:
             raise ApproverError(f"{where}: subjects must be a list of user or agent ids")
         if e["id"] in out:
             raise ApproverError(f"{where}: approver {e['id']!r} is listed twice")
+        # Two ids with one key would let that key's holder count as the two distinct
+        # approvers a critical call needs.
+        for other in out.values():
+            if other.public_key.public_bytes_raw() == key.public_bytes_raw():
+                raise ApproverError(
+                    f"{where}: approver {e['id']!r} has the same public key as "
+                    f"{other.approver_id!r}: each approver needs a key of their own"
+                )
         out[e["id"]] = Approver(e["id"], key, classes, tenants, frozenset(subjects))
     return out
 
@@ -129,7 +137,12 @@ def iso(ms: int) -> str:
 
 
 def parse_iso_ms(text: str) -> int:
-    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+    """An RFC 3339 time in epoch ms. It must name its offset (``Z`` or ``+hh:mm``): a
+    time without one would be read in whatever zone the processor runs in."""
+    when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        raise ValueError(f"{text!r} names no UTC offset")
+    return int(when.timestamp() * 1000)
 
 
 def approval_id_for(request_id: str | None, approver_id: str, payload_hash: str) -> str:
@@ -267,6 +280,13 @@ def verify_approval(
     for name in ("approval_id", "approver_id", "decision", "expires_at", "signature"):
         if not isinstance(approval.get(name), str):
             return _no("approval_signature_invalid", f"the approval has no {name}", index)
+    # Every signed field is text or null, as sign_approval writes them: anything else is
+    # refused before its canonical bytes are built (a 65-bit integer or a value nested
+    # past the encoder's depth limit would make that raise, on unsigned input).
+    for name in _SIGNED_FIELDS:
+        value = approval.get(name)
+        if value is not None and type(value) is not str:
+            return _no("approval_signature_invalid", f"the approval's {name} is not text", index)
     approver = approvers.get(approval["approver_id"])
     if approver is None:
         return _no(

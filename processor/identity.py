@@ -23,7 +23,6 @@ token expired.
 from __future__ import annotations
 
 import binascii
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -43,6 +42,8 @@ from processor.model import CLEARANCE_LEVELS, FieldError, Principal
 logger = logging.getLogger(__name__)
 
 ALGORITHMS = ("EdDSA", "ES256", "HS256")
+MAX_HEADER_CHARS = 1024
+"""A compact JWS header (base64url) longer than this is refused unread."""
 DEVELOPMENT_WARNING = (
     "identity NOT verified: the processor runs in development mode and trusts the "
     "envelope's tenant_id"
@@ -244,8 +245,12 @@ class Verifier:
         parts = token.split(".")
         if len(parts) != 3:
             return _refuse("token_malformed", "the principal token is not a compact JWS")
+        # A JOSE header is a few dozen bytes: a long one is refused before it is parsed
+        # (deep nesting would otherwise exhaust the parser's stack, here or in PyJWT's).
+        if len(parts[0]) > MAX_HEADER_CHARS:
+            return _refuse("token_malformed", "the principal token's header is too long")
         try:
-            header = json.loads(b64url.decode(parts[0]))
+            header = orjson.loads(b64url.decode(parts[0]))
         except (ValueError, binascii.Error):
             return _refuse("token_malformed", "the principal token's header is not JSON")
         if not isinstance(header, dict):

@@ -29,6 +29,8 @@ from processor.model import FieldError, Gate, Proposal, Rejection, SourceRecord,
 
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 _ID_MAX = 256
+MAX_APPROVALS = 8
+"""Approvals one proposal may carry: a critical call needs two distinct approvers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,6 +449,19 @@ def parse_proposal(
     if approvals is not None and type(approvals) is not list:
         errors.append(
             _err("approvals", "invalid_value", "approvals must be a list", "array", approvals)
+        )
+        approvals = None
+    elif approvals is not None and len(approvals) > MAX_APPROVALS:
+        # Each one costs a signature verification: a proposal full of them is refused
+        # before any is checked.
+        errors.append(
+            _err(
+                "approvals",
+                "invalid_value",
+                f"at most {MAX_APPROVALS} approvals may be attached ({len(approvals)} were)",
+                f"array of at most {MAX_APPROVALS}",
+                approvals,
+            )
         )
         approvals = None
 

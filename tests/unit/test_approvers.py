@@ -121,3 +121,50 @@ def test_an_approval_signed_before_requesters_were_bound_is_refused_for_naming_n
 def test_subjects_must_be_a_list_of_ids(tmp_path: Path) -> None:
     with pytest.raises(ApproverError, match="subjects"):
         load_approvers(_file(tmp_path, "    subjects: u-7731\n"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("reason", 123456789012345678901234567890),  # past 64 bits: the encoder refuses it
+        ("reason", [[[[]]]]),
+        ("approval_scope", {"single": True}),
+        ("request_id", 7),
+    ],
+)
+def test_a_signed_field_that_is_not_text_is_refused_before_anything_is_encoded(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    requester = _requester("u-1")
+    now = int(time.time() * 1000)
+    approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
+                             tool_name="cancel_order", tool_version="1.0.0",
+                             payload_hash="sha256:ab", requested_by_user="u-1",
+                             requested_by_agent="agent-1", now_ms=now)  # fmt: skip
+    got = verify_approval({**approval, field: value}, load_approvers(_file(tmp_path)),
+                          _binding(requester), requester, now)  # fmt: skip
+    assert isinstance(got, FieldError) and got.code == "approval_signature_invalid"
+    assert got.message == f"the approval's {field} is not text"
+
+
+def test_an_expiry_must_name_its_utc_offset(tmp_path: Path) -> None:
+    """A time with no offset would be read in the processor's own zone."""
+    requester = _requester("u-1")
+    now = int(time.time() * 1000)
+    approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
+                             tool_name="cancel_order", tool_version="1.0.0",
+                             payload_hash="sha256:ab", requested_by_user="u-1",
+                             requested_by_agent="agent-1", now_ms=now)  # fmt: skip
+    naive = {**approval, "expires_at": approval["expires_at"].removesuffix("Z")}
+    naive["signature"] = b64url.encode(KEY.sign(signing_bytes(naive)))
+    got = verify_approval(naive, load_approvers(_file(tmp_path)), _binding(requester),
+                          requester, now)  # fmt: skip
+    assert isinstance(got, FieldError) and got.code == "approval_signature_invalid"
+    assert "RFC 3339" in got.message
+
+
+def test_one_key_cannot_be_two_approvers(tmp_path: Path) -> None:
+    """Two ids with one key would let its holder be both approvers of a critical call."""
+    twin = f"  - id: ops-2\n    public_key: {PUBLIC}\n    classes: [HIGH_RISK_EXTERNAL]\n"
+    with pytest.raises(ApproverError, match="same public key"):
+        load_approvers(_file(tmp_path, twin))

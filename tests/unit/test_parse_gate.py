@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from processor.gates.parse import DeadLetter, Limits, parse_proposal, strict_loads
+from processor.gates.parse import MAX_APPROVALS, DeadLetter, Limits, parse_proposal, strict_loads
 from processor.model import FieldError, Gate, Proposal, Rejection, TaxonomyClass
 from tests.unit.helpers import LIMITS, OFFSET, PARTITION, TOPIC, envelope, record
 
@@ -504,6 +504,20 @@ def test_active_tools_must_be_a_list_of_names(active: Any) -> None:
         "invalid_value",
     )
     assert proposal.active_tools is None
+
+
+def test_a_proposal_carries_at_most_a_few_approvals() -> None:
+    """Each approval costs a signature check: a record full of them is refused unread."""
+    one = {"approval_id": "a", "approver_id": "ops-1", "signature": "A" * 86}
+    proposal, rejection = rejected(orjson.dumps(envelope(approvals=[one] * (MAX_APPROVALS + 1))))
+    assert (only_error(rejection).field, only_error(rejection).code) == (
+        "approvals",
+        "invalid_value",
+    )
+    assert proposal.approvals == ()
+    accepted, refusal, _ = parsed(orjson.dumps(envelope(approvals=[one] * MAX_APPROVALS)))
+    assert refusal is None
+    assert len(accepted.approvals) == MAX_APPROVALS
 
 
 def test_unknown_envelope_fields_are_a_warning_not_an_error() -> None:
