@@ -104,7 +104,7 @@ from processor.results import (
     settle_item,
 )
 from processor.state.admission import AdmissionStore, Item, void_item
-from processor.state.approvals import ApprovalStore, retain_ms
+from processor.state.approvals import ApprovalStore, OpResult, retain_ms
 from processor.state.connection import REDIS_ERRORS, connect, is_script_error
 from processor.state.references import ReferenceLoader, ReferenceStore
 
@@ -836,14 +836,49 @@ class Processor:
             if op is not None:
                 ops.append(op)
                 owners.append(i)
+        ended: list[tuple[int, ApprovalInput, OpResult]] = []
         for i, result in zip(owners, self.approval_store.apply(ops), strict=True):
             x = slots[i]
             if isinstance(x, ApprovalInput):
-                out[i] = self._approval_outcome(x, result, now_ms)
+                if result.status in ("rejected", "expired") and result.entry is not None:
+                    ended.append((i, x, result))
+                else:
+                    out[i] = self._approval_outcome(x, result, now_ms)
                 continue
             if x.outcome is Outcome.PARKED:
                 self._count("approvals", "requested")
+        if ended:
+            self._end_requests(ended, out, now_ms)
         return [d for d in out if d is not None]
+
+    def _end_requests(
+        self,
+        ended: list[tuple[int, ApprovalInput, OpResult]],
+        out: list[Decision | None],
+        now_ms: int,
+    ) -> None:
+        """Rejected or expired requests. The call is told it was declined, or not approved
+        in time, and did not run, unless its key moved on meanwhile: the agent resubmitted
+        it with approvals attached, and that resubmission was admitted (it ran, or runs,
+        and its own observation says so). Then the approver's rejection lands on the DLQ
+        (\"approval_request_superseded\"), and an expiry changes nothing."""
+        calls = [
+            (str(r.entry["tenant_id"]), str(r.entry["idempotency_key"]),
+             str(r.entry["payload_hash"]))
+            for _, _, r in ended if r.entry is not None
+        ]  # fmt: skip
+        for (i, item, result), moved_on in zip(
+            ended, self.admission.moved_on(calls, now_ms), strict=True
+        ):
+            if not moved_on:
+                out[i] = self._approval_outcome(item, result, now_ms)
+            elif item.kind == EXPIRY_CHECK:
+                self._count("approvals", "ignored")
+                out[i] = ignored(item.src, "superseded")
+            else:
+                self._count("approvals", "refused")
+                detail = f"{item.request_id}: the call went ahead with approvals attached"
+                out[i] = dead_letter(item.src, "approval_request_superseded", detail)
 
     def _count(self, *event: str) -> None:
         """Count an event of the batch being decided, once it commits (see BatchTally)."""

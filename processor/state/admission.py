@@ -177,6 +177,30 @@ class AdmissionStore:
                 return {_RECORD_FIELDS[k]: str(v) for k, v in fields if v != ""}
         return {}
 
+    def moved_on(self, calls: list[tuple[str, str, str]], now_ms: int) -> list[bool]:
+        """For each parked call (tenant, idempotency key, payload hash): whether its key's
+        record has stopped waiting for its approvers (a resubmission carrying approvals
+        took the key over, and ran or runs). A call with no record is not said to have
+        moved on."""
+        if not calls:
+            return []
+        today, span = _day(now_ms), HORIZON_DAYS + 1
+        pipe = self.client.pipeline(transaction=False)
+        for tenant, key, _ in calls:
+            for day in range(today, today + span):
+                pipe.hget(f"{self._base(tenant)}:idem:{day}", key)
+        replies = pipe.execute()
+        out = []
+        for n, (_, _, payload_hash) in enumerate(calls):
+            raw = next((r for r in replies[n * span : (n + 1) * span] if r), None)
+            if raw is None:
+                out.append(False)
+                continue
+            rec = orjson.loads(raw)
+            waiting = rec.get("s") == "PENDING" and rec.get("w") == 1
+            out.append(not waiting and rec.get("h") == payload_hash)
+        return out
+
     def day_cost(self, tenant: str, day: str) -> float:
         return float(self.client.hget(f"{self._base(tenant)}:day:{day}", "cost") or 0)
 

@@ -1082,6 +1082,32 @@ def test_a_rejection_ends_the_parked_call(world: World) -> None:
     assert store.find(parked.request_id) is None
 
 
+def test_a_rejection_after_the_call_went_ahead_with_attached_approvals_is_not_a_decline(
+    world: World,
+) -> None:
+    """Parked, then sent again in its run with ops-1's approval attached: the resubmission
+    takes the key over and runs. ops-2's later rejection of the request must not tell the
+    agent the call was declined and did not run: it lands on the DLQ."""
+    parked = world.park("agent", "cancel_order", cancel())
+    resubmitted = world.propose(
+        "agent", "cancel_order", parked.arguments, run_id=parked.run_id,
+        traceparent=parked.traceparent, approvals=[world.sign_for(parked, "ops-1")],
+    )  # fmt: skip
+    obs = world.wait(resubmitted)
+    assert obs["decision"] == "ROUTED" and obs["gate"] == "route"
+    rejection = world.publish(
+        world.sign_for(parked, "ops-2", decision="rejected", reason="too late"), parked.run_id
+    )
+    marker = world.publish(world.sign_for(parked, "viewer"), parked.run_id)
+    assert world.dead_letters([rejection, marker], until=[marker]) == {
+        rejection: "approval_request_superseded",
+        marker: "approver_not_allowed",
+    }
+    assert [o["decision"] for o in world.history(parked.proposal_id)] == ["PENDING_APPROVAL"]
+    calls = world.calls_for([parked.proposal_id, resubmitted], "HIGH_RISK_EXTERNAL")
+    assert calls[parked.proposal_id] == [] and len(calls[resubmitted]) == 1
+
+
 def test_a_forged_expiry_check_cannot_end_a_parked_call_early(world: World) -> None:
     parked = world.park("agent", "cancel_order", cancel())
     forged = {"type": "expiry_check", "tenant_id": ACME, "request_id": parked.request_id}
