@@ -90,6 +90,7 @@ from processor.model import (
     Gate,
     Outcome,
     SourceRecord,
+    TaxonomyClass,
 )
 from processor.pipeline import Gates, decide_batch, internal_error
 from processor.policy import load_policy
@@ -103,7 +104,7 @@ from processor.results import (
     refused_compensation,
     settle_item,
 )
-from processor.state.admission import AdmissionStore, Item, void_item
+from processor.state.admission import AdmissionStore, Item, comp_failed_item, void_item
 from processor.state.approvals import ApprovalStore, OpResult, retain_ms
 from processor.state.connection import REDIS_ERRORS, connect, is_script_error
 from processor.state.references import ReferenceLoader, ReferenceStore
@@ -657,6 +658,11 @@ class Processor:
                     # the original's record names): it will not be proposed again.
                     d.extra[ADMITTED] = True
                     refused_compensation(d)
+                    if d.proposal is not None:
+                        tenant = d.principal.tenant_id if d.principal else d.proposal.tenant_id
+                        key = d.proposal.idempotency_key or ""
+                        comp = comp_failed_item(key, position(d.source))
+                        _ending(self.admission.apply, [(tenant or "", comp)])
                 return [d]
             logger.warning("a batch of %d records could not be decided (%s: %s); deciding "
                            "its halves", len(records), type(exc).__name__, exc)  # fmt: skip
@@ -722,9 +728,18 @@ class Processor:
                     slots.append(next(decided))
             decisions = self._settle(self._admit(slots, now_ms), now_ms)
             self._admit_releases(decisions, now_ms)
+            failed: list[tuple[str, Item]] = []
             for d in decisions:
                 if d.outcome is Outcome.REJECTED and is_compensation(d.proposal):
                     refused_compensation(d)
+                    if d.taxonomy is TaxonomyClass.COMPENSATION_FAILED and d.proposal:
+                        tenant = (
+                            d.principal.tenant_id if d.principal else d.proposal.tenant_id or ""
+                        )
+                        key = d.proposal.idempotency_key or ""
+                        failed.append((tenant, comp_failed_item(key, position(d.source))))
+            # Only batches that refuse a compensation pay this round trip.
+            self.admission.apply(failed)
             faults.point("after_redis")
             faults.poison(s.value for s in srcs)
             return decisions

@@ -413,7 +413,33 @@ def cached_answer(d: Decision, verdict: Verdict) -> Decision:
         attempt=int(cached.get("attempt", 1)),
     )
     d.rejection = None
-    if taxonomy is not TaxonomyClass.SUCCESS:
-        errors = tuple(FieldError(**e) for e in cached.get("errors", ()))
-        d.rejection = Rejection(taxonomy, Gate.RESULT, errors, cached.get("next_action", ""))
+    if taxonomy is TaxonomyClass.SUCCESS:
+        return d
+    errors = tuple(FieldError(**e) for e in cached.get("errors", ()))
+    action = cached.get("next_action", "")
+    tools: tuple[str, ...] = ()
+    # The answer was cached when the call failed after committing a step, and said to wait
+    # for the compensating call: what that call did since decides what a retry is told.
+    tool = d.contract_name or (d.proposal.tool_name if d.proposal else None) or "the call"
+    if verdict.get("state") == "COMPENSATED":
+        action = (
+            f"{tool} failed after committing a step, and its compensating call completed: "
+            "nothing of it stays committed. Do not retry it unchanged; tell the user it did "
+            "not go through."
+        )
+    elif verdict.get("state") == "COMPENSATION_FAILED":
+        taxonomy, tools = TaxonomyClass.COMPENSATION_FAILED, (HANDOFF_TOOL,)
+        errors += (
+            FieldError(
+                None,
+                "its compensating call did not complete, so an earlier step stays committed",
+                "compensation_failed",
+            ),
+        )
+        action = (
+            f"{tool} failed after committing a step, and its compensation did not complete. "
+            "Do not retry; tell the user an operator will reconcile it and call "
+            "handoff_to_human."
+        )
+    d.rejection = Rejection(taxonomy, Gate.RESULT, errors, action, tools)
     return d

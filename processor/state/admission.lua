@@ -13,20 +13,24 @@
 --          4 release  a parked call its approvers released
 --          5 void     a call whose record failed alone on a defect after it was admitted
 --                     (answered UNKNOWN_ERROR, never routed)
+--          6 comp_failed  the compensating call the processor proposed under a key was
+--                     refused by a gate: it will not be proposed again
 -- ARGV[3]  how long a run's counters live after the day of their last use (ms)
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
 -- "hit|<state>|#<length of call>|<call>|<cached answer>" (a call id may hold a '|'),
 -- or a result's "settled[|grant|<claims>]", "superseded",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
--- "unknown"; a void's "voided" or "unchanged". Short strings,
+-- "unknown"; a void's "voided" or "unchanged"; a comp_failed's "marked" or
+-- "unchanged". Short strings,
 -- not JSON: decoding and encoding are most of a script's cost per item.
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, n tool (records written
 -- before it was kept have none), c call, d deadline,
 -- w awaiting approval, a attempt, r run, t the principal's claims a compensation would
 -- act for (never a token), x result id, k compensation key, kh and kt the compensation's
--- payload hash and tool, v cached answer); a run's counters are JSON too. Every record
+-- payload hash and tool, kf 1 once that compensation failed, v cached answer); a run's
+-- counters are JSON too. Every record
 -- and run the batch names is read before anything is decided, kept in this script while
 -- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
 -- a Redis command costs a few microseconds from Lua, and this makes the commands per
@@ -76,6 +80,8 @@ local function unwire(a)
             compensation_tool = opt(a[12]), unsigned = opt(a[13]), attempt = tonumber(a[14]) or 0}
   elseif kind == 5 then
     return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6]}
+  elseif kind == 6 then
+    return {kind = 'comp_failed', pos = a[2], comp = a[3]}
   end
   return {kind = 'release', pos = a[2], run = a[3], ikey = a[4], hash = a[5], call = a[6],
           deadline = a[7], ttl = a[8]}
@@ -142,6 +148,7 @@ local function ikey_of(a)
   if kind == 1 then return a[7] end
   if kind == 2 then return opt(a[6]) end
   if kind == 3 or kind == 5 then return a[3] end
+  if kind == 6 then return nil end  -- names the original's key only through its own
   return a[4]
 end
 
@@ -260,8 +267,13 @@ local function charge(c)
   end
 end
 
+-- A retry of a call that already has its answer. A call whose compensation failed (its
+-- result, or a gate refusing it: kf) answers with that, not with the "wait for the
+-- compensation" its record cached when it failed.
 local function hit(rec)
-  return {ok = false, why = 'idempotent_hit', state = rec.s, call = rec.c, cached = rec.v}
+  local state = rec.s
+  if rec.kf == 1 and state ~= 'COMPENSATED' then state = 'COMPENSATION_FAILED' end
+  return {ok = false, why = 'idempotent_hit', state = state, call = rec.c, cached = rec.v}
 end
 
 local COMPENSATION = 'compensate:'
@@ -417,15 +429,32 @@ local function settle(c)
     if grant and grant ~= '' then verdict.grant = grant end
   end
   put_record(c.ikey, rec, c.ttl)
-  if c.compensates and c.state == 'COMPLETED' then
+  if c.compensates then
     local orig = record_of(c.compensates)
-    if orig and orig.k == c.ikey then
-      orig.s = 'COMPENSATED'
+    if orig and orig.k == c.ikey and c.state == 'COMPLETED' then
+      orig.s, orig.kf = 'COMPENSATED', nil
       put_record(c.compensates, orig, c.ttl)
       verdict.compensated = c.compensates
+    elseif orig and orig.k == c.ikey and orig.s ~= 'COMPENSATED' then
+      orig.kf = 1  -- the compensation did not complete: nobody proposes it again
+      put_record(c.compensates, orig, c.ttl)
     end
   end
   return verdict
+end
+
+-- The compensating call proposed under `comp` was refused by a gate (see the processor's
+-- refused_compensation): the original's record says so, for whoever retries it.
+local function comp_failed(c)
+  local key = string.sub(c.comp, #COMPENSATION + 1)
+  local orig = record_of(key)
+  if string.sub(c.comp, 1, #COMPENSATION) ~= COMPENSATION
+      or not (orig and orig.k == c.comp and orig.s ~= 'COMPENSATED') then
+    return {status = 'unchanged'}
+  end
+  orig.kf = 1
+  record_dirty[key] = record_dirty[key] or record_day[key]
+  return {status = 'marked'}
 end
 
 -- A parked call released by its approvers. It goes only if its record still waits for
@@ -581,6 +610,8 @@ for i, a in ipairs(items) do
       verdict = release(c)
     elseif c.kind == 'void' then
       verdict = void(c)
+    elseif c.kind == 'comp_failed' then
+      verdict = comp_failed(c)
     else
       verdict = settle(c)
     end
@@ -589,7 +620,7 @@ for i, a in ipairs(items) do
       fresh[#fresh + 1] = c.pos
       fresh[#fresh + 1] = '\2' .. c.ikey .. '\2' .. c.hash .. '\2' .. c.tool .. '\2'
         .. (c.park and '1' or '0') .. '\2' .. (verdict.took or '') .. '\2' .. text
-    elseif c.kind ~= 'void' then
+    elseif c.kind ~= 'void' and c.kind ~= 'comp_failed' then  -- (both idempotent)
       fresh[#fresh + 1] = c.pos
       fresh[#fresh + 1] = text
     end

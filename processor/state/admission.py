@@ -216,7 +216,7 @@ def _day(now_ms: int | None) -> int:
 _RECORD_FIELDS = {
     "s": "state", "h": "hash", "n": "tool", "c": "call", "d": "deadline", "w": "awaiting",
     "a": "attempt", "r": "run", "t": "grant", "x": "result", "k": "compensation",
-    "kh": "compensation_hash", "kt": "compensation_tool",
+    "kh": "compensation_hash", "kt": "compensation_tool", "kf": "compensation_failed",
     "v": "cached",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
@@ -299,6 +299,8 @@ def _wire(item: Item) -> list[Any]:
                 item.get("attempt", 0)]  # fmt: skip
     if kind == "void":
         return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"]]
+    if kind == "comp_failed":
+        return [6, item["pos"], item["comp"]]
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
             item["deadline"], item["ttl"]]  # fmt: skip
 
@@ -344,6 +346,14 @@ def call_item(**fields: Any) -> Item:
 
 
 _CALL_FIELD_SET = frozenset(_CALL_FIELDS)
+
+
+def comp_failed_item(compensation_key: str, pos: str) -> Item:
+    """The compensating call proposed under ``compensation_key`` was refused by a gate
+    (decided at input position ``pos``): its original's record says so from now on, so a
+    retry of the original is answered COMPENSATION_FAILED (see admission.lua, hit).
+    Idempotent, so it keeps no replay marker."""
+    return {"kind": "comp_failed", "pos": "compfail:" + pos, "comp": compensation_key}
 
 
 def void_item(item: Item) -> Item | None:

@@ -22,6 +22,7 @@ from processor.state.admission import (
     Verdict,
     _segments,
     call_item,
+    comp_failed_item,
     parse_verdict,
     rate_of,
     void_item,
@@ -685,6 +686,46 @@ def test_a_compensated_call_is_marked_once_its_compensation_completes(
     # The compensation's own key answers from its record, as any other.
     [again] = store.apply([call(ikey=comp_key, hash="h-undo", tool="refund_order")])
     assert again["why"] == "idempotent_hit" and again["state"] == "COMPLETED"
+
+
+def test_a_call_whose_compensation_failed_answers_a_retry_with_that(
+    store: AdmissionStore,
+) -> None:
+    """The original's record cached "a compensation is on its way, wait" when the call
+    failed. Once the compensation fails (its result) or a gate refuses it (comp_failed),
+    a retry of the original is told so (COMPENSATION_FAILED), not to wait for ever."""
+    key, comp_key = _awaiting_compensation(store)
+    [hit] = store.apply([call(ikey=key)])
+    assert (hit["why"], hit["state"]) == ("idempotent_hit", "FAILED_FINAL")
+    compensation = call(ikey=comp_key, hash="h-undo", tool="refund_order")
+    assert whys(store.apply([compensation])) == [None]
+    failed = result(compensation, state="FAILED_FINAL", compensates=key)
+    assert store.apply([failed]) == [{"status": "settled"}]
+    assert store.record(TENANT, key, NOW)["compensation_failed"] == "1"
+    [hit] = store.apply([call(ikey=key)])
+    assert (hit["why"], hit["state"]) == ("idempotent_hit", "COMPENSATION_FAILED")
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_FINAL"
+
+    # Refused by a gate: the processor says so with a comp_failed item, idempotently; one
+    # for a key whose record names no such compensation changes nothing.
+    key, comp_key = _awaiting_compensation(store)
+    refused = (TENANT, comp_failed_item(comp_key, "t/0/1"))
+    assert store.apply([refused, refused]) == [{"status": "marked"}] * 2
+    [hit] = store.apply([call(ikey=key)])
+    assert hit["state"] == "COMPENSATION_FAILED"
+    stray = (TENANT, comp_failed_item("compensate:" + uuid.uuid4().hex, "t/0/2"))
+    assert store.apply([stray]) == [{"status": "unchanged"}]
+    assert store.apply([(TENANT, comp_failed_item(key, "t/0/3"))]) == [{"status": "unchanged"}]
+
+    # A compensation that completes after all (a copy the gate refused while the real one
+    # ran) leaves the original compensated.
+    compensation = call(ikey=comp_key, hash="h-undo", tool="refund_order")
+    assert whys(store.apply([compensation])) == [None]
+    assert store.apply([result(compensation, compensates=key)]) == [
+        {"status": "settled", "compensated": key}
+    ]
+    [hit] = store.apply([call(ikey=key)])
+    assert hit["state"] == "COMPENSATED"
 
 
 def test_only_the_proposed_compensation_is_admitted_under_its_key(store: AdmissionStore) -> None:

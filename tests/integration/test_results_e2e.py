@@ -346,7 +346,9 @@ def test_a_failed_compensation_escalates(bench: Bench) -> None:
     assert failed["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
     assert failed["status"]["escalate"] is True
     assert failed["allowed_tools"] == ["handoff_to_human"]
-    assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
+    original = bench.store.record(TENANT, key)
+    # A retry of the original is answered COMPENSATION_FAILED, not "wait for it".
+    assert (original["state"], original["compensation_failed"]) == ("FAILED_FINAL", "1")
 
 
 def _redis_values(bench: Bench) -> bytes:
@@ -446,6 +448,7 @@ def test_a_compensation_that_trips_a_defect_fails_and_escalates(
         assert codes == ["internal_error", "compensation_refused"]
         # Its key was given back, and nothing of it was parked or routed.
         assert mine.store.record(TENANT, compensation_key(key))["state"] == "FAILED_RETRYABLE"
+        assert mine.store.record(TENANT, key)["compensation_failed"] == "1"
         mine.drain()
         assert compensation_key(key) not in [c.idempotency_key for c in mine.calls]
 
@@ -463,7 +466,8 @@ def test_a_compensation_a_gate_refuses_fails_and_escalates(bench: Bench) -> None
     codes = [e["code"] for e in refused["result_payload"]["errors"]]
     assert len(codes) >= 2 and codes[-1] == "compensation_refused", codes
     assert "operator" in refused["next_action"]
-    assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
+    original = bench.store.record(TENANT, key)
+    assert (original["state"], original["compensation_failed"]) == ("FAILED_FINAL", "1")
     bench.drain()
     assert compensation_key(key) not in [c.idempotency_key for c in bench.calls]
 
@@ -487,7 +491,8 @@ def test_a_compensation_its_approvers_reject_fails_and_escalates(bench: Bench) -
     assert refused["status"]["escalate"] is True
     assert refused["allowed_tools"] == ["handoff_to_human"]
     assert [e["code"] for e in refused["result_payload"]["errors"]][-1] == "compensation_refused"
-    assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
+    original = bench.store.record(TENANT, key)
+    assert (original["state"], original["compensation_failed"]) == ("FAILED_FINAL", "1")
 
 
 def test_compensation_arguments_an_executor_garbles_go_to_an_operator(

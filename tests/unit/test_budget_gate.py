@@ -172,6 +172,28 @@ def test_a_hit_answers_with_the_cached_result(contracts: ContractSet) -> None:
     assert d.rejection and d.rejection.taxonomy is TaxonomyClass.STALE_STATE
 
 
+def test_a_hit_on_a_call_awaiting_its_compensation_says_what_the_compensation_did(
+    contracts: ContractSet,
+) -> None:
+    """The answer cached when the call failed after a committed step says to wait for
+    the compensating call; a retry afterwards is told how that call ended."""
+    error = {"field": None, "message": "card charged, receipt failed", "code": "failed"}
+    wait = "refund_order has been proposed for you; wait for its result."
+    waiting = {"class": "COMPENSATION_REQUIRED", "data": None, "errors": [error],
+               "next_action": wait}  # fmt: skip
+    blob = orjson.dumps(waiting).decode()
+    pending = cached_answer(_decide(contracts), {"cached": blob, "state": "FAILED_FINAL"})
+    assert pending.rejection and pending.rejection.next_action == waiting["next_action"]
+    done = cached_answer(_decide(contracts), {"cached": blob, "state": "COMPENSATED"})
+    assert done.rejection and done.rejection.taxonomy is TaxonomyClass.COMPENSATION_REQUIRED
+    assert "compensating call completed" in done.rejection.next_action
+    failed = cached_answer(_decide(contracts), {"cached": blob, "state": "COMPENSATION_FAILED"})
+    assert failed.rejection and failed.rejection.taxonomy is TaxonomyClass.COMPENSATION_FAILED
+    assert failed.rejection.allowed_tools == ("handoff_to_human",)
+    assert [e.code for e in failed.rejection.errors] == ["failed", "compensation_failed"]
+    assert failed.final and failed.final.idempotency_hit and not failed.final.completed
+
+
 def test_contract_runtime_is_read_once_per_version(contracts: ContractSet) -> None:
     c = contracts.versions("refund_order")[0]
     assert runtime_of(c) is runtime_of(c)
