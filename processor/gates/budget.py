@@ -141,7 +141,12 @@ def admission_item(
             # Kept only where a compensating call may have to be proposed in its name:
             # the principal's claims, never its token (no credential at rest).
             grant=grant_of(principal) if contract.compensation_tool else "",
-            exempt=contract.name == HANDOFF_TOOL,
+            # The hand-off, which a run out of steps or budget is told to call, and the
+            # compensating call the processor itself proposed (admission.lua admits a call
+            # under a compensation key only if it is the one the original's record asked
+            # for): neither is the agent spending its run's budgets, and refused by them
+            # the compensation would leave a committed step for an operator.
+            exempt=contract.name == HANDOFF_TOOL or is_compensation_key(call.idempotency_key),
         )
         if d.outcome is Outcome.ROUTED and call.approval_ids:
             # Attached approvals, spent by this call when it is admitted (see admission.lua,

@@ -64,6 +64,26 @@ def test_financial_tools_count_as_financial_and_parked_calls_until_their_approva
     assert item["deadline"] == d.approval_request["expires_at"]
 
 
+def test_only_the_hand_off_and_a_compensation_are_exempt_from_the_runs_budgets(
+    contracts: ContractSet,
+) -> None:
+    """A compensating call is the processor's clean-up, not the agent spending its run:
+    refused by the run's financial budget (its one call was the failed charge), it would
+    leave the charge committed. Admission only takes a call under a compensation key
+    when the original's record asked for exactly that call."""
+    refund = _decide(contracts, "refund_order")
+    _, item = admission_item(refund, _contract(contracts, refund), BUDGETS, NOW_MS) or ("", {})
+    assert item["exempt"] is False
+    comp = _decide(contracts, "refund_order", idempotency_key="compensate:ik:abc")
+    _, item = admission_item(comp, _contract(contracts, comp), BUDGETS, NOW_MS) or ("", {})
+    assert item["exempt"] is True and item["ikey"] == "compensate:ik:abc"
+    handoff = _decide(contracts, "handoff_to_human", arguments={
+        "reason_code": "customer_requested", "queue": "billing", "summary": "The customer wants a person.",
+    })  # fmt: skip
+    _, item = admission_item(handoff, _contract(contracts, handoff), BUDGETS, NOW_MS) or ("", {})
+    assert item["exempt"] is True
+
+
 def test_a_refusal_is_a_step_and_an_argument_refusal_a_repair(contracts: ContractSet) -> None:
     bad_args = _decide(contracts, arguments={"order_id": 12})
     assert bad_args.rejection and bad_args.rejection.taxonomy is TaxonomyClass.TYPE_MISMATCH
