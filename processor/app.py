@@ -103,6 +103,7 @@ from processor.results import (
     propose_compensation,
     refused_compensation,
     settle_item,
+    stale_compensation,
 )
 from processor.state.admission import AdmissionStore, Item, comp_failed_item, void_item
 from processor.state.approvals import ApprovalStore, OpResult, retain_ms
@@ -805,6 +806,8 @@ class Processor:
                 continue
             if extra and status == "settled":
                 propose_compensation(x, extra, v, verifier)
+            elif extra and status == "stale":
+                stale_compensation(x.decision)
             out[i] = x.decision
         for i, x in enumerate(out):
             if isinstance(x, ResultInput):  # a result nobody asked about: still answered

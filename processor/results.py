@@ -476,16 +476,33 @@ def unsigned_rejection(d: Decision, verifier: Verifier) -> Rejection:
         else "its record keeps no principal the processor can act for (it was written by "
         "an earlier version, which kept a token, or with identity in development mode)"
     )
-    error = FieldError(None, f"the compensating call cannot be signed: {why}",
-                       "compensation_unsigned")  # fmt: skip
+    return _not_proposed(
+        rej, d, "compensation_unsigned", f"the compensating call cannot be signed: {why}"
+    )
+
+
+def stale_compensation(d: Decision) -> Decision:
+    """A result that asks for compensation after its key moved on to another attempt
+    (retried once its deadline and grace passed with no result): no record is left to
+    propose the compensation under, and what it committed stays committed. It escalates
+    rather than say a compensation was proposed."""
+    rej = d.rejection
+    if rej is not None and rej.taxonomy is _T.COMPENSATION_REQUIRED:
+        why = "the call's key has moved on to a later attempt: no compensation is proposed"
+        d.rejection = _not_proposed(rej, d, "compensation_not_proposed", why)
+    return d
+
+
+def _not_proposed(rej: Rejection, d: Decision, code: str, why: str) -> Rejection:
     action = (
         f"{d.contract_name or 'The call'} failed after committing a step, and its "
         "compensating call cannot be proposed. Do not retry; tell the user an operator will "
         "reconcile it and call handoff_to_human."
     )
     return Rejection(
-        _T.COMPENSATION_FAILED, rej.gate, (*rej.errors, error), action, (HANDOFF_TOOL,)
-    )
+        _T.COMPENSATION_FAILED, rej.gate, (*rej.errors, FieldError(None, why, code)), action,
+        (HANDOFF_TOOL,),
+    )  # fmt: skip
 
 
 def refused_compensation(d: Decision) -> Decision:

@@ -38,6 +38,7 @@ from processor.results import (
     parse_result,
     refused_compensation,
     settle_item,
+    stale_compensation,
     wants_compensation,
 )
 from tests.unit.helpers import NOW_MS, VALID_ARGUMENTS, decide_envelope, envelope, record
@@ -309,3 +310,21 @@ def test_an_expired_delegation_token_fails_the_compensation(contracts: ContractS
         got = refused_compensation(d).rejection
         assert got is not None
         assert (got.taxonomy is TaxonomyClass.COMPENSATION_FAILED) is failed, code
+
+
+def test_a_result_for_a_key_that_moved_on_does_not_say_a_compensation_was_proposed(
+    contracts: ContractSet,
+) -> None:
+    """Its key was retried after its deadline: the record belongs to the later attempt and
+    no compensation is proposed for this one. It escalates instead of saying "refund_order
+    has been proposed for you; wait"."""
+    item = _charge_result(contracts)
+    assert item.decision.rejection is not None
+    assert "has been proposed" in item.decision.rejection.next_action
+    d = stale_compensation(item.decision)
+    assert d.rejection is not None and d.rejection.taxonomy.value == "COMPENSATION_FAILED"
+    assert d.rejection.allowed_tools == ("handoff_to_human",)
+    assert d.rejection.errors[-1].code == "compensation_not_proposed"
+    assert "proposed for you" not in d.rejection.next_action
+    ok = decide_envelope(envelope("lookup_order"), contracts)
+    assert stale_compensation(ok) is ok and ok.rejection is None
