@@ -55,7 +55,7 @@ from processor.model import (
     TaxonomyClass,
 )
 from processor.pipeline import canonical_json, hash_payload
-from processor.state.admission import Item
+from processor.state.admission import SETTLED_TTL_MS, Item
 
 RESUMABLE = frozenset({"idempotent_write", "retryable_post_pivot"})
 """Contract semantics whose steps a retry under the same idempotency key finishes without
@@ -348,11 +348,6 @@ class Compensation:
     arguments: dict[str, Any]
     key: str
     payload_hash: str
-
-
-SETTLED_TTL_MS = 7 * 86_400_000
-"""A settled record is kept at least this long (longer if its contract's TTL says so;
-admission.lua caps every record at its horizon)."""
 
 
 def settle_item(

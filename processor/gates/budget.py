@@ -35,7 +35,7 @@ from processor.model import (
 )
 from processor.pipeline import canonical_json, hash_payload
 from processor.policy import Budgets
-from processor.state.admission import Item, Verdict, call_item, rate_of
+from processor.state.admission import SETTLED_TTL_MS, Item, Verdict, call_item, rate_of
 from processor.state.approvals import retain_ms
 
 _REPAIRS = frozenset({
@@ -136,7 +136,7 @@ def admission_item(
             call=call.call_id,
             deadline=_park_deadline(d) if d.outcome is Outcome.PARKED else call.deadline_ms,
             grace=budgets.in_flight_grace_ms,
-            ttl=rt.ttl_ms,
+            ttl=max(rt.ttl_ms, SETTLED_TTL_MS),
             park=d.outcome is Outcome.PARKED,
             # Kept only where a compensating call may have to be proposed in its name:
             # the principal's claims, never its token (no credential at rest).

@@ -208,6 +208,12 @@ class AdmissionStore:
 HORIZON_DAYS = 8
 """Idempotency records are kept at most this many days (contracts' TTLs are clamped)."""
 
+SETTLED_TTL_MS = 7 * 86_400_000
+"""A record is kept at least this long, settled or waiting for its result (longer if its
+contract's TTL says so; admission.lua caps every record at its horizon). A short TTL only
+shortens how long a completed call's answer is replayed, never loses a result: one that
+comes late (an executor or Redis down for hours) still finds its call's record."""
+
 
 def _day(now_ms: int | None) -> int:
     return int((time.time() * 1000 if now_ms is None else now_ms) // 86_400_000)

@@ -14,6 +14,7 @@ from processor.gates.budget import admission_item, apply_verdict, cached_answer,
 from processor.gates.semantic import RefEntry
 from processor.model import Decision, Gate, Outcome, TaxonomyClass
 from processor.policy import Budgets, PolicyError, parse_policy
+from processor.state.admission import SETTLED_TTL_MS
 from tests.unit.helpers import NOW_MS, decide_envelope, envelope, existing_references
 
 BUDGETS = Budgets(financial_tools=frozenset({"refund_order"}))
@@ -82,6 +83,20 @@ def test_only_the_hand_off_and_a_compensation_are_exempt_from_the_runs_budgets(
     handoff = _decide(contracts, "handoff_to_human", arguments=arguments)
     _, item = admission_item(handoff, _contract(contracts, handoff), BUDGETS, NOW_MS) or ("", {})
     assert item["exempt"] is True
+
+
+def test_a_call_waiting_for_its_result_is_kept_as_long_as_a_settled_one(
+    contracts: ContractSet,
+) -> None:
+    """handoff_to_human's contract keeps its key an hour: its record, while it waits for
+    its result, lives as long as a settled one, so a result that comes late (an executor
+    down for hours) still finds it instead of going to the DLQ as unknown."""
+    arguments = {"reason_code": "customer_requested", "queue": "billing",
+                 "summary": "The customer wants a person."}  # fmt: skip
+    d = _decide(contracts, "handoff_to_human", arguments=arguments)
+    assert runtime_of(_contract(contracts, d)).ttl_ms == 3_600_000
+    _, item = admission_item(d, _contract(contracts, d), BUDGETS, NOW_MS) or ("", {})
+    assert item["ttl"] == SETTLED_TTL_MS
 
 
 def test_a_refusal_is_a_step_and_an_argument_refusal_a_repair(contracts: ContractSet) -> None:

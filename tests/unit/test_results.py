@@ -30,7 +30,6 @@ from processor.results import (
     COMPENSATION_ARGUMENTS_MAX_BYTES,
     COMPENSATION_PREFIX,
     RESULT_DATA_MAX_BYTES,
-    SETTLED_TTL_MS,
     ResultInput,
     compensation_key,
     compensation_proposal,
@@ -41,6 +40,7 @@ from processor.results import (
     stale_compensation,
     wants_compensation,
 )
+from processor.state.admission import SETTLED_TTL_MS
 from tests.unit.helpers import NOW_MS, VALID_ARGUMENTS, decide_envelope, envelope, record
 
 KEY = "k-charge-1"
