@@ -10,5 +10,7 @@ def encode(raw: bytes) -> str:
 
 
 def decode(text: str) -> bytes:
-    """Padding is optional; a malformed string raises ``binascii.Error`` or ``ValueError``."""
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """Padding is optional; a malformed string raises ``binascii.Error`` or ``ValueError``,
+    a character outside the alphabet included (the lenient decoder drops those, which
+    gives one value many spellings)."""
+    return base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)

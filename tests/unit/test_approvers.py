@@ -168,3 +168,22 @@ def test_one_key_cannot_be_two_approvers(tmp_path: Path) -> None:
     twin = f"  - id: ops-2\n    public_key: {PUBLIC}\n    classes: [HIGH_RISK_EXTERNAL]\n"
     with pytest.raises(ApproverError, match="same public key"):
         load_approvers(_file(tmp_path, twin))
+
+
+def test_a_signature_has_one_spelling(tmp_path: Path) -> None:
+    """A character outside base64url is refused, not dropped: the same signature with a
+    stray character in it is another string, and not a valid signature."""
+    requester = _requester("u-1")
+    now = int(time.time() * 1000)
+    approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
+                             tool_name="cancel_order", tool_version="1.0.0",
+                             payload_hash="sha256:ab", requested_by_user="u-1",
+                             requested_by_agent="agent-1", now_ms=now)  # fmt: skip
+    approvers = load_approvers(_file(tmp_path))
+    good = verify_approval(approval, approvers, _binding(requester), requester, now)
+    assert isinstance(good, VerifiedApproval)
+    sig = approval["signature"]
+    for stray in ("!!!!", "    ", "\n\n\n\n", "...."):  # (whole quads: the padding holds)
+        spelled = {**approval, "signature": sig[:10] + stray + sig[10:]}
+        got = verify_approval(spelled, approvers, _binding(requester), requester, now)
+        assert isinstance(got, FieldError) and got.code == "approval_signature_invalid", stray
