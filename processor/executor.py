@@ -148,6 +148,10 @@ class Failed:
     committed_steps: tuple[str, ...] = ()
     """Steps already committed when it failed: non-empty means compensation is needed."""
     compensation_arguments: dict[str, Any] | None = None
+    references: tuple[ReferenceUpdate, ...] = ()
+    """The entities the committed steps changed, as they are now: a failure after a commit
+    (the order cancelled, then a later step failed) left them changed, and the gates must
+    not decide the next proposal against the state before it."""
 
 
 Handler = Callable[[Call], Succeeded | Failed]
@@ -421,14 +425,13 @@ class Executor:
     def _output(
         self, call: Call, answer: Succeeded | Failed, outcome: str, started: int
     ) -> _Output:
-        references: list[tuple[bytes, bytes | None]] = []
         data: str | None = None
         compensation: str | None = None
         if isinstance(answer, Succeeded):
             data = None if answer.data is None else orjson.dumps(answer.data).decode()
-            references = [(r.key(call.tenant_id), r.value()) for r in answer.references]
         elif answer.compensation_arguments is not None:
             compensation = orjson.dumps(answer.compensation_arguments).decode()
+        references = [(r.key(call.tenant_id), r.value()) for r in answer.references]
         datum = _result(call, answer, outcome, started, self._now_ms(), self.executor_id)
         datum["data"], datum["compensation_arguments"] = data, compensation
         value = encode_result(datum)

@@ -20,8 +20,9 @@ exist ``SEMANTIC_INVALIDITY``. Reference data can lag behind the store, so
 these checks are repeated here.
 
 ``fail_after_commit`` names tools that commit their step and then report a
-failure with that step and the arguments to undo it: the partial effect a
-compensation flow has to handle, on demand, for tests and the demo.
+failure with that step, the arguments to undo it and the order as the step left
+it (for ``tool.reference``): the partial effect a compensation flow has to
+handle, on demand, for tests and the demo.
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ class SupportStore:
             )
             order_id = order["order_id"]
             if "cancel_order" in self.fail_after_commit:
-                return _failed_after_commit("order_cancelled", {"order_id": order_id}), []
+                # The cancel stands: the order's new state is published with the failure.
+                return _failed_after_commit("order_cancelled", {"order_id": order_id}), [order_id]
             return Succeeded({"order_id": order_id, "status": "cancelled"}), [order_id]
 
         return self._once(call, effect)
@@ -336,7 +338,7 @@ class SupportStore:
             if "refund_order" in self.fail_after_commit:
                 undo = {"refund_id": refund_id, "order_id": order["order_id"],
                         "amount": cents / 100, "currency": order["currency"]}  # fmt: skip
-                return _failed_after_commit("refund_issued", undo), []
+                return _failed_after_commit("refund_issued", undo), [order["order_id"]]
             return Succeeded({"refund_id": refund_id, "status": "settled"}), [order["order_id"]]
 
         return self._once(call, effect)
@@ -602,6 +604,8 @@ def _stored(answer: Succeeded | Failed, touched: list[str]) -> dict[str, Any]:
 
 
 def _answer(doc: dict[str, Any], references: tuple[ReferenceUpdate, ...]) -> Succeeded | Failed:
+    """The stored answer, with the touched orders as they are now (a failure after a
+    commit touched them too: its steps stand)."""
     if doc["succeeded"]:
         return Succeeded(doc["data"], references)
     return Failed(
@@ -611,4 +615,5 @@ def _answer(doc: dict[str, Any], references: tuple[ReferenceUpdate, ...]) -> Suc
         doc["taxonomy_class"],
         tuple(doc["committed_steps"]),
         doc["compensation_arguments"],
+        references,
     )

@@ -455,6 +455,27 @@ def test_the_same_call_routed_twice_is_applied_once(
     assert refunded_cents(store) == 500
 
 
+def test_a_cancel_that_failed_after_its_commit_publishes_the_cancelled_order(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    s = isolated(stack_settings, f"exec-partial-{uuid.uuid4().hex[:6]}")
+    store = SupportStore(tmp_path / "support.db", fail_after_commit={"cancel_order"})
+    store.seed([(f"{TENANT}/order/WO-12345-A", {"state": "processing", "owner": "CUS-004211"})])
+    args = {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True}
+    call = approved_call("cancel_order", args, "HIGH_RISK_EXTERNAL")
+    send_calls(s, [call])
+    ex = executor(s, store.handlers())
+    try:
+        drain(ex, 1)
+    finally:
+        ex.close()
+        store.close()
+    r = results(s, 1)[call["call_id"]]
+    assert (r["outcome"], r["committed_steps"]) == ("FAILED", ["order_cancelled"])
+    refs = {m.key(): m.value() for m in read_all(s, s.topics.reference, idle=1.0)}
+    assert orjson.loads(refs[b"acme/order/WO-12345-A"])["state"] == "cancelled"
+
+
 def test_the_cli_runs_the_support_executor_until_sigterm(
     stack_settings: Settings, tmp_path: Path
 ) -> None:

@@ -57,3 +57,17 @@ def test_an_answer_that_fits_is_published_as_given() -> None:
     out = ex._published(_call(), answer, SUCCEEDED, 0)
     assert decode_result(out.value)["outcome"] == "SUCCEEDED"
     assert len(out.references) == 1
+
+
+def test_a_failure_publishes_the_reference_updates_of_the_steps_it_committed() -> None:
+    ex = Executor(Settings(), {}, executor_id="unit")
+    cancelled = ReferenceUpdate("order", "WO-1", "cancelled", "CUS-1")
+    failed = Failed(
+        "notify_failed",
+        "the order was cancelled, then the customer could not be notified",
+        committed_steps=("order_cancelled",),
+        references=(cancelled,),
+    )
+    out = ex._published(_call(), failed, FAILED, 0)
+    assert decode_result(out.value)["committed_steps"] == ["order_cancelled"]
+    assert out.references == [(b"acme/order/WO-1", cancelled.value())]

@@ -257,6 +257,36 @@ def test_fail_after_commit(db_path: Path) -> None:
         SupportStore(db_path, fail_after_commit={"lookup_order"})
 
 
+def test_a_failure_after_a_commit_publishes_the_state_it_committed(db_path: Path) -> None:
+    """The cancel or the refund stands although the call failed: tool.reference must show
+    it, or the gates decide the next proposal against the order as it was before."""
+    store = SupportStore(db_path, fail_after_commit={"refund_order", "cancel_order"})
+    store.seed(ORDERS)
+    cancelled = failed(store.cancel_order(cancel("WO-12345-A")))
+    assert cancelled.references == (
+        ReferenceUpdate(
+            "order",
+            "WO-12345-A",
+            "cancelled",
+            "CUS-004211",
+            {"amount": 100.0, "currency": "USD", "refunded_amount": 0.0},
+        ),
+    )
+    call = refund("WO-24680-B", 12.5, key="idem-r")
+    [ref] = failed(store.refund_order(call)).references
+    assert (ref.entity_id, ref.state) == ("WO-24680-B", "delivered")
+    assert ref.attributes is not None and ref.attributes["refunded_amount"] == 12.5
+    # Replayed or recorded, the failure carries the order as it is now, not as it was.
+    store.db.execute("UPDATE orders SET status = 'returned' WHERE order_id = 'WO-24680-B'")
+    assert [r.state for r in failed(store.refund_order(call)).references] == ["returned"]
+    recorded = store.recorded(call)
+    assert isinstance(recorded, Failed)
+    assert [r.state for r in recorded.references] == ["returned"]
+    # A refusal commits nothing and publishes nothing.
+    assert failed(store.cancel_order(cancel("WO-55555-B"))).references == ()
+    store.close()
+
+
 def test_a_ticket_that_failed_after_its_insert_is_finished_by_the_retry(db_path: Path) -> None:
     """create_ticket is an idempotent write: the model is told PARTIAL_SUCCESS and to
     retry the same key, and that retry completes, without a second ticket."""
