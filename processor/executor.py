@@ -34,7 +34,12 @@ idempotency key (or None), and a late call that ran is answered from it.
 
 A result too large for the broker (``message.max.bytes``, less the room the
 processor's observation needs around it) is published as a failure that says
-the call ran, instead of being retried for ever.
+the call ran, instead of being retried for ever. So is a success whose answer
+cannot be published at all (data that is not JSON, a reference update that does not
+serialise). A failure whose answer cannot be published as given keeps what is known
+to be true of it (its committed steps, and whatever of its compensation arguments and
+reference updates does serialise): a call that committed a step still asks for
+compensation.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import orjson
@@ -57,6 +63,7 @@ from processor.codec.records import decode_approved_call, encode_result
 from processor.config import Settings
 from processor.kafka.offsets import next_offsets, records_of, rewind
 from processor.model import SideEffectClass, TaxonomyClass
+from processor.results import RESULT_TOO_LARGE, RESULT_UNPUBLISHABLE
 
 logger = logging.getLogger(__name__)
 
@@ -372,8 +379,9 @@ class Executor:
             out = self._output(call, answer, outcome, started)
         except Exception as exc:
             # What the handler answered cannot be published (data that is not JSON, a
-            # field of the wrong type): fail closed with a result that always encodes.
-            return self._output(call, _handler_error(call, exc), FAILED, started)
+            # field of the wrong type): publish what is known to be true of it instead.
+            answer, outcome = _salvaged(call, answer, exc), FAILED
+            out = self._output(call, answer, outcome, started)
         limit = self.max_result_bytes
         references = [(k, v) for k, v in out.references if v is None or len(v) <= limit]
         if len(out.value) <= limit and len(references) == len(out.references):
@@ -386,7 +394,7 @@ class Executor:
         # updates that fit); only the answer that does not fit is left out.
         failed = answer if isinstance(answer, Failed) else None
         too_large = Failed(
-            "result_too_large",
+            RESULT_TOO_LARGE,
             f"the call ran, but its answer ({len(out.value)} bytes), or one of its "
             f"reference updates, is larger than a result may be ({limit})",
             taxonomy_class=TaxonomyClass.OBSERVATION_NORMALIZATION_FAIL.value,
@@ -592,6 +600,102 @@ def _handler_error(call: Call, exc: Exception) -> Failed:
     )
 
 
+def _salvaged(call: Call, answer: Succeeded | Failed, exc: Exception) -> Failed:
+    """What is known to be true of an answer that cannot be published as given, in a form
+    that always encodes. A success ran: it is reported as a call that ran whose answer
+    cannot be published (as one too large is), never as a refusal. A failure keeps its
+    committed steps (they decide that the call needs compensating), its own code, message
+    and class where they have the right types, and the compensation arguments and
+    reference updates that serialise; what is left out is named in its message."""
+    why = type(exc).__name__
+    references = _publishable_references(call, answer)
+    if isinstance(answer, Succeeded):
+        logger.error("the answer of call %s cannot be published (%s): published as a "
+                     "failure that says the call ran", call.call_id, why)  # fmt: skip
+        return Failed(
+            RESULT_UNPUBLISHABLE,
+            f"the call ran, but its answer, or one of its reference updates, cannot be "
+            f"published ({why})",
+            taxonomy_class=TaxonomyClass.OBSERVATION_NORMALIZATION_FAIL.value,
+            references=references,
+        )
+    left_out: list[str] = []
+    compensation = answer.compensation_arguments
+    if compensation is not None and not _serialises(lambda: orjson.dumps(compensation)):
+        compensation = None
+        left_out.append("its compensation arguments")
+    if len(references) != len(_listed(answer.references)):
+        left_out.append("a reference update")
+    code, message = answer.code, answer.message
+    if not isinstance(code, str) or not code or not isinstance(message, str):
+        code, message = "handler_error", f"the tool's failure cannot be published ({why})"
+    elif left_out:
+        message = f"{message} ({' and '.join(left_out)} could not be published: {why})"
+    claimed = answer.taxonomy_class
+    logger.error("the failure of call %s cannot be published as given (%s): %s left out",
+                 call.call_id, why, ", ".join(left_out) or "its fields")  # fmt: skip
+    return Failed(
+        _text(code),
+        _text(message),
+        retryable=answer.retryable if isinstance(answer.retryable, bool) else False,
+        taxonomy_class=_text(claimed) if isinstance(claimed, str) else None,
+        committed_steps=tuple(_text(s) for s in _step_names(answer.committed_steps)),
+        compensation_arguments=compensation,
+        references=references,
+    )
+
+
+def _text(s: str) -> str:
+    """``s`` as valid UTF-8 (a lone surrogate, which no record can carry, replaced)."""
+    return s.encode("utf-8", "replace").decode()
+
+
+def _serialises(encode: Callable[[], object]) -> bool:
+    try:
+        encode()
+    except Exception:
+        return False
+    return True
+
+
+def _listed(references: object) -> tuple[object, ...]:
+    """A handler's reference updates as a tuple (one update on its own is one)."""
+    if isinstance(references, ReferenceUpdate):
+        return (references,)
+    try:
+        return tuple(references) if isinstance(references, Iterable) else ()
+    except Exception:
+        return ()
+
+
+def _publishable_references(call: Call, answer: Succeeded | Failed) -> tuple[ReferenceUpdate, ...]:
+    """The answer's reference updates whose records can be built."""
+    return tuple(
+        r
+        for r in _listed(answer.references)
+        if isinstance(r, ReferenceUpdate) and _serialises(partial(_record_of, call.tenant_id, r))
+    )
+
+
+def _record_of(tenant: str, r: ReferenceUpdate) -> tuple[bytes, bytes | None]:
+    return r.key(tenant), r.value()
+
+
+def _step_names(steps: object) -> tuple[str, ...]:
+    """Committed steps as strings, whatever a handler gave: one name on its own is one
+    step (not a step per letter), and steps that cannot even be listed are still
+    reported as a step, so that the call is compensated or escalated, never taken for
+    one that committed nothing."""
+    if not steps:
+        return ()
+    if isinstance(steps, str):
+        return (steps,)
+    try:
+        return tuple(str(s) for s in steps) if isinstance(steps, Iterable) else (str(steps),)
+    except Exception:
+        return ("unnamed_step",)
+
+
 def _result(
     call: Call,
     answer: Succeeded | Failed,
@@ -621,7 +725,7 @@ def _result(
         "error_code": failed.code if failed else None,
         "error_message": failed.message if failed else None,
         "taxonomy_class": failed.taxonomy_class if failed else None,
-        "committed_steps": list(failed.committed_steps) if failed else [],
+        "committed_steps": list(_step_names(failed.committed_steps)) if failed else [],
         "data": None,
         "compensation_arguments": None,
         "started_at": started_ms,

@@ -93,6 +93,10 @@ def compensation_key(idempotency_key: str) -> str:
     return COMPENSATION_PREFIX + idempotency_key
 
 
+RESULT_TOO_LARGE = "result_too_large"
+RESULT_UNPUBLISHABLE = "result_unpublishable"
+"""Executors' error codes (with ``OBSERVATION_NORMALIZATION_FAIL``) for a call that ran
+whose answer cannot be carried: too large for a record, or not serialisable at all."""
 RESULT_DATA_MAX_BYTES = 262_144
 """The most of a result's data an observation carries to the model (and Redis caches for
 retries): a larger answer is not shown, and the model is told why."""
@@ -238,8 +242,9 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         rej = Rejection(_T.COMPENSATION_REQUIRED, Gate.RESULT, errors, action)
         return "FAILED_FINAL", rej, final
     claimed = r.get("taxonomy_class")
-    if claimed == _T.OBSERVATION_NORMALIZATION_FAIL.value and r.get("error_code") == (
-        "result_too_large"
+    if claimed == _T.OBSERVATION_NORMALIZATION_FAIL.value and r.get("error_code") in (
+        RESULT_TOO_LARGE,
+        RESULT_UNPUBLISHABLE,
     ):
         # The executor's word for "it ran, but its answer cannot be carried".
         action = (
@@ -293,7 +298,7 @@ def _unreadable(data: str | None, contract: Contract | None) -> FieldError | Non
                 "data",
                 f"the result is {len(data.encode())} bytes; at most {RESULT_DATA_MAX_BYTES} "
                 "are shown",
-                "result_too_large",
+                RESULT_TOO_LARGE,
             )
         try:
             value = orjson.loads(data)
