@@ -18,7 +18,8 @@ compensation the processor proposed is admitted under its key: the original's re
 names that key and its payload hash, so a proposal that borrows the key is refused.
 
 A result whose data does not match the contract's ``output_schema`` is not shown to the
-model at all: ``OBSERVATION_NORMALIZATION_FAIL``, and the call is not run again.
+model at all: ``OBSERVATION_NORMALIZATION_FAIL``, and the call is not run again. A failed
+result's data is never shown (nothing describes it).
 """
 
 from __future__ import annotations
@@ -186,9 +187,12 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         )
         rej = _handoff(_T.OBSERVATION_NORMALIZATION_FAIL, problem, action)
         return "FAILED_FINAL", rej, Final(False, None, attempt=attempt)
-    data = r.get("data")
-    final = Final(False, None if data is None or _too_large(data, RESULT_DATA_MAX_BYTES) else data,
-                  attempt=attempt)  # fmt: skip
+    # A failure's data goes nowhere. The result schema says it is null when the call fails,
+    # and no contract describes it (output_schema is what a success returns), so there is
+    # nothing to check it against: shown to the model and cached for its retries, it would
+    # be unchecked executor text in the model's context. Dropping it, rather than checking
+    # it as JSON, is the safer choice: a failure is told by its code, message and class.
+    final = Final(False, None, attempt=attempt)
     detail = FieldError(None, r.get("error_message") or "the call failed", r.get("error_code")
                         or "failed")  # fmt: skip
     if compensating:
