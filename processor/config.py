@@ -71,6 +71,13 @@ class Topics(BaseModel):
     def dlq(self) -> str:
         return f"{self.prefix}proposals.dlq"
 
+    @property
+    def call_dlq(self) -> str:
+        """Records on the execution topics that executors cannot read as approved calls.
+        Not under ``exec.``: a subscription or ACL by that prefix must not take it for an
+        execution topic."""
+        return f"{self.prefix}calls.dlq"
+
     def execution(self, side_effect_class: str) -> str:
         """``tool.exec.<class>`` for a side-effect class such as ``READ_ONLY``."""
         return f"{self.prefix}exec.{side_effect_class.lower()}"
@@ -85,6 +92,7 @@ class Topics(BaseModel):
             self.approvals,
             self.reference,
             self.dlq,
+            self.call_dlq,
             *execs,
         ]
 

@@ -20,8 +20,13 @@ written in one database transaction, keyed by the idempotency key.
 The executor decides only what needs no tool knowledge: a call past its
 deadline is not run (``TIMED_OUT``), a tool without a handler and a handler
 that raises fail closed (``FAILED``, not retryable). A record that is not an
-approved call is logged, counted and skipped, so one bad record never stops
-the group. Signals are the caller's business: call ``stop()`` from a signal handler.
+approved call goes to the executors' dead-letter topic (``tool.calls.dlq``) with
+the reason in its headers, in the transaction that commits its offset, so one bad
+record never stops the group and none is lost. A call written with an
+approved-call schema this executor does not know (a newer processor's, during an
+upgrade) is neither run nor skipped: its partition waits at it, paused, and is read
+again every ``HOLD_S`` seconds, until an executor that knows the schema owns it.
+Signals are the caller's business: call ``stop()`` from a signal handler.
 
 A call delivered again may have run the first time: its handler answered, then
 the transaction aborted (or the group moved the partition, or the process
@@ -59,10 +64,11 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from prometheus_client import CollectorRegistry, Counter
 
 from processor.app import consumer_config, producer_config
-from processor.codec.records import decode_approved_call, encode_result
+from processor.codec.avro import known_headers, writer_header
+from processor.codec.records import decode_approved_call, dlq_record, encode_result
 from processor.config import Settings
-from processor.kafka.offsets import next_offsets, records_of, rewind
-from processor.model import SideEffectClass, TaxonomyClass
+from processor.kafka.offsets import next_offsets, records_of, rewind, where
+from processor.model import Decision, Gate, Outcome, SideEffectClass, SourceRecord, TaxonomyClass
 from processor.results import RESULT_TOO_LARGE, RESULT_UNPUBLISHABLE
 
 logger = logging.getLogger(__name__)
@@ -72,6 +78,10 @@ SUCCEEDED, FAILED, TIMED_OUT = "SUCCEEDED", "FAILED", "TIMED_OUT"
 RESULT_HEADROOM_BYTES = 16_384
 """Room left under ``message.max.bytes`` for what the processor's observation adds
 around a result's data."""
+HOLD_S = 10.0
+"""How long a partition waits, paused, at a call written with a schema this executor does
+not know, before it is read again (and the call logged and counted again): the next owner
+of the partition, once an upgrade moves it, may know the schema."""
 GIVEN_BACK_BYTES = 64 * 1024 * 1024
 """Answers of aborted batches kept for their redelivery, at most this many bytes (the
 oldest dropped first: a call whose batch moved to another executor is never committed
@@ -183,7 +193,14 @@ class ExecutorMetrics:
         )
         self.undecodable = Counter(
             "toolsentry_executor_undecodable_total",
-            "Records on an execution topic that were not approved calls (skipped).",
+            "Records on an execution topic that were not approved calls (sent to the "
+            "executors' DLQ).",
+            registry=registry,
+        )
+        self.unknown_schema = Counter(
+            "toolsentry_executor_unknown_schema_total",
+            "Times a partition was held at a call written with a schema this executor does "
+            "not know (a newer processor's): not run, not skipped.",
             registry=registry,
         )
         self.transactions = Counter(
@@ -192,6 +209,22 @@ class ExecutorMetrics:
             ["result"],
             registry=registry,
         )
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    """Why a record on an execution topic is not an approved call this executor can run."""
+
+    reason: str
+    """``toolsentry.error.reason`` of its dead letter."""
+    detail: str
+    newer: bool = False
+    """Framed with a schema this executor does not know: a newer writer's call, held for an
+    executor that knows it rather than dead-lettered."""
+
+
+DeadLetter = tuple[bytes | None, bytes | None, list[tuple[str, str | bytes | None]]]
+"""Key, value and headers of a record on the executors' DLQ."""
 
 
 @dataclass
@@ -255,6 +288,8 @@ class Executor:
         self._given_back: dict[tuple[str, int, str], _Output] = {}
         """Outputs of batches whose transaction aborted, by (call id, attempt, key)."""
         self._given_back_bytes = 0
+        self._held: dict[tuple[str, int], float] = {}
+        """Partitions paused at a call of an unknown schema, and when to read them again."""
         self._rebalanced = False
         # The processor's client configs, with this executor's group and instance: the
         # same enforced exactly-once settings, and transactional.id
@@ -300,9 +335,11 @@ class Executor:
 
     def run_once(self, timeout_s: float) -> int:
         """Consume one batch (waiting up to ``timeout_s`` for its first record), execute
-        it, commit. Returns how many records the committed batch consumed, skipped
-        undecodable ones included; 0 when nothing came or the transaction was aborted."""
+        it, commit. Returns how many records the committed batch consumed, dead-lettered
+        ones included and held ones not; 0 when nothing came or the transaction was
+        aborted."""
         consumer, producer = self._clients()
+        self._resume_held(consumer)
         first = consumer.poll(timeout_s)
         if first is None:
             return 0
@@ -314,14 +351,29 @@ class Executor:
             self._rebalanced = False
             rewind(consumer, records, self._assigned)
             return 0
+        read = [(m, _read(m.value())) for m in records]
+        held = _newer(read)
+        if held and not self._hold(consumer, held):
+            return 0
+        # A held call and whatever follows it on its partition wait: not run, not committed.
+        read = [(m, r) for m, r in read if not _behind(m, held)]
+        records = [m for m, _ in read]
         if not records:
             return 0
-        outputs = [out for m in records if (out := self._execute(m)) is not None]
+        outputs: list[_Output] = []
+        dead: list[DeadLetter] = []
+        for m, r in read:
+            if isinstance(r, Call):
+                outputs.append(self._execute(r))
+            else:
+                dead.append(self._dead_letter(m, r))
         try:
             producer.begin_transaction()
             producer.send_offsets_to_transaction(
                 next_offsets(records), consumer.consumer_group_metadata(), 30
             )
+            for key, value, headers in dead:
+                self._send(producer, self.settings.topics.call_dlq, key, value, headers)
             for out in outputs:
                 for key, value in out.references:
                     self._send(producer, self.settings.topics.reference, key, value)
@@ -337,21 +389,62 @@ class Executor:
         for out in outputs:
             self.metrics.results.labels(out.tool, out.outcome).inc()
         self.results_committed += len(outputs)
+        self.undecodable += len(dead)
+        self.metrics.undecodable.inc(len(dead))
         return len(records)
+
+    # -- records that are not calls ----------------------------------------------------------
+
+    def _dead_letter(self, m: Message, why: _Unreadable) -> DeadLetter:
+        """The record as the executors' DLQ keeps it: its key and value (cut to fit), and
+        where it came from and why, in the processor's DLQ headers."""
+        topic, partition, offset = where(m)
+        logger.warning("%s[%s]@%s is not an approved call (%s): sent to %s",
+                       topic, partition, offset, why.detail,
+                       self.settings.topics.call_dlq)  # fmt: skip
+        source = SourceRecord(topic, partition, offset, m.key(), m.value(), m.timestamp()[1])
+        d = Decision(source, Outcome.DEAD_LETTER, Gate.PARSE, None, dlq_reason=why.reason,
+                     dlq_detail=why.detail)  # fmt: skip
+        return dlq_record(m.key(), d, self.max_result_bytes)
+
+    def _hold(self, consumer: Consumer, held: dict[tuple[str, int], int]) -> bool:
+        """Pause each partition at its call of an unknown schema for ``HOLD_S``, and seek
+        back to that call: skipped, it would be lost to its agent, who would never hear of
+        it; dead-lettered, every call of a newer processor would be, for the whole of an
+        upgrade. False when the consumer cannot be moved back: the clients are rebuilt
+        from the committed offsets, which hold the call just the same."""
+        for (topic, partition), offset in held.items():
+            logger.error(
+                "%s[%s]@%s is an approved call of a schema this executor does not know (a "
+                "newer processor wrote it): not run; the partition waits %.0f s and is read "
+                "again from there. Upgrade the executors.",
+                topic, partition, offset, HOLD_S,
+            )  # fmt: skip
+            self.metrics.unknown_schema.inc()
+            tp = TopicPartition(topic, partition, offset)
+            try:
+                consumer.pause([tp])
+                consumer.seek(tp)
+            except KafkaException as exc:
+                logger.warning("cannot hold %s[%s] (%s); rebuilding the clients",
+                               topic, partition, exc.args[0])  # fmt: skip
+                self._close_clients()
+                return False
+            self._held[(topic, partition)] = time.monotonic() + HOLD_S
+        return True
+
+    def _resume_held(self, consumer: Consumer) -> None:
+        now = time.monotonic()
+        due = [tp for tp, until in self._held.items() if until <= now]
+        for tp in due:
+            del self._held[tp]
+        if due:
+            with contextlib.suppress(KafkaException):
+                consumer.resume([TopicPartition(topic, partition) for topic, partition in due])
 
     # -- one call --------------------------------------------------------------------------
 
-    def _execute(self, m: Message) -> _Output | None:
-        try:
-            call = _call(decode_approved_call(m.value() or b""))
-        except (ValueError, KeyError, TypeError) as exc:
-            self.undecodable += 1
-            self.metrics.undecodable.inc()
-            logger.warning(
-                "skipping %s[%s]@%s: not an approved call (%s)",
-                m.topic(), m.partition(), m.offset(), exc,
-            )  # fmt: skip
-            return None
+    def _execute(self, call: Call) -> _Output:
         given = self._given_back.get((call.call_id, call.attempt, call.idempotency_key))
         if given is not None:
             return given  # answered before, in a batch that was given back: not run again
@@ -494,6 +587,7 @@ class Executor:
         consumer, producer = self._consumer, self._producer
         self._consumer = self._producer = None
         self._assigned.clear()
+        self._held.clear()
         if consumer is not None:
             with contextlib.suppress(KafkaException, RuntimeError):
                 consumer.close()
@@ -504,10 +598,16 @@ class Executor:
                 producer.flush(5)
 
     @staticmethod
-    def _send(producer: Producer, topic: str, key: bytes, value: bytes | None) -> None:
+    def _send(
+        producer: Producer,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, str | bytes | None]] | None = None,
+    ) -> None:
         while True:
             try:
-                producer.produce(topic, value=value, key=key)
+                producer.produce(topic, value=value, key=key, headers=headers)
                 return
             except BufferError:
                 producer.poll(0.05)  # local queue full: let deliveries drain
@@ -562,6 +662,37 @@ class Executor:
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._rebalanced = True
         self._assigned -= {(tp.topic, tp.partition) for tp in partitions}
+        for tp in partitions:
+            self._held.pop((tp.topic, tp.partition), None)
+
+
+def _read(value: bytes | None) -> Call | _Unreadable:
+    """The approved call in a record's value, or why there is none."""
+    data = value or b""
+    header = writer_header(data)
+    if header is not None and header not in known_headers():
+        fingerprint = header[2:].hex()
+        return _Unreadable("approved_call_schema_unknown", f"writer schema {fingerprint}", True)
+    try:
+        return _call(decode_approved_call(data))
+    except (ValueError, KeyError, TypeError) as exc:
+        return _Unreadable("approved_call_invalid", f"{type(exc).__name__}: {exc}"[:500])
+
+
+def _newer(read: list[tuple[Message, Call | _Unreadable]]) -> dict[tuple[str, int], int]:
+    """Each partition's first call of a schema this executor does not know, by offset."""
+    held: dict[tuple[str, int], int] = {}
+    for m, r in read:
+        if isinstance(r, _Unreadable) and r.newer:
+            topic, partition, offset = where(m)
+            held.setdefault((topic, partition), offset)
+    return held
+
+
+def _behind(m: Message, held: dict[tuple[str, int], int]) -> bool:
+    """Whether ``m`` is a held call or comes after one on its partition."""
+    topic, partition, offset = where(m)
+    return offset >= held.get((topic, partition), offset + 1)
 
 
 def _call(d: dict[str, Any]) -> Call:

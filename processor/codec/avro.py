@@ -268,6 +268,19 @@ def codec(name: str) -> AvroCodec:
     return AvroCodec(orjson.loads((SCHEMAS_DIR / f"{name}.avsc").read_bytes()))
 
 
+def writer_header(data: bytes) -> bytes | None:
+    """The single-object header (marker and writer schema fingerprint) ``data`` starts
+    with; None when it is not single-object encoded at all."""
+    return data[:10] if len(data) >= 10 and data[:2] == MAGIC else None
+
+
+@cache
+def known_headers() -> frozenset[bytes]:
+    """The headers of every schema in ``schemas/``. A record framed with any other was
+    written with a schema this version does not have: a newer one, during an upgrade."""
+    return frozenset(codec(p.stem).header for p in SCHEMAS_DIR.glob("*.avsc"))
+
+
 def decode_any(
     data: bytes, names: tuple[str, ...] = ("observation", "approved_call", "approval_request")
 ) -> Any:

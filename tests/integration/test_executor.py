@@ -15,12 +15,14 @@ from typing import Any
 
 import orjson
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import ConsumerGroupTopicPartitions, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 from prometheus_client import CollectorRegistry
 
+from processor import executor as executor_module
 from processor.app import producer_config
-from processor.codec.avro import codec
-from processor.codec.records import decode_result
+from processor.codec.avro import SCHEMAS_DIR, AvroCodec, codec, known_headers
+from processor.codec.records import decode_approved_call, decode_result
 from processor.config import Settings
 from processor.executor import Call, Executor, Failed, Handler, ReferenceUpdate, Succeeded
 from processor.support_executor import SupportStore
@@ -164,6 +166,7 @@ class Scenario:
         garbage = [(read_only, b"run-garbage", b"not avro"), (read_only, b"run-garbage", corrupt)]
         produce(s, garbage)
         send_calls(s, [self.after_garbage])
+        self.garbage = [value for _, _, value in garbage]
         registry = CollectorRegistry()
         ex = executor(s, self.handlers(), metrics_registry=registry)
         try:
@@ -247,10 +250,86 @@ def test_a_tool_without_a_handler_fails_closed(scenario: Any) -> None:
     assert (r["outcome"], r["error_code"], r["retryable"]) == ("FAILED", "no_handler", False)
 
 
-def test_undecodable_records_are_skipped_and_the_executor_goes_on(scenario: Any) -> None:
+def test_undecodable_records_are_dead_lettered_and_the_executor_goes_on(scenario: Any) -> None:
     sc, out = scenario
     assert out[sc.after_garbage["call_id"]]["outcome"] == "SUCCEEDED"
     assert sc.after_garbage["call_id"] in sc.seen
+    dead = read_all(sc.settings, sc.settings.topics.call_dlq, expect=2, idle=1.0)
+    assert [m.value() for m in dead] == sc.garbage
+    source = sc.settings.topics.execution("READ_ONLY").encode()
+    for m in dead:
+        headers = dict(m.headers() or [])
+        assert m.key() == b"run-garbage"
+        assert headers["toolsentry.error.reason"] == b"approved_call_invalid"
+        assert headers["toolsentry.source.topic"] == source
+
+
+def _newer_codec() -> AvroCodec:
+    """The approved-call schema as a newer processor might write it: a field more."""
+    schema = orjson.loads((SCHEMAS_DIR / "approved_call.avsc").read_bytes())
+    schema["fields"].append({"name": "priority", "type": "int", "default": 0})
+    return AvroCodec(schema)
+
+
+def committed_offsets(settings: Settings, group: str, topic: str) -> dict[int, int]:
+    admin = AdminClient(settings.client_config())
+    partitions = admin.list_topics(topic, timeout=10).topics[topic].partitions
+    parts = [TopicPartition(topic, p) for p in partitions]
+    [offsets] = admin.list_consumer_group_offsets(
+        [ConsumerGroupTopicPartitions(group, parts)]
+    ).values()
+    return {tp.partition: tp.offset for tp in offsets.result(10).topic_partitions if tp.offset >= 0}
+
+
+def test_a_call_of_a_newer_schema_waits_for_an_executor_that_knows_it(
+    stack_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rolling upgrade: the processor writes a schema this executor does not know. The
+    call is neither run, skipped nor dead-lettered; its partition stops at it (what comes
+    after it waits too), and the upgraded executor that takes the partition over runs both."""
+    s = isolated(stack_settings, f"exec-newer-{uuid.uuid4().hex[:6]}")
+    newer = _newer_codec()
+    run = {"run_id": "run-upgrade"}  # one key: one partition, in this order
+    before, held, after = (
+        {**approved_call("lookup_order", {"order_id": f"WO-1234{i}-A"}), **run} for i in range(3)
+    )
+    topic = s.topics.execution("READ_ONLY")
+    produce(s, [(topic, b"run-upgrade", codec("approved_call").encode(before)),
+                (topic, b"run-upgrade", newer.encode_checked({**held, "priority": 1})),
+                (topic, b"run-upgrade", codec("approved_call").encode(after))])  # fmt: skip
+    sc = Scenario(s)
+    registry = CollectorRegistry()
+    group = f"executor-{uuid.uuid4().hex[:8]}"
+    old = executor(s, sc.handlers(), group_id=group, metrics_registry=registry)
+    try:
+        drain(old, 1)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            assert old.run_once(0.3) == 0
+    finally:
+        old.close()
+    assert sc.seen == [before["call_id"]]
+    assert registry.get_sample_value("toolsentry_executor_unknown_schema_total", {}) >= 1
+    assert list(committed_offsets(s, group, topic).values()) == [1]  # at the held call
+    assert read_all(s, s.topics.call_dlq, idle=1.0) == []
+
+    # The upgraded executor knows the schema (a stand-in: this one is taught it).
+    def decode(value: bytes) -> dict[str, Any]:
+        if value[:10] != newer.header:
+            return decode_approved_call(value)
+        datum = newer.decode(value)
+        datum.pop("priority")
+        return decode_approved_call(codec("approved_call").encode_checked(datum))
+
+    monkeypatch.setattr(executor_module, "known_headers", lambda: known_headers() | {newer.header})
+    monkeypatch.setattr(executor_module, "decode_approved_call", decode)
+    upgraded = executor(s, sc.handlers(), group_id=group)
+    try:
+        drain(upgraded, 2)
+    finally:
+        upgraded.close()
+    assert sc.seen == [before["call_id"], held["call_id"], after["call_id"]]
+    assert set(results(s, 3)) == {before["call_id"], held["call_id"], after["call_id"]}
 
 
 # -- the support executor: a redelivered call is not applied twice ---------------------------

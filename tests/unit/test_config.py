@@ -146,6 +146,7 @@ def test_topic_names_derive_from_the_prefix() -> None:
         "tool.approvals",
         "tool.reference",
         "tool.proposals.dlq",
+        "tool.calls.dlq",
         *EXEC_TOPICS,
     ]
     assert [t.execution(c.value) for c in SideEffectClass] == EXEC_TOPICS

@@ -1,26 +1,33 @@
 """The executor's batch step with stand-ins for its clients: a batch read while its
-partitions moved is not run, and a commit is retried only within the transaction's own
-timeout (the integration of both is tests/integration/test_executor.py)."""
+partitions moved is not run, a commit is retried only within the transaction's own
+timeout, a record that is not an approved call is dead-lettered in the batch's
+transaction, and a call of a schema the executor does not know holds its partition (the
+integration of all of these is tests/integration/test_executor.py)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import orjson
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from prometheus_client import CollectorRegistry
 
-from processor.codec.records import encode_approved_call
+from processor import executor as executor_module
+from processor.codec.avro import AvroCodec, codec
+from processor.codec.records import decode_approved_call, decode_result, encode_approved_call
 from processor.config import Settings
 from processor.contracts.registry import ContractSet
 from processor.executor import Call, Executor, Succeeded
 from processor.model import Outcome
-from tests.unit.helpers import decide_envelope, envelope
+from tests.unit.helpers import SCHEMAS_DIR, decide_envelope, envelope
 
 
 class _Record:
-    def __init__(self, topic: str, offset: int, value: bytes) -> None:
+    def __init__(self, topic: str, offset: int, value: bytes, partition: int = 0) -> None:
         self._topic, self._offset, self._value = topic, offset, value
+        self._partition = partition
 
     def error(self) -> None:
         return None
@@ -29,7 +36,7 @@ class _Record:
         return self._topic
 
     def partition(self) -> int:
-        return 0
+        return self._partition
 
     def offset(self) -> int:
         return self._offset
@@ -40,6 +47,9 @@ class _Record:
     def value(self) -> bytes:
         return self._value
 
+    def timestamp(self) -> tuple[int, int]:
+        return 0, 1_700_000_000_000
+
 
 class _Consumer:
     """Hands out one batch; ``moved`` runs inside poll(), as a rebalance callback would."""
@@ -47,6 +57,7 @@ class _Consumer:
     def __init__(self, records: list[_Record], moved: Any = None) -> None:
         self.records, self.moved = records, moved
         self.seeks: list[tuple[str, int, int]] = []
+        self.paused: set[tuple[str, int]] = set()
 
     def poll(self, timeout: float) -> _Record | None:
         if self.moved is not None:
@@ -59,6 +70,12 @@ class _Consumer:
     def seek(self, tp: TopicPartition) -> None:
         self.seeks.append((tp.topic, tp.partition, tp.offset))
 
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self.paused |= {(tp.topic, tp.partition) for tp in partitions}
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        self.paused -= {(tp.topic, tp.partition) for tp in partitions}
+
     def consumer_group_metadata(self) -> object:
         return object()
 
@@ -69,15 +86,19 @@ class _Producer:
     def __init__(self, commits: list[KafkaError | None] | None = None) -> None:
         self.commits = list(commits or [])
         self.calls: list[str] = []
+        self.produced: list[dict[str, Any]] = []
+        self.offsets: list[tuple[str, int, int]] = []
 
     def begin_transaction(self) -> None:
         self.calls.append("begin")
 
     def send_offsets_to_transaction(self, offsets: Any, group: Any, timeout: float) -> None:
         self.calls.append("offsets")
+        self.offsets += [(tp.topic, tp.partition, tp.offset) for tp in offsets]
 
-    def produce(self, *args: Any, **kwargs: Any) -> None:
+    def produce(self, topic: str, **kwargs: Any) -> None:
         self.calls.append("produce")
+        self.produced.append({"topic": topic, **kwargs})
 
     def commit_transaction(self, timeout: float) -> None:
         self.calls.append("commit")
@@ -94,6 +115,7 @@ def _executor(
     producer: _Producer,
     timeout_ms: int = 60_000,
     ran: list[Call] | None = None,
+    registry: CollectorRegistry | None = None,
 ) -> Executor:
     def lookup(call: Call) -> Succeeded:
         if ran is not None:
@@ -101,10 +123,13 @@ def _executor(
         return Succeeded({"state": "processing"})
 
     executor = Executor(
-        Settings(transaction_timeout_ms=timeout_ms), {"lookup_order": lookup}, ["READ_ONLY"]
+        Settings(transaction_timeout_ms=timeout_ms),
+        {"lookup_order": lookup},
+        ["READ_ONLY"],
+        metrics_registry=registry,
     )
     executor._consumer, executor._producer = consumer, producer  # type: ignore[assignment]
-    executor._assigned = {(executor.topics[0], 0)}
+    executor._assigned = {(executor.topics[0], 0), (executor.topics[0], 1)}
     return executor
 
 
@@ -174,3 +199,105 @@ def test_a_commit_that_failed_for_good_is_not_retried() -> None:
     with pytest.raises(KafkaException):
         executor._commit(producer)  # type: ignore[arg-type]
     assert producer.calls == ["commit"]
+
+
+def _approved_call(contracts: ContractSet) -> tuple[bytes, int]:
+    """A routed lookup as the processor writes it, and a clock time within its deadline."""
+    d = decide_envelope(envelope("lookup_order", arguments={"order_id": "WO-12345-A"}), contracts)
+    assert d.outcome is Outcome.ROUTED
+    return encode_approved_call(d, None), d.decided_at_ms or 0
+
+
+def _newer_call(value: bytes) -> bytes:
+    """The same call as a newer processor writes it: its schema has a field more."""
+    schema = orjson.loads((SCHEMAS_DIR / "approved_call.avsc").read_bytes())
+    schema["fields"].append({"name": "priority", "type": "int", "default": 0})
+    return AvroCodec(schema).encode_checked({**decode_approved_call(value), "priority": 1})
+
+
+def test_records_that_are_not_calls_are_dead_lettered_in_the_batch_s_transaction(
+    contracts: ContractSet,
+) -> None:
+    """Skipped, a call its executor cannot read never gets an answer and nobody can tell:
+    the DLQ keeps it with the reason, committed with the offsets, like the processor's."""
+    call, now_ms = _approved_call(contracts)
+    observation = codec("observation").header + b"\x00"  # another schema: never a call
+    corrupt = codec("approved_call").header + b"\xff\xff\xff"
+    registry = CollectorRegistry()
+    producer, consumer = _Producer(), _Consumer([])
+    executor = _executor(consumer, producer, registry=registry)
+    executor.clock = lambda: now_ms / 1000
+    topic = executor.topics[0]
+    values = [b"not avro", call, corrupt, observation]
+    consumer.records = [_Record(topic, 7 + i, v) for i, v in enumerate(values)]
+    assert executor.run_once(0.1) == 4
+    assert producer.calls == ["begin", "offsets", *["produce"] * 4, "commit"]
+    assert producer.offsets == [(topic, 0, 11)]
+    dead = [p for p in producer.produced if p["topic"] == executor.settings.topics.call_dlq]
+    assert [p["value"] for p in dead] == [b"not avro", corrupt, observation]
+    headers = [dict(p["headers"]) for p in dead]
+    assert {h["toolsentry.error.reason"] for h in headers} == {b"approved_call_invalid"}
+    assert [h["toolsentry.source.offset"] for h in headers] == [b"7", b"9", b"10"]
+    assert headers[0]["toolsentry.source.topic"] == topic.encode()
+    assert dead[0]["key"] == b"run-1"
+    [result] = [p for p in producer.produced if p["topic"] == executor.settings.topics.results]
+    assert decode_result(result["value"])["outcome"] == "SUCCEEDED"
+    assert executor.undecodable == 3
+    assert registry.get_sample_value("toolsentry_executor_undecodable_total") == 3
+    assert consumer.paused == set() and consumer.seeks == []
+
+
+def test_a_call_of_an_unknown_schema_holds_its_partition_and_nothing_after_it_runs(
+    contracts: ContractSet,
+) -> None:
+    """A newer processor's call (a rolling upgrade changed the schema) is neither run nor
+    skipped: the partition waits at it, so an executor that knows the schema runs it."""
+    call, now_ms = _approved_call(contracts)
+    registry = CollectorRegistry()
+    ran: list[Call] = []
+    producer, consumer = _Producer(), _Consumer([])
+    executor = _executor(consumer, producer, ran=ran, registry=registry)
+    executor.clock = lambda: now_ms / 1000
+    topic = executor.topics[0]
+    consumer.records = [
+        _Record(topic, 4, call),
+        _Record(topic, 5, _newer_call(call)),
+        _Record(topic, 6, call),
+        _Record(topic, 20, call, partition=1),  # another partition carries on
+    ]
+    assert executor.run_once(0.1) == 2
+    assert len(ran) == 2
+    assert producer.offsets == [(topic, 0, 5), (topic, 1, 21)]  # not past the held call
+    assert [p["topic"] for p in producer.produced] == [executor.settings.topics.results] * 2
+    assert consumer.paused == {(topic, 0)} and consumer.seeks == [(topic, 0, 5)]
+    assert registry.get_sample_value("toolsentry_executor_unknown_schema_total") == 1
+    assert executor.undecodable == 0
+
+    # Read again once the hold is over: still unknown here, held again, and counted.
+    assert executor._held[(topic, 0)] > time.monotonic() + executor_module.HOLD_S - 1
+    executor._held[(topic, 0)] = 0.0
+    consumer.records = [_Record(topic, 5, _newer_call(call)), _Record(topic, 6, call)]
+    assert executor.run_once(0.1) == 0
+    assert len(ran) == 2 and producer.calls.count("commit") == 1
+    assert consumer.paused == {(topic, 0)} and consumer.seeks[-1] == (topic, 0, 5)
+    assert registry.get_sample_value("toolsentry_executor_unknown_schema_total") == 2
+
+
+def test_a_held_partition_is_resumed_after_the_hold(contracts: ContractSet) -> None:
+    call, now_ms = _approved_call(contracts)
+    producer, consumer = _Producer(), _Consumer([])
+    executor = _executor(consumer, producer)
+    executor.clock = lambda: now_ms / 1000
+    topic = executor.topics[0]
+    consumer.records = [_Record(topic, 5, _newer_call(call))]
+    assert executor.run_once(0.1) == 0
+    assert consumer.paused == {(topic, 0)} and producer.calls == []
+    consumer.records = []
+    executor.run_once(0.1)
+    assert consumer.paused == {(topic, 0)}  # not yet
+    executor._held[(topic, 0)] = 0.0  # the hold is over
+    executor.run_once(0.1)
+    assert consumer.paused == set()
+    executor._held[(topic, 0)] = 0.0
+    executor._on_revoke(consumer, [TopicPartition(topic, 0)])  # type: ignore[arg-type]
+    assert executor._held == {}  # its next owner reads it afresh
