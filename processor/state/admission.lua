@@ -561,8 +561,9 @@ local function void(c)
     return {status = 'unchanged'}
   end
   if ikey == c.ikey and took_ ~= '' then
-    release_record(c.ikey, attempt, hash, c.call, false)
-    give_back(c.of, rec.r, tool, took_)
+    -- (a parked call resubmitted with its approvals waits for them again: its request
+    -- was never ended, and its approvals are unspent)
+    release_record(c.ikey, attempt, hash, c.call, give_back(c.of, rec.r, tool, took_))
   else  -- a marker an earlier version wrote: the record alone
     rec.s, rec.w = 'FAILED_RETRYABLE', 0
     put_record(c.ikey, rec, c.ttl)

@@ -292,6 +292,14 @@ def test_an_approved_call_decided_again_as_another_waits_for_its_approval_again(
     again = call(ikey=key, group="critical", class_budget=1, **spend)
     assert whys(store.apply([again])) == [None]
     assert store.run_counters(TENANT, "run-1", NOW)["class:critical"] == 1
+    # The same when the resubmission fails alone on a defect (voided): it waits again.
+    void = void_item(again[1])
+    assert void is not None and store.apply([(TENANT, void)]) == [{"status": "voided"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "1")
+    last = call(ikey=key, group="critical", class_budget=1, **spend)
+    assert whys(store.apply([last])) == [None]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:critical"] == 1
 
 
 def test_a_script_that_fails_on_its_input_is_a_defect_not_redis_down(redis_backend: str) -> None:
