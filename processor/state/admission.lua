@@ -412,7 +412,12 @@ local function settle(c)
   if rec.c == c.call and c.attempt > 0 and (rec.a or 1) ~= c.attempt then
     return {status = 'superseded'}
   end
-  if rec.c ~= c.call or rec.s ~= 'PENDING' then return {status = 'stale', state = rec.s} end
+  -- Another result of this very attempt (another result id: an executor that ran it again
+  -- and named its result afresh) settled it first: a copy, answered once.
+  if rec.c == c.call and rec.s ~= 'PENDING' then return {status = 'duplicate'} end
+  -- Stale: the key moved on to another call (retried under another id once its deadline
+  -- passed); this result answers nothing the record waits for.
+  if rec.c ~= c.call then return {status = 'stale', state = rec.s} end
   local grant = rec.t
   rec.s, rec.x, rec.v, rec.w, rec.t = c.state, c.result_id, c.cached, 0, nil
   local verdict = {status = 'settled'}

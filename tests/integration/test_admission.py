@@ -425,6 +425,11 @@ def test_a_completed_key_answers_with_its_cached_result(store: AdmissionStore) -
     # The same result again (another record): nothing changes.
     again = result(first, result_id="res-1")
     assert store.apply([again]) == [{"status": "duplicate"}]
+    # Another result of the same attempt under another result id (an executor that ran it
+    # again and named its result afresh): a copy too, not a second answer.
+    rerun = result(first, result_id="res-2", state="FAILED_RETRYABLE")
+    assert store.apply([rerun]) == [{"status": "duplicate"}]
+    assert store.record(TENANT, key, NOW)["state"] == "COMPLETED"
 
 
 @pytest.mark.parametrize(
