@@ -659,11 +659,7 @@ class Processor:
                     # the original's record names): it will not be proposed again.
                     d.extra[ADMITTED] = True
                     refused_compensation(d)
-                    if d.proposal is not None:
-                        tenant = d.principal.tenant_id if d.principal else d.proposal.tenant_id
-                        key = d.proposal.idempotency_key or ""
-                        comp = comp_failed_item(key, position(d.source))
-                        _ending(self.admission.apply, [(tenant or "", comp)])
+                    _ending(self.admission.apply, _compensation_failed(d))
                 return [d]
             logger.warning("a batch of %d records could not be decided (%s: %s); deciding "
                            "its halves", len(records), type(exc).__name__, exc)  # fmt: skip
@@ -732,13 +728,7 @@ class Processor:
             failed: list[tuple[str, Item]] = []
             for d in decisions:
                 if d.outcome is Outcome.REJECTED and is_compensation(d.proposal):
-                    refused_compensation(d)
-                    if d.taxonomy is TaxonomyClass.COMPENSATION_FAILED and d.proposal:
-                        tenant = (
-                            d.principal.tenant_id if d.principal else d.proposal.tenant_id or ""
-                        )
-                        key = d.proposal.idempotency_key or ""
-                        failed.append((tenant, comp_failed_item(key, position(d.source))))
+                    failed += _compensation_failed(refused_compensation(d))
             # Only batches that refuse a compensation pay this round trip.
             self.admission.apply(failed)
             faults.point("after_redis")
@@ -1216,6 +1206,16 @@ def _drain(producer: Producer) -> None:
     delivering (its transaction is aborted) and raises its fatal error instead."""
     with contextlib.suppress(KafkaException):
         producer.flush(5)
+
+
+def _compensation_failed(d: Decision) -> list[tuple[str, Item]]:
+    """The admission item that marks the original's record when ``d``, the processor's
+    compensating call, was refused for good (see admission.lua, comp_failed)."""
+    p = d.proposal
+    if p is None or d.taxonomy is not TaxonomyClass.COMPENSATION_FAILED:
+        return []
+    tenant = d.principal.tenant_id if d.principal else p.tenant_id
+    return [(tenant or "", comp_failed_item(p.idempotency_key or "", position(d.source)))]
 
 
 def _ending(apply: Callable[[list[Any]], list[Any]], ops: list[Any]) -> list[Any]:
