@@ -83,6 +83,7 @@ from processor.kafka.offsets import (
     span,
     where,
 )
+from processor.kafka.produce import send
 from processor.metrics import BatchTally, Metrics, tally
 from processor.model import (
     Decision,
@@ -535,7 +536,7 @@ class Processor:
             if offsets_sent is not None:
                 self._await_bounded(producer, "send_offsets_to_transaction", offsets_sent)
             for topic, key, value, headers in outputs:
-                self._send(producer, topic, key, value, headers)
+                send(producer, topic, key, value, headers)
         except KafkaException as exc:
             self._failed_transaction(consumer, producer, records, exc)
             return
@@ -1012,21 +1013,6 @@ class Processor:
             out.append((topics.proposals, key, compensation, None))
             self._count("compensations")
         out.append((topics.observations, key, observation, None))
-
-    @staticmethod
-    def _send(
-        producer: Producer,
-        topic: str,
-        key: bytes | None,
-        value: bytes | None,
-        headers: list[tuple[str, str | bytes | None]] | None = None,
-    ) -> None:
-        while True:
-            try:
-                producer.produce(topic, value=value, key=key, headers=headers)
-                return
-            except BufferError:
-                producer.poll(0.05)  # local queue full: let deliveries drain
 
     def _commit(self, producer: Producer) -> None:
         """Commit, retrying what librdkafka calls retriable, but not past the transaction's

@@ -68,6 +68,7 @@ from processor.codec.avro import known_headers, writer_header
 from processor.codec.records import decode_approved_call, dlq_record, encode_result
 from processor.config import Settings
 from processor.kafka.offsets import next_offsets, records_of, rewind, where
+from processor.kafka.produce import Headers, send
 from processor.model import Decision, Gate, Outcome, SideEffectClass, SourceRecord, TaxonomyClass
 from processor.results import RESULT_TOO_LARGE, RESULT_UNPUBLISHABLE
 
@@ -223,7 +224,7 @@ class _Unreadable:
     executor that knows it rather than dead-lettered."""
 
 
-DeadLetter = tuple[bytes | None, bytes | None, list[tuple[str, str | bytes | None]]]
+DeadLetter = tuple[bytes | None, bytes | None, Headers]
 """Key, value and headers of a record on the executors' DLQ."""
 
 
@@ -373,11 +374,11 @@ class Executor:
                 next_offsets(records), consumer.consumer_group_metadata(), 30
             )
             for key, value, headers in dead:
-                self._send(producer, self.settings.topics.call_dlq, key, value, headers)
+                send(producer, self.settings.topics.call_dlq, key, value, headers)
             for out in outputs:
                 for key, value in out.references:
-                    self._send(producer, self.settings.topics.reference, key, value)
-                self._send(producer, self.settings.topics.results, out.key, out.value)
+                    send(producer, self.settings.topics.reference, key, value)
+                send(producer, self.settings.topics.results, out.key, out.value)
             self._commit(producer)
         except KafkaException as exc:
             self._give_back(outputs)
@@ -596,21 +597,6 @@ class Executor:
             # aborted) and raises its fatal error instead.
             with contextlib.suppress(KafkaException):
                 producer.flush(5)
-
-    @staticmethod
-    def _send(
-        producer: Producer,
-        topic: str,
-        key: bytes | None,
-        value: bytes | None,
-        headers: list[tuple[str, str | bytes | None]] | None = None,
-    ) -> None:
-        while True:
-            try:
-                producer.produce(topic, value=value, key=key, headers=headers)
-                return
-            except BufferError:
-                producer.poll(0.05)  # local queue full: let deliveries drain
 
     def _commit(self, producer: Producer) -> None:
         """Commit, retrying what librdkafka calls retriable, but not past the transaction's

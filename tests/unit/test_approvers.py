@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -46,17 +47,21 @@ def _requester(user: str, agent: str = "agent-1") -> Principal:
     return Principal("acme", user, agent, frozenset(), "internal")
 
 
+def _signed(to: Principal, now: int) -> dict[str, Any]:
+    """ops-1's approval of the call under test, as proposed by ``to``."""
+    return sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
+                         tool_name="cancel_order", tool_version="1.0.0",
+                         payload_hash="sha256:ab", requested_by_user=to.user_id,
+                         requested_by_agent=to.agent_id, now_ms=now)  # fmt: skip
+
+
 def _verify(
     tmp_path: Path, requester: Principal, extra: str = "", signed_for: Principal | None = None
 ) -> VerifiedApproval | FieldError:
     """``requester`` presents an approval signed for the call ``signed_for`` (by default,
     the requester's own) proposed."""
     now = int(time.time() * 1000)
-    to = signed_for or requester
-    approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
-                             tool_name="cancel_order", tool_version="1.0.0",
-                             payload_hash="sha256:ab", requested_by_user=to.user_id,
-                             requested_by_agent=to.agent_id, now_ms=now)  # fmt: skip
+    approval = _signed(signed_for or requester, now)
     return verify_approval(approval, load_approvers(_file(tmp_path, extra)), _binding(requester),
                            requester, now)  # fmt: skip
 
@@ -103,10 +108,7 @@ def test_an_approval_signed_before_requesters_were_bound_is_refused_for_naming_n
     refused with a reason that says to sign it again, not as a bad signature."""
     requester = _requester("u-1")
     now = int(time.time() * 1000)
-    approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
-                             tool_name="cancel_order", tool_version="1.0.0",
-                             payload_hash="sha256:ab", requested_by_user="u-1",
-                             requested_by_agent="agent-1", now_ms=now)  # fmt: skip
+    approval = _signed(_requester("u-1"), now)
     old = {k: v for k, v in approval.items() if not k.startswith("requested_by_")}
     old["signature"] = b64url.encode(KEY.sign(signing_bytes(old)))
     approvers = load_approvers(_file(tmp_path))
@@ -137,10 +139,7 @@ def test_a_signed_field_that_is_not_text_is_refused_before_anything_is_encoded(
 ) -> None:
     requester = _requester("u-1")
     now = int(time.time() * 1000)
-    approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
-                             tool_name="cancel_order", tool_version="1.0.0",
-                             payload_hash="sha256:ab", requested_by_user="u-1",
-                             requested_by_agent="agent-1", now_ms=now)  # fmt: skip
+    approval = _signed(_requester("u-1"), now)
     got = verify_approval({**approval, field: value}, load_approvers(_file(tmp_path)),
                           _binding(requester), requester, now)  # fmt: skip
     assert isinstance(got, FieldError) and got.code == "approval_signature_invalid"
@@ -151,10 +150,7 @@ def test_an_expiry_must_name_its_utc_offset(tmp_path: Path) -> None:
     """A time with no offset would be read in the processor's own zone."""
     requester = _requester("u-1")
     now = int(time.time() * 1000)
-    approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
-                             tool_name="cancel_order", tool_version="1.0.0",
-                             payload_hash="sha256:ab", requested_by_user="u-1",
-                             requested_by_agent="agent-1", now_ms=now)  # fmt: skip
+    approval = _signed(_requester("u-1"), now)
     naive = {**approval, "expires_at": approval["expires_at"].removesuffix("Z")}
     naive["signature"] = b64url.encode(KEY.sign(signing_bytes(naive)))
     got = verify_approval(naive, load_approvers(_file(tmp_path)), _binding(requester),
@@ -175,10 +171,7 @@ def test_a_signature_has_one_spelling(tmp_path: Path) -> None:
     stray character in it is another string, and not a valid signature."""
     requester = _requester("u-1")
     now = int(time.time() * 1000)
-    approval = sign_approval(KEY, approver_id="ops-1", tenant_id="acme", trace_id="trace-1",
-                             tool_name="cancel_order", tool_version="1.0.0",
-                             payload_hash="sha256:ab", requested_by_user="u-1",
-                             requested_by_agent="agent-1", now_ms=now)  # fmt: skip
+    approval = _signed(_requester("u-1"), now)
     approvers = load_approvers(_file(tmp_path))
     good = verify_approval(approval, approvers, _binding(requester), requester, now)
     assert isinstance(good, VerifiedApproval)
