@@ -13,4 +13,7 @@ def decode(text: str) -> bytes:
     """Padding is optional; a malformed string raises ``binascii.Error`` or ``ValueError``,
     a character outside the alphabet included (the lenient decoder drops those, which
     gives one value many spellings)."""
-    return base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+    raw = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+    if encode(raw) != text.rstrip("="):  # '+', '/', or bits set past the last byte
+        raise ValueError("not the canonical base64url spelling of its bytes")
+    return raw

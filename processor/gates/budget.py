@@ -52,7 +52,6 @@ COMPENSATION_PREFIX = "compensate:"
 """Idempotency keys of the compensating calls the processor proposes (see results.py)."""
 UNREQUESTED_COMPENSATION = "compensation_not_requested"
 """The code of the refusal of a call that borrows a compensation key (see admission.lua)."""
-DAY_MS = 86_400_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +123,11 @@ def admission_item(
             cost=rt.cost,
             sig=_signature(contract.name, call.canonical_arguments.encode()),
             now=now_ms,
-            rate=_scaled(rt.rate, budgets.rate_limit_scale),
+            # A compensation is not rate limited either: refused for a moment, it would
+            # be refused for good (nobody proposes it again).
+            rate=None
+            if is_compensation_key(call.idempotency_key)
+            else _scaled(rt.rate, budgets.rate_limit_scale),
             steps=budgets.steps,
             class_budget=budgets.classes.get(group, 0),
             cost_cap=budgets.run_cost,
@@ -211,7 +214,7 @@ def release_item(d: Decision) -> tuple[str, Item]:
         "hash": call.payload_hash,
         "call": call.call_id,
         "deadline": call.deadline_ms,
-        "ttl": DAY_MS,
+        "ttl": SETTLED_TTL_MS,  # waiting for its result, as long as any call's record
     }
 
 

@@ -304,11 +304,15 @@ end
 
 -- What an admitted call took, for its position's marker (see give_back):
 -- "<resubmitted 0|1>;<cost>;<signature>;<day, when its cost counted for the day's cap>;
--- <rate interval, when it is rate limited>;<budget group>;<approvals' ids (JSON), if any>".
+-- <rate interval, when it is rate limited>;<budget group>;<approvals' ids (JSON), if any>";
+-- a resubmitted parked call took nothing but its approvals, and keeps in the cost's place
+-- the deadline it was parked until (its record waits until then again if given back).
 -- A budget group is one of a fixed few names, and JSON escapes every control character.
-local function took(c, charged)
+local function took(c, charged, parked_until)
   local approvals = c.approvals and cjson.encode(c.approvals) or ''
-  if charged then return '1;;;;;;' .. approvals end
+  if charged then
+    return '1;' .. string.format('%.17g', parked_until or 0) .. ';;;;;' .. approvals
+  end
   return '0;' .. string.format('%.17g', c.cost) .. ';' .. c.sig .. ';'
     .. ((c.day_cap and c.cost > 0) and c.day or '') .. ';'
     .. (c.rate and string.format('%.17g', c.rate[1]) or '') .. ';' .. c.group .. ';' .. approvals
@@ -364,9 +368,10 @@ local function admit_call(c)
     end
   end
   local next_attempt = charged and math.max(attempt, 1) or attempt + 1
+  local parked_until = rec and rec.d
   put_record(c.ikey, {s = 'PENDING', h = c.hash, n = c.tool, c = c.call, d = c.deadline,
                       w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant}, c.ttl)
-  return {ok = true, attempt = next_attempt, took = took(c, charged)}
+  return {ok = true, attempt = next_attempt, took = took(c, charged, parked_until)}
 end
 
 local function admit_step(c)
@@ -502,18 +507,19 @@ end
 -- tool's rate, and the approvals it spent. Only for a call that never ran: its batch's
 -- transaction aborted and the position was then decided as something else, or it failed
 -- alone on a defect (void). Its step stays counted: the position is still a proposal of
--- its run. Returns whether it was a resubmitted parked call (which took nothing then).
+-- its run. Returns whether it was a resubmitted parked call (which took nothing then),
+-- and the deadline it was parked until.
 local function give_back(pos, run, tool, took_)
   local again, cost, sig, day, interval, group, approvals =
     string.match(took_, '^([01]);([^;]*);([^;]*);([^;]*);([^;]*);([^;]*);(.*)$')
-  if not again then return false end
+  if not again then return false, nil end
   if approvals ~= '' then
     for _, id in ipairs(cjson.decode(approvals)) do
       local key = base .. ':apr:' .. id
       if redis.call('GET', key) == pos then redis.call('DEL', key) end
     end
   end
-  if again == '1' then return true end
+  if again == '1' then return true, tonumber(cost) end
   refund(run, 'sig:' .. sig, 1)
   refund(run, 'class:' .. group, 1)
   refund(run, 'cost', tonumber(cost))
@@ -529,18 +535,24 @@ local function give_back(pos, run, tool, took_)
       tat_ttl[tool] = math.max(tat_ttl[tool] or 0, left)
     end
   end
-  return false
+  return false, nil
 end
 
 -- The record a call admitted at attempt `attempt` took, if it still holds it: back to
--- retryable (nothing ran), or, for a resubmitted parked call, back to waiting for approval.
-local function release_record(ikey, attempt, hash, call, resubmitted)
+-- retryable (nothing ran), or, for a resubmitted parked call, back to waiting for approval
+-- until the deadline it was parked until (in flight till then, as it was).
+local function release_record(ikey, attempt, hash, call, resubmitted, parked_until)
   local rec = record_of(ikey)
   if not (attempt and attempt >= 1 and rec and rec.s == 'PENDING' and rec.a == attempt
           and rec.h == hash and (call == nil or rec.c == call)) then
     return false
   end
-  if resubmitted then rec.w = 1 else rec.s, rec.w = 'FAILED_RETRYABLE', 0 end
+  if resubmitted then
+    rec.w = 1
+    if parked_until and parked_until > 0 then rec.d = parked_until end
+  else
+    rec.s, rec.w = 'FAILED_RETRYABLE', 0
+  end
   records[ikey] = rec
   record_dirty[ikey] = record_dirty[ikey] or record_day[ikey]
   return true
@@ -568,7 +580,8 @@ local function void(c)
   if ikey == c.ikey and took_ ~= '' then
     -- (a parked call resubmitted with its approvals waits for them again: its request
     -- was never ended, and its approvals are unspent)
-    release_record(c.ikey, attempt, hash, c.call, give_back(c.of, rec.r, tool, took_))
+    local resubmitted, parked_until = give_back(c.of, rec.r, tool, took_)
+    release_record(c.ikey, attempt, hash, c.call, resubmitted, parked_until)
   else  -- a marker an earlier version wrote: the record alone
     rec.s, rec.w = 'FAILED_RETRYABLE', 0
     put_record(c.ikey, rec, c.ttl)
@@ -594,8 +607,8 @@ for i, a in ipairs(items) do
       and parked == (a[11] == 1 and '1' or '0')
     if ikey and not same and took_ ~= '' then
       local attempt = tonumber(string.match(verdict or '', '^ok|(%d+)$'))
-      local resubmitted = give_back(a[2], a[3], tool, took_)
-      release_record(ikey, attempt, hash, nil, resubmitted)
+      local resubmitted, parked_until = give_back(a[2], a[3], tool, took_)
+      release_record(ikey, attempt, hash, nil, resubmitted, parked_until)
       -- a refused proposal is a step that passed the budgets: 'ok|0'
       out[i] = a[1] == 1 and 'no|replay_changed|0' or 'ok|0'
       fresh[#fresh + 1] = a[2]

@@ -297,6 +297,11 @@ def test_an_approved_call_decided_again_as_another_waits_for_its_approval_again(
     assert void is not None and store.apply([(TENANT, void)]) == [{"status": "voided"}]
     record = store.record(TENANT, key, NOW)
     assert (record["state"], record["awaiting"]) == ("PENDING", "1")
+    # ... until the deadline it was parked until, in flight as before: proposed again
+    # without its approvals, it is not parked a second time.
+    assert record["deadline"] == str(NOW + 600_000)
+    repark = call(ikey=key, park=True, group="critical", class_budget=1, now=NOW + 10_000)
+    assert whys(store.apply([repark])) == ["in_flight"]
     last = call(ikey=key, group="critical", class_budget=1, **spend)
     assert whys(store.apply([last])) == [None]
     assert store.run_counters(TENANT, "run-1", NOW)["class:critical"] == 1

@@ -78,6 +78,7 @@ def test_only_the_hand_off_and_a_compensation_are_exempt_from_the_runs_budgets(
     comp = _decide(contracts, "refund_order", idempotency_key="compensate:ik:abc")
     _, item = admission_item(comp, _contract(contracts, comp), BUDGETS, NOW_MS) or ("", {})
     assert item["exempt"] is True and item["ikey"] == "compensate:ik:abc"
+    assert item["rate"] is None  # refused for a moment, it would be refused for good
     arguments = {"reason_code": "customer_requested", "queue": "billing",
                  "summary": "The customer wants a person."}  # fmt: skip
     handoff = _decide(contracts, "handoff_to_human", arguments=arguments)
