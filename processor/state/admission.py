@@ -169,13 +169,25 @@ class AdmissionStore:
 
     def record(self, tenant: str, key: str, now_ms: int | None = None) -> dict[str, str]:
         """An idempotency record's fields (empty when there is none), values as text."""
-        today = _day(now_ms)
-        for day in range(today, today + HORIZON_DAYS + 1):
-            raw = self.client.hget(f"{self._base(tenant)}:idem:{day}", key)
-            if raw:
-                fields = orjson.loads(raw).items()
-                return {_RECORD_FIELDS[k]: str(v) for k, v in fields if v != ""}
-        return {}
+        [raw] = self._records([(tenant, key)], now_ms)
+        return {_RECORD_FIELDS[k]: str(v) for k, v in (raw or {}).items() if v != ""}
+
+    def _records(
+        self, keys: list[tuple[str, str]], now_ms: int | None
+    ) -> list[dict[str, Any] | None]:
+        """The stored records of (tenant, idempotency key) pairs, in one round trip: each
+        from the first day's hash that holds it (see admission.lua, idem_bucket)."""
+        today, span = _day(now_ms), HORIZON_DAYS + 1
+        pipe = self.client.pipeline(transaction=False)
+        for tenant, key in keys:
+            for day in range(today, today + span):
+                pipe.hget(f"{self._base(tenant)}:idem:{day}", key)
+        replies = pipe.execute()
+        out: list[dict[str, Any] | None] = []
+        for n in range(len(keys)):
+            raw = next((r for r in replies[n * span : (n + 1) * span] if r), None)
+            out.append(orjson.loads(raw) if raw is not None else None)
+        return out
 
     def moved_on(self, calls: list[tuple[str, str, str]], now_ms: int) -> list[bool]:
         """For each parked call (tenant, idempotency key, payload hash): whether its key's
@@ -184,21 +196,12 @@ class AdmissionStore:
         moved on."""
         if not calls:
             return []
-        today, span = _day(now_ms), HORIZON_DAYS + 1
-        pipe = self.client.pipeline(transaction=False)
-        for tenant, key, _ in calls:
-            for day in range(today, today + span):
-                pipe.hget(f"{self._base(tenant)}:idem:{day}", key)
-        replies = pipe.execute()
         out = []
-        for n, (_, _, payload_hash) in enumerate(calls):
-            raw = next((r for r in replies[n * span : (n + 1) * span] if r), None)
-            if raw is None:
-                out.append(False)
-                continue
-            rec = orjson.loads(raw)
-            waiting = rec.get("s") == "PENDING" and rec.get("w") == 1
-            out.append(not waiting and rec.get("h") == payload_hash)
+        for rec, (_, _, payload_hash) in zip(
+            self._records([(t, k) for t, k, _ in calls], now_ms), calls, strict=True
+        ):
+            waiting = rec is not None and rec.get("s") == "PENDING" and rec.get("w") == 1
+            out.append(rec is not None and not waiting and rec.get("h") == payload_hash)
         return out
 
     def day_cost(self, tenant: str, day: str) -> float:
