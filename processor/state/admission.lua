@@ -191,6 +191,12 @@ local function put_record(ikey, rec, ttl)
   record_dirty[ikey] = math.min(today + HORIZON, math.floor((H.now + ttl) / DAY))
 end
 
+-- A record changed in place, kept in the day's hash it was found in (its expiry stands).
+local function keep_record(ikey, rec)
+  records[ikey] = rec
+  record_dirty[ikey] = record_dirty[ikey] or record_day[ikey]
+end
+
 -- A run's counters (steps, class:<group>, cost, sig:<signature>, repairs, bad:<signature>),
 -- a tool's GCRA arrival time and a day's cost live here while the batch is decided.
 local function run_of(id)
@@ -463,7 +469,7 @@ local function comp_failed(c)
     return {status = 'unchanged'}
   end
   orig.kf = 1
-  record_dirty[key] = record_dirty[key] or record_day[key]
+  keep_record(key, orig)
   return {status = 'marked'}
 end
 
@@ -553,8 +559,7 @@ local function release_record(ikey, attempt, hash, call, resubmitted, parked_unt
   else
     rec.s, rec.w = 'FAILED_RETRYABLE', 0
   end
-  records[ikey] = rec
-  record_dirty[ikey] = record_dirty[ikey] or record_day[ikey]
+  keep_record(ikey, rec)
   return true
 end
 
