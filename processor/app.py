@@ -912,7 +912,9 @@ class Processor:
             out[i] = dead_letter(item.src, "approval_unknown_request", item.request_id)
             self._count("approvals", "refused")
             return None
-        verified = verify_decision(item, entry, self.gates.approvers, now_ms)
+        verified = verify_decision(
+            item, entry, self.gates.approvers, now_ms, self.gates.policy.approval_max_lifetime_s
+        )
         if isinstance(verified, FieldError):
             out[i] = dead_letter(item.src, verified.code, verified.message)
             self._count("approvals", "refused")

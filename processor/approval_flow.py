@@ -82,7 +82,11 @@ def position(src: SourceRecord) -> str:
 
 
 def verify_decision(
-    item: ApprovalInput, entry: dict[str, Any], approvers: dict[str, Approver], now_ms: int
+    item: ApprovalInput,
+    entry: dict[str, Any],
+    approvers: dict[str, Approver],
+    now_ms: int,
+    max_lifetime_s: int,
 ) -> VerifiedApproval | FieldError:
     binding = Binding(
         entry["tenant_id"],
@@ -101,7 +105,9 @@ def verify_decision(
         frozenset(),
         "public",
     )
-    return verify_approval(item.approval, approvers, binding, requester, now_ms)
+    return verify_approval(
+        item.approval, approvers, binding, requester, now_ms, max_lifetime_s=max_lifetime_s
+    )
 
 
 def entry_proposal(entry: dict[str, Any]) -> Proposal:

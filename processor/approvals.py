@@ -35,8 +35,12 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from processor import b64url
 from processor.model import FieldError, Principal, SideEffectClass
+from processor.policy import MAX_APPROVAL_LIFETIME_S
 
 APPROVED, REJECTED = "approved", "rejected"
+APPROVAL_CLOCK_SKEW_MS = 60_000
+"""How far in the future ``approved_at`` may lie (the approver's clock against ours)."""
+
 _SIGNED_FIELDS = (
     "approval_id",
     "request_id",
@@ -273,8 +277,14 @@ def verify_approval(
     requester: Principal | None,
     now_ms: int,
     index: int | None = None,
+    max_lifetime_s: int = MAX_APPROVAL_LIFETIME_S,
 ) -> VerifiedApproval | FieldError:
-    """Check everything about one approval except whether it was used before."""
+    """Check everything about one approval except whether it was used before.
+
+    ``max_lifetime_s`` bounds how long an approval may be good for, from ``approved_at``
+    to ``expires_at`` (the policy's ``confirmation.max_approval_lifetime_seconds``): an
+    approver's tool that signs approvals for a year, by a bug or a slip, does not put a
+    year-long approval into circulation."""
     if not isinstance(approval, dict):
         return _no("approval_signature_invalid", "an approval must be an object", index)
     for name in ("approval_id", "approver_id", "decision", "expires_at", "signature"):
@@ -328,8 +338,26 @@ def verify_approval(
             return _no(code, f"the approval is bound to another {what}", index)
     try:
         expires = parse_iso_ms(approval["expires_at"])
+        approved = parse_iso_ms(approval["approved_at"]) if approval.get("approved_at") else None
     except ValueError:
-        return _no("approval_signature_invalid", "expires_at is not an RFC 3339 time", index)
+        return _no(
+            "approval_signature_invalid",
+            "approved_at and expires_at must be RFC 3339 times with a UTC offset",
+            index,
+        )
+    if approved is None:
+        return _no("approval_signature_invalid", "the approval has no approved_at", index)
+    if approved > now_ms + APPROVAL_CLOCK_SKEW_MS:
+        return _no(
+            "approval_not_yet_valid", f"the approval is dated {approval['approved_at']}", index
+        )
+    if expires - approved > max_lifetime_s * 1000:
+        return _no(
+            "approval_lifetime_exceeded",
+            f"the approval is good for longer than {max_lifetime_s} s after it was given: "
+            "it must be signed again with an earlier expiry",
+            index,
+        )
     if now_ms > expires:
         return _no("approval_expired", f"the approval expired at {approval['expires_at']}", index)
     reason = approval.get("reason")

@@ -17,6 +17,9 @@ import yaml_rs
 
 from processor.model import SideEffectClass
 
+MAX_APPROVAL_LIFETIME_S = 86_400
+"""The default bound on an approval's ``expires_at - approved_at``."""
+
 ALL_CLASSES = tuple(SideEffectClass)
 
 
@@ -85,6 +88,7 @@ class Policy:
         {SideEffectClass.CRITICAL_MUTATION}
     )
     approval_ttl_s: int = 600
+    approval_max_lifetime_s: int = MAX_APPROVAL_LIFETIME_S
     allowed_domains: tuple[str, ...] = ()
     internal_domains: tuple[str, ...] = ()
     secrets_enabled: bool = True
@@ -108,6 +112,13 @@ class Policy:
         return 0
 
 
+def _seconds(conf: dict[str, Any], name: str, default: int, where: str) -> int:
+    value = conf.get(name, default)
+    if type(value) is not int or value <= 0:
+        raise PolicyError(f"{where}: confirmation.{name} must be a positive integer")
+    return value
+
+
 def _classes(value: Any, where: str) -> frozenset[SideEffectClass]:
     if not isinstance(value, list):
         raise PolicyError(f"{where}: expected a list of side-effect classes")
@@ -126,6 +137,12 @@ def _domains(value: Any, where: str) -> tuple[str, ...]:
 
 
 _TOP_KEYS = {"confirmation", "egress", "tenants", "secrets", "budgets"}
+_CONFIRMATION_KEYS = {
+    "classes",
+    "dual_control_classes",
+    "ttl_seconds",
+    "max_approval_lifetime_seconds",
+}
 _BUDGET_KEYS = {"steps", "classes", "run_cost", "day_cost", "repeats", "repairs",
                 "financial_tools", "in_flight_grace_ms", "rate_limit_scale", "tenants"}  # fmt: skip
 
@@ -186,12 +203,15 @@ def parse_policy(doc: Any, where: str = "policy") -> Policy:
         raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
     base = Policy()
     conf = doc.get("confirmation") or {}
+    if not isinstance(conf, dict) or set(conf) - _CONFIRMATION_KEYS:
+        raise PolicyError(
+            f"{where}: confirmation must be a mapping of {sorted(_CONFIRMATION_KEYS)}"
+        )
     egress = doc.get("egress") or {}
     tenants_doc = doc.get("tenants") or {}
     secrets = doc.get("secrets") or {}
-    ttl = conf.get("ttl_seconds", base.approval_ttl_s)
-    if not isinstance(ttl, int) or ttl <= 0:
-        raise PolicyError(f"{where}: confirmation.ttl_seconds must be a positive integer")
+    ttl = _seconds(conf, "ttl_seconds", base.approval_ttl_s, where)
+    lifetime = _seconds(conf, "max_approval_lifetime_seconds", base.approval_max_lifetime_s, where)
     tenants: dict[str, TenantPolicy] = {}
     for name, t in tenants_doc.items():
         if not isinstance(t, dict):
@@ -223,6 +243,7 @@ def parse_policy(doc: Any, where: str = "policy") -> Policy:
             f"{where}: confirmation.dual_control_classes",
         ),
         approval_ttl_s=ttl,
+        approval_max_lifetime_s=lifetime,
         allowed_domains=_domains(egress.get("allowed_domains"), f"{where}: egress.allowed_domains"),
         internal_domains=_domains(
             egress.get("internal_domains"), f"{where}: egress.internal_domains"

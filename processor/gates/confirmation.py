@@ -125,7 +125,9 @@ def check_confirmation(
         errors: list[FieldError] = []
         good: dict[str, str] = {}
         for i, approval in enumerate(p.approvals):
-            verified = verify_approval(approval, approvers, binding, principal, now_ms, i)
+            verified = verify_approval(
+                approval, approvers, binding, principal, now_ms, i, policy.approval_max_lifetime_s
+            )
             if isinstance(verified, FieldError):
                 errors.append(verified)
             elif verified.decision != APPROVED:

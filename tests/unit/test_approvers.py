@@ -16,12 +16,14 @@ from processor.approvals import (
     ApproverError,
     Binding,
     VerifiedApproval,
+    iso,
     load_approvers,
     sign_approval,
     signing_bytes,
     verify_approval,
 )
 from processor.model import FieldError, Principal, SideEffectClass
+from processor.policy import PolicyError, load_policy, parse_policy
 
 KEY = ed25519.Ed25519PrivateKey.generate()
 PUBLIC = b64url.encode(KEY.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
@@ -180,3 +182,71 @@ def test_a_signature_has_one_spelling(tmp_path: Path) -> None:
         spelled = {**approval, "signature": sig[:10] + stray + sig[10:]}
         got = verify_approval(spelled, approvers, _binding(requester), requester, now)
         assert isinstance(got, FieldError) and got.code == "approval_signature_invalid", stray
+
+
+def _resigned(approval: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    changed = {**approval, **fields}
+    changed["signature"] = b64url.encode(KEY.sign(signing_bytes(changed)))
+    return changed
+
+
+@pytest.mark.parametrize(
+    ("approved_offset_s", "lifetime_s", "limit_s", "code"),
+    [
+        (0, 86_400, 86_400, None),  # exactly the bound: good
+        (0, 86_401, 86_400, "approval_lifetime_exceeded"),
+        (0, 3_600, 600, "approval_lifetime_exceeded"),  # a stricter policy
+        (-3_000, 3_600, 3_600, None),  # given 50 minutes ago, good for an hour
+        (30, 600, 86_400, None),  # the approver's clock a little ahead
+        (120, 600, 86_400, "approval_not_yet_valid"),  # dated two minutes from now
+    ],
+)
+def test_an_approval_is_good_for_at_most_the_policy_s_lifetime(
+    tmp_path: Path, approved_offset_s: int, lifetime_s: int, limit_s: int, code: str | None
+) -> None:
+    requester = _requester("u-1")
+    now = int(time.time() * 1000)
+    approved = now + approved_offset_s * 1000
+    approval = _resigned(
+        _signed(requester, now), approved_at=iso(approved),
+        expires_at=iso(approved + lifetime_s * 1000),
+    )  # fmt: skip
+    got = verify_approval(approval, load_approvers(_file(tmp_path)), _binding(requester),
+                          requester, now, max_lifetime_s=limit_s)  # fmt: skip
+    if code is None:
+        assert isinstance(got, VerifiedApproval), got
+    else:
+        assert isinstance(got, FieldError) and got.code == code, got
+
+
+@pytest.mark.parametrize("approved_at", [None, "", "yesterday", "2026-11-23T10:00:00"])
+def test_an_approval_must_say_when_it_was_given(tmp_path: Path, approved_at: str | None) -> None:
+    requester = _requester("u-1")
+    now = int(time.time() * 1000)
+    approval = _resigned(_signed(requester, now), approved_at=approved_at)
+    got = verify_approval(approval, load_approvers(_file(tmp_path)), _binding(requester),
+                          requester, now)  # fmt: skip
+    assert isinstance(got, FieldError) and got.code == "approval_signature_invalid"
+
+
+def test_the_lifetime_bound_is_policy() -> None:
+    assert parse_policy(None).approval_max_lifetime_s == 86_400
+    doc = {"confirmation": {"max_approval_lifetime_seconds": 900}}
+    assert parse_policy(doc).approval_max_lifetime_s == 900
+    shipped = load_policy(Path(__file__).resolve().parents[2] / "policy" / "policy.yaml")
+    assert shipped.approval_max_lifetime_s == 86_400
+
+
+@pytest.mark.parametrize(
+    "confirmation",
+    [
+        {"max_approval_lifetime_seconds": 0},
+        {"max_approval_lifetime_seconds": True},
+        {"ttl_seconds": "600"},
+        {"max_approval_lifetime_second": 900},  # a misspelt key is not ignored
+        ["classes"],
+    ],
+)
+def test_unusable_confirmation_settings_are_refused(confirmation: Any) -> None:
+    with pytest.raises(PolicyError, match="confirmation"):
+        parse_policy({"confirmation": confirmation})
