@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import binascii
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -333,7 +334,7 @@ def _principal(
         return _refuse("token_claims_invalid", f"unknown clearance {clearance!r}")
     exp = claims["exp"]
     nbf = claims.get("nbf", 0)
-    if not isinstance(exp, (int, float)) or not isinstance(nbf, (int, float)):
+    if not all(type(t) in (int, float) and math.isfinite(t) for t in (exp, nbf)):
         return _refuse("token_claims_invalid", "exp and nbf must be numbers")
     principal = Principal(
         tenant_id=str(tenant),

@@ -254,3 +254,19 @@ def test_a_scope_list_entry_must_be_one_scope(verifier: Verifier, keys: Any) -> 
     assert isinstance(got, FieldError) and got.code == "token_claims_invalid"
     good = verifier.verify(issuer.mint(TENANT, "u", "a", scope=["orders:read", "orders:refund"]))
     assert isinstance(good, Principal) and good.scopes == {"orders:read", "orders:refund"}
+
+
+@pytest.mark.parametrize("exp", [float("nan"), float("inf")])
+def test_a_delegation_token_whose_expiry_is_not_a_number_is_refused(
+    verifier: Verifier, exp: float
+) -> None:
+    """Its expiry is checked by the processor, not PyJWT: NaN would compare false with
+    every clock and never expire."""
+    assert verifier.delegator is not None
+    issuer = verifier.delegator.issuer
+    key, pid, run = BINDING
+    token = issuer.mint(TENANT, "user-7", "agent-3", ["orders:refund"], "internal",
+                        exp=exp, iss=DELEGATION_ISSUER, act={"sub": DELEGATION_ISSUER},
+                        idempotency_key=key, proposal_id=pid, run_id=run)  # fmt: skip
+    got = verifier.verify(token)
+    assert isinstance(got, FieldError) and got.code == "token_claims_invalid", got
