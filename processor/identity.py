@@ -270,8 +270,6 @@ class Verifier:
             return _refuse("token_alg_refused", f"key {kid!r} verifies {key.alg} tokens, not {alg}")
         required = ["exp", "iat", "aud", "sub"]
         if delegated:
-            # Its expiry is checked by verify(), once its binding is known: an expired one
-            # is still told apart from one sent for another call (see gates.identity).
             required += ["iss", "act", *DELEGATION_BINDING]
         try:
             claims = jwt.decode(
@@ -281,10 +279,12 @@ class Verifier:
                 audience=self.settings.audience,
                 issuer=DELEGATION_ISSUER if delegated else self.settings.issuer,
                 leeway=self.settings.leeway_s,
-                options={"require": required, "verify_exp": not delegated},
+                # Expiry and not-before are checked by verify(), against the clock it is
+                # given, on first use as on every use after (PyJWT reads the wall clock),
+                # and once a delegation token's binding is known: an expired one is still
+                # told apart from one sent for another call (see gates.identity).
+                options={"require": required, "verify_exp": False, "verify_nbf": False},
             )
-        except jwt.ExpiredSignatureError:
-            return _expired(delegated)
         except jwt.ImmatureSignatureError:
             return _refuse("token_not_yet_valid", "the principal token is not valid yet")
         except (jwt.InvalidAudienceError, jwt.InvalidIssuerError):

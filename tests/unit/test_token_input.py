@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 
 from processor import b64url
 from processor.config import IdentitySettings
-from processor.identity import MAX_HEADER_CHARS, Verifier
-from processor.model import FieldError
+from processor.identity import MAX_HEADER_CHARS, TokenIssuer, Verifier
+from processor.keys import init_keys
+from processor.model import FieldError, Principal
 
 
 @pytest.mark.parametrize(
@@ -31,3 +35,34 @@ def test_a_header_of_ordinary_length_is_read() -> None:
     verdict = Verifier(IdentitySettings(), {}).verify(b64url.encode(header) + ".e30.c2ln")
     assert isinstance(verdict, FieldError)
     assert verdict.code == "token_unknown_key"
+
+
+def _issuer_and_verifier(tmp_path: Path) -> tuple[TokenIssuer, Verifier]:
+    keys = init_keys(tmp_path / "keys")
+    verifier = Verifier.from_settings(IdentitySettings(jwks_file=keys.jwks, leeway_s=0))
+    return TokenIssuer.from_jwk_file(keys.issuer), verifier
+
+
+def test_a_token_s_expiry_is_read_on_the_clock_it_is_given_from_the_first_use(
+    tmp_path: Path,
+) -> None:
+    """One clock for every use: the one the processor passes in, not the wall clock on
+    a token's first use and the given one after."""
+    issuer, verifier = _issuer_and_verifier(tmp_path)
+    wall = time.time()
+    token = issuer.mint("t-1", "u-1", "a-1", ["orders:read"], ttl_s=100, now=wall)
+    late = verifier.verify(token, now=wall + 200)
+    assert isinstance(late, FieldError) and late.code == "token_expired"
+    old = issuer.mint("t-1", "u-1", "a-1", ["orders:read"], ttl_s=100, now=wall - 1000)
+    assert isinstance(verifier.verify(old, now=wall - 950), Principal)
+    assert isinstance(verifier.verify(old, now=wall), FieldError)
+
+
+@pytest.mark.parametrize("claims", [{"exp": "tomorrow"}, {"exp": True}, {"nbf": float("nan")}])
+def test_an_expiry_or_start_that_is_not_a_number_is_refused(
+    tmp_path: Path, claims: dict[str, object]
+) -> None:
+    issuer, verifier = _issuer_and_verifier(tmp_path)
+    token = issuer.mint("t-1", "u-1", "a-1", ["orders:read"], **claims)
+    got = verifier.verify(token)
+    assert isinstance(got, FieldError) and got.code == "token_claims_invalid", got
