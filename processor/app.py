@@ -666,9 +666,10 @@ class Processor:
                            "its halves", len(records), type(exc).__name__, exc)  # fmt: skip
         half = len(records) // 2
         first = self.decide_batch(records[:half])
-        admitted, events = self._admitted, self._events
+        admitted, events, parked = self._admitted, self._events, self._parked
         second = self.decide_batch(records[half:])
         self._admitted, self._events = admitted + self._admitted, events + self._events
+        self._parked = parked + self._parked
         self._count("batch_splits")
         return first + second
 

@@ -199,6 +199,53 @@ def test_a_record_whose_outputs_cannot_be_encoded_gives_back_what_it_took(
         assert proc.alive(), proc.log()[-3000:]
 
 
+def test_a_parked_call_whose_outputs_fail_after_its_batch_was_split_keeps_no_request(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """One batch, split by a defect in its second record; its first, a call parked for
+    approval, then cannot be encoded. It goes to the DLQ, and its approval request goes
+    with it (the split's halves keep what each parked): no expiry answers it later."""
+    settings = isolated(stack_settings, f"defects-{uuid.uuid4().hex[:6]}")
+    (port,) = free_ports(1)
+    unencodable = "enc-5b2a"
+    faults = {"TOOLSENTRY_FAULT_POISON": MARKER, "TOOLSENTRY_FAULT_POISON_ENCODING": unencodable}
+    proc = ProcessorProcess(settings, "defects-5", tmp_path, TOOLSENTRY_METRICS_PORT=str(port),
+                            **faults)  # fmt: skip
+    proc.start().wait_ready()  # loads the references, then stops
+    publish_references(settings, existing("acme", "charge_customer_card_v2", CHARGE))
+    wait_until_loaded(settings)
+    proc.terminate()
+    client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
+    # Sent before the processor starts: one partition (one run), one batch, in this order.
+    charge = client.propose("charge_customer_card_v2", CHARGE, run_id="run-split",
+                            idempotency_key=f"k-{unencodable}-{uuid.uuid4().hex}")  # fmt: skip
+    search = client.propose("search_kb", {"query": "refunds", "limit": 3}, run_id="run-split",
+                            idempotency_key=f"k-{MARKER}-{uuid.uuid4().hex}")  # fmt: skip
+    client.flush(30)
+    proc.start().wait_ready()
+    try:
+        answer = client.wait(search, 60)
+        assert (answer["decision"], answer["gate"]) == ("REJECTED", "internal"), answer
+        assert metric_total(port, "toolsentry_batch_splits_total") >= 1
+        dead = read_all(settings, settings.topics.dlq, idle=1.5)
+        assert [dict(m.headers() or [])["toolsentry.error.reason"] for m in dead] == [
+            b"encoding_failed"
+        ]
+        redis = connect(settings.redis_url)
+        assert ApprovalStore(redis, settings.redis_namespace).list_parked(True) == []
+        base = f"{settings.redis_namespace}:{{acme}}"
+        assert redis.zcard(f"{base}:parkexp") == 0 and redis.hlen(f"{base}:parked") == 0
+        seen = [
+            codec("observation").decode(m.value())["proposal_id"]
+            for m in read_all(settings, settings.topics.observations, idle=1.5)
+        ]
+        assert seen == [search], (charge, seen)
+        assert proc.alive(), proc.log()[-3000:]
+    finally:
+        client.close()
+        proc.terminate()
+
+
 def test_a_record_with_a_huge_key_is_a_dead_letter_that_fits(
     stack_settings: Settings, tmp_path: Path
 ) -> None:
