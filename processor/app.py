@@ -414,6 +414,12 @@ class Processor:
 
     def _run_clients(self) -> None:
         s = self.settings
+        # New clients own nothing until assigned: a consumer that failed for good may close
+        # without its revoke callback, and its partitions would stay counted (and lagging).
+        self._assigned.clear()
+        self._committed_at.clear()
+        self._count_assigned()
+        self.metrics.consumer_lag.clear()
         with contextlib.ExitStack() as stack:
             producer = Producer({**producer_config(s), "error_cb": self._on_kafka_error})
             stack.callback(_drain, producer)
