@@ -20,9 +20,10 @@ import json
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import orjson
@@ -41,6 +42,10 @@ from processor.config import Settings
 from processor.kafka.offsets import high_watermark
 
 _ENDS = ("COMPLETED", "FAILED", "REJECTED")
+_FAILED_KEPT = 16
+"""Delivery errors kept between two flush() calls (all are counted)."""
+_UNDELIVERED_KEPT = 10_000
+"""Proposals kept with their delivery error until waited on (the oldest go first)."""
 """The decisions that say what a call finally did."""
 
 
@@ -79,9 +84,16 @@ class ToolsentryClient:
             )
         )
         self._failed: list[KafkaError] = []
+        """Delivery errors since the last flush() (the first few: flush() names one)."""
+        self._failed_count = 0
+        self._undelivered: OrderedDict[str, KafkaError] = OrderedDict()
+        """proposal_id -> why the broker did not take it, until a wait on it reports it."""
+        self._key_of: dict[str, bytes] = {}
+        """proposal_id -> the run (record key) it was proposed or followed under: only an
+        observation under that run answers it."""
         self._runs: dict[bytes, _Run] = {}
         """The runs this client follows, by record key (the run id's bytes)."""
-        self._observed: dict[str, list[bytes]] = {}
+        self._observed: dict[str, list[tuple[bytes, bytes]]] = {}
         """Every observation per proposal, as read: a parked call gets one when parked, one
         when it ends."""
         self.arrivals: dict[str, float] = {}
@@ -101,9 +113,10 @@ class ToolsentryClient:
         obs = codec("observation")
         while not self._closed.is_set():
             messages = next_messages(self._consumer)
-            got: list[tuple[_Run, str, bytes]] = []
+            got: list[tuple[_Run, str, bytes, bytes]] = []
             for m in messages:
-                run = self._runs.get(m.key() or b"")
+                key = m.key() or b""
+                run = self._runs.get(key)
                 value = m.value()
                 if run is None or m.error() is not None or not value:
                     continue  # another agent's run: not this client's to keep
@@ -111,17 +124,17 @@ class ToolsentryClient:
                     _, pid = obs.leading_strings(value, 2)
                 except Exception:  # not an observation this client can read: skipped
                     continue
-                got.append((run, pid, value))
+                got.append((run, pid, key, value))
             now = time.monotonic()
             if got:
                 with self._cond:
-                    for run, pid, value in got:
+                    for run, pid, key, value in got:
                         run.last = now
                         run.proposals[pid] = now
                         if pid not in self._observed:
                             self._observed[pid] = []
                             self.arrivals[pid] = now
-                        self._observed[pid].append(value)
+                        self._observed[pid].append((key, value))
                     self._cond.notify_all()
             if now - self._pruned_at > min(self.retain_s, 10.0):
                 self._prune(now)
@@ -142,6 +155,7 @@ class ToolsentryClient:
                     del run.proposals[pid]
                     self._observed.pop(pid, None)
                     self.arrivals.pop(pid, None)
+                    self._key_of.pop(pid, None)
                 if not run.proposals and now - run.last > self.retain_s:
                     del self._runs[key]
 
@@ -157,6 +171,7 @@ class ToolsentryClient:
             run.last = time.monotonic()
             if proposal_id is not None:
                 run.proposals[proposal_id] = run.last
+                self._key_of[proposal_id] = key
 
     # -- proposing -------------------------------------------------------------------------
 
@@ -197,7 +212,7 @@ class ToolsentryClient:
         env.update(envelope)
         key = run_id.encode()
         self.follow(key, pid)
-        self._produce(orjson.dumps(env), key)
+        self._produce(orjson.dumps(env), key, pid)
         return pid
 
     def send_raw(self, value: bytes, key: bytes | None) -> None:
@@ -205,40 +220,49 @@ class ToolsentryClient:
         client follows the record's key, and the run its JSON names, if any: the processor
         keys an observation by the proposal's run, or by the record's key when it could
         not read one."""
+        pid, run_id = _ids(value)
         if self._thread is not None:
-            pid, run_id = _ids(value)
             if key is not None:
                 self.follow(key, pid)
             if run_id is not None and run_id.encode() != key:
                 self.follow(run_id, pid)
-        self._produce(value, key)
+                if pid is not None and key is not None:
+                    # Answered under its run or, unreadable there, under the record's key.
+                    self._key_of.pop(pid, None)
+        self._produce(value, key, pid)
 
-    def _produce(self, value: bytes, key: bytes | None) -> None:
+    def _produce(self, value: bytes, key: bytes | None, pid: str | None) -> None:
+        delivered = partial(self._delivered, pid)
         while True:
             try:
                 self._producer.produce(
-                    self.settings.topics.proposals,
-                    value=value,
-                    key=key,
-                    on_delivery=self._delivered,
+                    self.settings.topics.proposals, value=value, key=key, on_delivery=delivered
                 )
                 break
             except BufferError:
                 self._producer.poll(0.05)
         self._producer.poll(0)
 
-    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
-        if err is not None:
+    def _delivered(self, pid: str | None, err: KafkaError | None, msg: Any) -> None:
+        if err is None:
+            return
+        self._failed_count += 1
+        if len(self._failed) < _FAILED_KEPT:
             self._failed.append(err)
+        if pid is not None:
+            self._undelivered[pid] = err
+            while len(self._undelivered) > _UNDELIVERED_KEPT:
+                self._undelivered.popitem(last=False)
 
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until every proposal is acknowledged; raise if any could not be delivered."""
         remaining = self._producer.flush(timeout)
         if remaining:
             raise TimeoutError(f"{remaining} proposals not delivered")
-        if self._failed:
-            failed, self._failed = self._failed, []
-            raise DeliveryError(f"{len(failed)} proposals were not delivered: {failed[0]}")
+        if self._failed_count:
+            failed, count = self._failed, self._failed_count
+            self._failed, self._failed_count = [], 0
+            raise DeliveryError(f"{count} proposals were not delivered: {failed[0]}")
 
     # -- observations ----------------------------------------------------------------------
 
@@ -249,17 +273,25 @@ class ToolsentryClient:
     def _wait_for(
         self, proposal_id: str, wanted: Callable[[dict[str, Any]], bool], timeout: float, what: str
     ) -> dict[str, Any]:
-        """The first observation of ``proposal_id`` that is ``wanted``."""
-        self._producer.flush(timeout)
+        """The first observation of ``proposal_id`` that is ``wanted``, under the run it was
+        proposed in. A proposal the broker did not take raises DeliveryError: it will
+        never be answered."""
         deadline = time.monotonic() + timeout
+        self._producer.flush(max(0.0, deadline - time.monotonic()))
+        err = self._undelivered.pop(proposal_id, None)
+        if err is not None:
+            raise DeliveryError(f"proposal {proposal_id} was not delivered: {err}")
         with self._cond:
             self._waiting[proposal_id] += 1  # its run is not forgotten meanwhile
             obs, read = codec("observation"), 0
             try:
                 while True:
                     kept = self._observed.get(proposal_id, [])
-                    for value in kept[read:]:
+                    run = self._key_of.get(proposal_id)
+                    for key, value in kept[read:]:
                         read += 1
+                        if run is not None and key != run:
+                            continue  # another run's proposal of the same id
                         try:
                             o = obs.decode(value)
                         except ValueError:
@@ -294,8 +326,11 @@ class ToolsentryClient:
         obs = codec("observation")
         with self._cond:
             kept = list(self._observed.get(proposal_id, ()))
+            run = self._key_of.get(proposal_id)
         out = []
-        for value in kept:
+        for key, value in kept:
+            if run is not None and key != run:
+                continue
             with contextlib.suppress(ValueError):
                 out.append(obs.decode(value))
         return out

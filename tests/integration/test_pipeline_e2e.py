@@ -325,6 +325,21 @@ def test_a_client_keeps_its_own_runs_and_the_runs_it_follows(e2e: E2E) -> None:
         sender.close()
 
 
+def test_a_proposal_is_answered_only_under_its_own_run(e2e: E2E) -> None:
+    """A proposal id is the caller's to choose: the same one in another run the client
+    follows is another proposal, and its observation does not answer this one."""
+    pid, one, other = (
+        str(uuid.uuid4()),
+        f"run-{uuid.uuid4().hex[:8]}",
+        f"run-{uuid.uuid4().hex[:8]}",
+    )
+    first = e2e.call("no_such_tool", {}, run_id=one, proposal_id=pid)
+    assert (first["decision"], first["run_id"]) == ("REJECTED", one)
+    answer = e2e.call("search_kb", {"query": "refunds"}, run_id=other, proposal_id=pid)
+    assert (answer["decision"], answer["run_id"]) == ("ROUTED", other)
+    assert [o["run_id"] for o in e2e.client.history(pid)] == [other]
+
+
 def test_sigterm_finishes_and_exits_cleanly(e2e: E2E, tmp_path: Path) -> None:
     early = e2e.processor("e2e-early", tmp_path).start()
     deadline = time.monotonic() + 60

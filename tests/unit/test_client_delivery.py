@@ -1,0 +1,45 @@
+"""The agent client when the broker does not take its proposals: a wait says so at once
+(DeliveryError), never "no observation yet". No broker: the bootstrap is a closed port."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from processor.client import DeliveryError, ToolsentryClient
+from processor.config import Settings
+from processor.stack.local import free_ports
+
+
+@pytest.fixture
+def client() -> Iterator[ToolsentryClient]:
+    (port,) = free_ports(1)  # nothing listens there
+    settings = Settings(
+        bootstrap_servers=f"127.0.0.1:{port}",
+        metrics_port=0,
+        kafka={"message.timeout.ms": 200, "reconnect.backoff.max.ms": 100},
+    )
+    c = ToolsentryClient(settings, "acme", watch=False)
+    yield c
+    c._producer.purge()
+    c.close()
+
+
+def test_a_proposal_the_broker_never_took_is_a_delivery_error(client: ToolsentryClient) -> None:
+    pid = client.propose("search_kb", {"query": "refunds"}, run_id="run-1")
+    with pytest.raises(DeliveryError, match=pid):
+        client.wait(pid, 30)
+    with pytest.raises(DeliveryError, match="1 proposals"):
+        client.flush(30)
+
+
+def test_undelivered_proposals_are_counted_not_hoarded(client: ToolsentryClient) -> None:
+    for _ in range(50):
+        client.send_raw(b'{"proposal_id": "%s"}' % uuid.uuid4().hex.encode(), b"run-2")
+    client._producer.flush(30)  # every delivery report served, none raised yet
+    assert 0 < len(client._failed) <= 16
+    with pytest.raises(DeliveryError, match="50 proposals"):
+        client.flush(30)
+    client.flush(1)  # reported once
