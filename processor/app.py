@@ -60,6 +60,9 @@ from processor.approval_flow import (
     parked_entry,
     parse_approval_record,
     position,
+    recheck_release,
+    refused_release,
+    release_keys,
     verify_decision,
 )
 from processor.approvals import load_approvers
@@ -853,11 +856,14 @@ class Processor:
                 ops.append(op)
                 owners.append(i)
         ended: list[tuple[int, ApprovalInput, OpResult]] = []
+        released: list[tuple[int, ApprovalInput, OpResult]] = []
         for i, result in zip(owners, self.approval_store.apply(ops), strict=True):
             x = slots[i]
             if isinstance(x, ApprovalInput):
                 if result.status in ("rejected", "expired") and result.entry is not None:
                     ended.append((i, x, result))
+                elif result.status == "released" and result.entry is not None:
+                    released.append((i, x, result))
                 else:
                     out[i] = self._approval_outcome(x, result, now_ms)
                 continue
@@ -865,7 +871,31 @@ class Processor:
                 self._count("approvals", "requested")
         if ended:
             self._end_requests(ended, out, now_ms)
+        if released:
+            self._release(released, out, now_ms)
         return [d for d in out if d is not None]
+
+    def _release(
+        self,
+        released: list[tuple[int, ApprovalInput, OpResult]],
+        out: list[Decision | None],
+        now_ms: int,
+    ) -> None:
+        """Calls their approvers released, checked again against the world before they go
+        (recheck_release): one reference lookup for all of the batch's releases. A call
+        refused now is told why and does not run; its record waits out its deadline, as a
+        declined call's does."""
+        entries = [r.entry for _, _, r in released if r.entry is not None]
+        keys = {k for e in entries for k in release_keys(e, self.gates, now_ms)}
+        answers = self.references.lookup(keys) if keys else {}
+        for i, item, result in released:
+            assert result.entry is not None
+            refusal = recheck_release(result.entry, self.gates, answers, now_ms)
+            if refusal is None:
+                out[i] = self._approval_outcome(item, result, now_ms)
+            else:
+                self._count("approvals", "refused_at_release")
+                out[i] = refused_release(item.src, result.entry, refusal, now_ms)
 
     def _end_requests(
         self,

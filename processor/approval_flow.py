@@ -17,15 +17,29 @@ decisions go to the DLQ with the reason; the parked call is untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from confluent_kafka import Producer
 
 from processor.approvals import Approver, Binding, VerifiedApproval, verify_approval
 from processor.config import Settings
+from processor.contracts.registry import Contract
+from processor.gates.policy import check_policy
+from processor.gates.resolve import resolve_tool
+from processor.gates.semantic import (
+    FOREIGN,
+    RefAnswers,
+    RefKey,
+    Resolved,
+    check_semantics,
+    check_state,
+    reference_keys,
+    resolve_references,
+)
 from processor.model import (
+    CLEARANCE_LEVELS,
     ApprovedCall,
     Decision,
     FieldError,
@@ -38,6 +52,9 @@ from processor.model import (
     SourceRecord,
     TaxonomyClass,
 )
+
+if TYPE_CHECKING:
+    from processor.pipeline import Gates
 from processor.state.approvals import OpResult
 
 EXPIRY_CHECK = "expiry_check"
@@ -130,13 +147,106 @@ def parked_entry(d: Decision) -> dict[str, Any]:
     assert d.call is not None and d.proposal is not None
     packet = dict(d.approval_request)
     call = d.call
-    return {
+    entry = {
         **packet,
         "traceparent": d.proposal.traceparent,
         "timeout_ms": call.deadline_ms - d.decided_at_ms,
         "needed": packet["approvals_required"],
         "post_action_verification": d.post_action_verification,
     }
+    if d.principal is not None:  # what the gates are run against again at release
+        entry["scopes"] = sorted(d.principal.scopes)
+        entry["clearance"] = d.principal.clearance
+    return entry
+
+
+def _release_subject(
+    entry: dict[str, Any], gates: Gates, now_ms: int
+) -> tuple[Proposal, Contract] | Rejection:
+    p = entry_proposal(entry)
+    p.arguments = orjson.loads(entry["arguments"])
+    resolved = resolve_tool(p, gates.contracts, now_ms)
+    return resolved if isinstance(resolved, Rejection) else (p, resolved)
+
+
+def release_keys(entry: dict[str, Any], gates: Gates, now_ms: int) -> list[RefKey]:
+    """The reference data a released call is checked against again."""
+    subject = _release_subject(entry, gates, now_ms)
+    if isinstance(subject, Rejection):
+        return []
+    p, contract = subject
+    return reference_keys(p, contract, entry["tenant_id"])
+
+
+def recheck_release(
+    entry: dict[str, Any], gates: Gates, answers: RefAnswers, now_ms: int
+) -> Rejection | None:
+    """The gates that depend on the world, run again when approvers release a parked call:
+    the contract version may have been sunsetted, the policy changed, the order shipped
+    since the approvers were asked. The approvers said yes to the call as their packet
+    described it (its ``before_state``); a call that no longer passes is refused, as a
+    fresh proposal would be, and does not run."""
+    subject = _release_subject(entry, gates, now_ms)
+    if isinstance(subject, Rejection):
+        return subject
+    p, contract = subject
+    tenant = entry["tenant_id"]
+    scopes, clearance = entry.get("scopes"), entry.get("clearance")
+    resolved = resolve_references(p, contract, tenant, answers)
+    if isinstance(scopes, list) and clearance in CLEARANCE_LEVELS:
+        principal = Principal(tenant, entry["requested_by_user"], entry["requested_by_agent"],
+                              frozenset(scopes), clearance)  # fmt: skip
+        refusal = check_semantics(p, contract, principal, resolved) or check_policy(
+            p, contract, principal, gates.policy
+        )
+    else:
+        # Parked by an earlier version, which kept no scopes: the rules that read the
+        # principal cannot be run again; the references and the policy can (its clearance
+        # was checked when the call was parked and a token's does not change).
+        principal = Principal(tenant, entry["requested_by_user"], entry["requested_by_agent"],
+                              frozenset(), CLEARANCE_LEVELS[-1])  # fmt: skip
+        refusal = _unknown_references(p, contract, principal, resolved) or check_policy(
+            p, contract, principal, gates.policy
+        )
+    return refusal or check_state(contract, resolved)
+
+
+def _unknown_references(
+    p: Proposal, contract: Contract, principal: Principal, resolved: Resolved
+) -> Rejection | None:
+    if any(entry is None or entry is FOREIGN for _, _, entry in resolved):
+        return check_semantics(p, replace(contract, rules=()), principal, resolved)
+    return None
+
+
+def refused_release(src: SourceRecord, entry: dict[str, Any], refusal: Rejection,
+                    now_ms: int) -> Decision:  # fmt: skip
+    """A released call that no longer passes a gate: not routed, and the agent told why."""
+    why = FieldError(
+        None,
+        f"approved (request {entry['request_id']}), but refused when released: "
+        f"{refusal.taxonomy.value} at the {refusal.gate.value} gate",
+        "release_refused",
+    )
+    rejection = Rejection(
+        refusal.taxonomy,
+        refusal.gate,
+        (*refusal.errors, why),
+        f"{entry['tool_name']} was approved but did not run: what it acts on changed while "
+        f"it waited. {refusal.next_action}",
+        refusal.allowed_tools,
+    )
+    return Decision(
+        src,
+        Outcome.REJECTED,
+        refusal.gate,
+        entry_proposal(entry),
+        rejection=rejection,
+        contract_name=entry["tool_name"],
+        contract_version=entry["tool_version"],
+        side_effect_class=SideEffectClass(entry["side_effect_class"]),
+        decided_at_ms=now_ms,
+    )
 
 
 def outcome_decision(item: ApprovalInput, result: OpResult, now_ms: int) -> Decision | None:

@@ -1108,6 +1108,33 @@ def test_a_rejection_after_the_call_went_ahead_with_attached_approvals_is_not_a_
     assert calls[parked.proposal_id] == [] and len(calls[resubmitted]) == 1
 
 
+def test_an_approved_call_whose_order_moved_on_meanwhile_does_not_run(world: World) -> None:
+    """The approver said yes to cancelling an order in processing; by the time the
+    approval arrives the order has shipped. The call is checked again at release and
+    refused as a fresh proposal would be (STALE_STATE), instead of running."""
+    order = "WO-64646-R"
+    ref = f"{ACME}/order/{order}"
+    publish_references(world.settings, [(ref, {"state": "processing", "owner": "cust-1"})])
+    wait_until_loaded(world.settings, timeout=60)
+    parked = world.park("agent", "cancel_order", cancel(order))
+    publish_references(world.settings, [(ref, {"state": "shipped", "owner": "cust-1"})])
+    wait_until_loaded(world.settings, timeout=60)
+    world.publish(world.sign_for(parked, "ops-1"), parked.run_id)
+    obs = world.final(parked.proposal_id)
+    assert (obs["decision"], obs["gate"]) == ("REJECTED", "state"), obs
+    assert obs["status"]["taxonomy_class"] == "STALE_STATE"
+    assert [code for _, code in errors(obs)] == ["invalid_state", "release_refused"]
+    assert "approved but did not run" in obs["next_action"]
+    assert "already shipped" in obs["next_action"]
+    world.none_ran([parked.proposal_id], "HIGH_RISK_EXTERNAL")
+    # The same order back in processing: a release goes ahead as before.
+    publish_references(world.settings, [(ref, {"state": "processing", "owner": "cust-1"})])
+    wait_until_loaded(world.settings, timeout=60)
+    again = world.park("agent", "cancel_order", cancel(order, reason="duplicate_order"))
+    world.publish(world.sign_for(again, "ops-1"), again.run_id)
+    assert world.final(again.proposal_id)["decision"] == "ROUTED"
+
+
 def test_a_forged_expiry_check_cannot_end_a_parked_call_early(world: World) -> None:
     parked = world.park("agent", "cancel_order", cancel())
     forged = {"type": "expiry_check", "tenant_id": ACME, "request_id": parked.request_id}
