@@ -149,7 +149,13 @@ _TIME_RE = re.compile(
 )
 _DOT_ATOM = re.compile(r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*\Z")
 _QUOTED_LOCAL = re.compile(r'^"(?:[^"\\\r\n]|\\.)*"\Z')
-_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s\\\"<>^`{|}]*\Z", re.ASCII)
+_URI_CHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})"
+_URI_RE = re.compile(
+    # RFC 3986: a scheme, then only the characters a URI may hold (unreserved, sub-delims,
+    # ':' '@' '/' '?', brackets for an IP literal, escapes as %HH) and one '#' at most.
+    rf"^[A-Za-z][A-Za-z0-9+.-]*:(?:{_URI_CHAR}|[\[\]])*(?:#{_URI_CHAR}*)?\Z",
+    re.ASCII,
+)
 _HOSTNAME_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z", re.ASCII)
 
 

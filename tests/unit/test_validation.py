@@ -806,3 +806,25 @@ def test_a_loop_no_check_can_see_is_a_value_error_not_a_crash() -> None:
         with pytest.raises(SchemaRecursion):
             validator.errors({"a": {"b": 1}})
     assert validator.is_valid({"a": {}}) is True
+
+
+@pytest.mark.parametrize(
+    ("value", "valid"),
+    [
+        ("https://docs.example.com/guide?x=1#part", True),
+        ("http://[2001:db8::7]/c=GB?objectClass?one", True),
+        ("mailto:John.Doe@example.com", True),
+        ("http://-.~_!$&'()*+,;=:%40:80%2f::::::@example.com", True),
+        ("https://docs.example.com/\u00fc", False),  # not ASCII: an IRI, not a URI
+        ("https://ex\u00e4mple.com/", False),
+        ("https://docs.example.com/\x01", False),
+        ("https://docs.example.com/\x7f", False),
+        ("https://docs.example.com/%zz", False),  # not an escape
+        ("https://docs.example.com/a#b#c", False),  # one fragment at most
+        ("https://docs.example.com/a#[b]", False),
+        ("https://docs.example.com/a b", False),
+    ],
+)
+def test_a_uri_holds_only_what_rfc_3986_allows(value: str, valid: bool) -> None:
+    validator = ArgumentValidator({"type": "string", "format": "uri"})
+    assert validator.is_valid(value) is valid
