@@ -74,7 +74,7 @@ from processor.codec.records import (
 )
 from processor.config import Settings
 from processor.contracts.registry import ContractSet, load_contracts
-from processor.contracts.watch import ContractWatcher
+from processor.contracts.watch import ContractWatcher, Settling, file_stamps, folder_stamp
 from processor.gates.budget import admission_item, apply_verdict, release_item
 from processor.gates.parse import Limits
 from processor.identity import Verifier
@@ -279,6 +279,7 @@ class Processor:
         reload_requested: threading.Event | None = None,
     ) -> None:
         self.settings = settings
+        contracts_stamp = None if contracts else folder_stamp(Path(settings.contracts_dir))
         self.contracts = contracts or load_contracts(settings.contracts_dir)
         self.metrics = metrics or Metrics()
         self.limits = Limits(
@@ -295,10 +296,10 @@ class Processor:
         )
         self.watcher = ContractWatcher(
             settings.contracts_dir, self.contracts, self.metrics, settings.contracts_poll_s,
-            reload_requested,
+            reload_requested, contracts_stamp,
         )  # fmt: skip
-        self._trust_files = _trust_files(settings)
-        self._trust_seen = _mtimes(self._trust_files)
+        trust_files = _trust_files(settings)
+        self._trust = Settling(lambda: file_stamps((str(f), f) for f in trust_files))
         self._trust_checked = time.monotonic()
         self.gates = self._load_trust(self.contracts)
         self.redis = connect(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
@@ -375,21 +376,31 @@ class Processor:
     def reload_trust(self, force: bool = False) -> bool:
         """Re-read the identity keys, the policy and the approvers when one of their files
         changed (rotated keys, a new approver, a tighter policy), as contracts are: only
-        between batches, all or nothing, the old ones kept if the new ones are unusable.
-        Checked every ``contracts_poll_s``. True when a new set was taken."""
+        between batches, once the change has settled (see ``Settling``), all or nothing,
+        the old ones kept if the new ones are unusable. Checked every ``contracts_poll_s``;
+        ``force`` reads at once. True when a new set was taken."""
         now = time.monotonic()
         if not force and now - self._trust_checked < self.settings.contracts_poll_s:
             return False
         self._trust_checked = now
-        seen = _mtimes(self._trust_files)
-        if not force and seen == self._trust_seen:
+        stamp = self._trust.due(force)
+        if stamp is None:
             return False
-        self._trust_seen = seen
         try:
-            gates = self._load_trust(self.contracts)
+            gates: Gates | Exception = self._load_trust(self.contracts)
         except Exception as exc:
+            gates = exc
+        if not self._trust.held(stamp):
+            if force:
+                self.metrics.trust_reloads.labels("refused").inc()
+                logger.error("keys/policy/approvers reload refused, keeping the old ones: "
+                             "their files changed while being read")  # fmt: skip
+            else:
+                logger.info("keys/policy/approvers changed while being read; reading again")
+            return False
+        if isinstance(gates, Exception):
             self.metrics.trust_reloads.labels("refused").inc()
-            logger.error("keys/policy/approvers reload refused, keeping the old ones: %s", exc)
+            logger.error("keys/policy/approvers reload refused, keeping the old ones: %s", gates)
             return False
         self.gates = gates
         self.metrics.trust_reloads.labels("loaded").inc()
@@ -1261,16 +1272,6 @@ def _trust_files(settings: Settings) -> list[Path]:
     files += identity.delegation_trusted_key_files
     files += [settings.policy_file, settings.approvers_file]
     return [Path(f) for f in files if f is not None]
-
-
-def _mtimes(files: list[Path]) -> list[int]:
-    out = []
-    for f in files:
-        try:
-            out.append(f.stat().st_mtime_ns)
-        except OSError:
-            out.append(-1)
-    return out
 
 
 def _proposal_op(d: Decision, now_ms: int) -> tuple[str, dict[str, Any]] | None:

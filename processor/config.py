@@ -218,7 +218,9 @@ class Settings(BaseSettings):
     max_arguments_depth: int = 32
     contracts_dir: Path = Path("contracts")
     contracts_poll_s: float = 2.0
-    """How often the contract folder is checked for changes (SIGHUP checks at once)."""
+    """How often the contract folder and the key, policy and approvers files are checked
+    for changes; a change is taken once it has held still for one poll (SIGHUP checks
+    the contracts at once)."""
     metrics_port: int = 9464
     """Prometheus /metrics port; 0 disables the endpoint."""
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -2,16 +2,18 @@
 
 A background thread polls the folder's file stamps (and wakes at once on a
 reload request, e.g. SIGHUP). A changed folder is loaded whole by
-``load_contracts``; a refused set is logged and counted and the processor
-keeps deciding with the set it has. The processor's loop takes a loaded set
-between batches, so no proposal is ever decided by half of one set and half
-of another.
+``load_contracts`` once it has held still for a whole poll, and only if it
+held still while it was read (see ``Settling``); a refused set is logged and
+counted and the processor keeps deciding with the set it has. The processor's
+loop takes a loaded set between batches, so no proposal is ever decided by
+half of one set and half of another.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from processor.contracts.registry import (
@@ -24,20 +26,75 @@ from processor.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
-Stamp = tuple[tuple[str, int, int], ...]
+Stamp = tuple[tuple[str, int, int, int, int], ...]
+"""(name, inode, size, mtime, ctime) of each file. The inode changes when a file is
+replaced by a rename, and the ctime on every write: a copy that keeps its mtime
+(``cp -p``, ``rsync -a``, ``tar``) still changes the stamp."""
+
+MISSING = (-1, -1, -1, -1)
+
+
+def file_stamps(files: Iterable[tuple[str, Path]]) -> Stamp:
+    """The stamp of each (name, path); a file that is gone or cannot be looked at is
+    ``MISSING``."""
+    out = []
+    for name, path in files:
+        try:
+            st = path.stat()
+        except OSError:
+            out.append((name, *MISSING))
+        else:
+            out.append((name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
 
 
 def folder_stamp(directory: Path) -> Stamp:
-    """(path, mtime, size) of every contract file: changes whenever a file does."""
-    out = []
-    for p in sorted(directory.rglob("*")):
-        if p.suffix in CONTRACT_SUFFIXES:
-            try:
-                st = p.stat()
-            except FileNotFoundError:  # removed while we looked
-                continue
-            out.append((str(p.relative_to(directory)), st.st_mtime_ns, st.st_size))
-    return tuple(out)
+    """The stamp of every contract file: changes whenever a file does."""
+    files = sorted(p for p in directory.rglob("*") if p.suffix in CONTRACT_SUFFIXES)
+    stamps = file_stamps((str(p.relative_to(directory)), p) for p in files)
+    return tuple(s for s in stamps if s[1:] != MISSING)  # a file removed while we looked
+
+
+class Settling:
+    """When changed files may be read, and whether a read saw one version of them.
+
+    A writer that is not done (a copy, ``git checkout``, ``rsync --inplace``) can
+    leave a prefix that still parses: a contract without its ``semantics``, a policy
+    cut after ``tenants:``. So a change is read only once the stamp has stayed the
+    same from one poll to the next, and what was read counts only if the stamp after
+    reading is the one before it; otherwise the files are read again at a later poll.
+    """
+
+    def __init__(self, stamp: Callable[[], Stamp], taken: Stamp | None = None) -> None:
+        self._stamp = stamp
+        self.taken = stamp() if taken is None else taken
+        """The stamp of what the processor decides with, or of what it last refused."""
+        self._changed: Stamp | None = None
+        """A new stamp seen at the last poll, waiting to be seen again."""
+
+    def due(self, force: bool = False) -> Stamp | None:
+        """The stamp to read the files at, or None: nothing changed, or a change is
+        still settling. ``force`` (SIGHUP) reads at once."""
+        now = self._stamp()
+        if not force:
+            if now == self.taken:
+                self._changed = None
+                return None
+            if now != self._changed:
+                self._changed = now
+                return None
+        return now
+
+    def held(self, before: Stamp) -> bool:
+        """Whether the files kept stamp ``before`` while they were read. If so, what
+        was read is taken (loaded or refused) and not read again until it changes;
+        if not, it is read again once the files have settled."""
+        after = self._stamp()
+        if after != before:
+            self._changed = after
+            return False
+        self.taken, self._changed = before, None
+        return True
 
 
 class ContractWatcher:
@@ -48,13 +105,16 @@ class ContractWatcher:
         metrics: Metrics,
         poll_s: float,
         requested: threading.Event | None = None,
+        stamp: Stamp | None = None,
     ) -> None:
+        """``stamp``: the folder's stamp from before ``current`` was read (default: now),
+        so that a change made while it was read is noticed."""
         self.directory = Path(directory)
         self.current_fingerprint = current.fingerprint
         self.metrics = metrics
         self.poll_s = poll_s
         self.requested = requested or threading.Event()
-        self._stamp = folder_stamp(self.directory)
+        self._settling = Settling(lambda: folder_stamp(self.directory), stamp)
         self._pending: ContractSet | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -81,17 +141,26 @@ class ContractWatcher:
         return pending
 
     def check(self, force: bool = False) -> None:
-        """Load the folder again if it changed (or if ``force``)."""
-        stamp = folder_stamp(self.directory)
-        if stamp == self._stamp and not force:
+        """Load the folder again once a change has settled (or at once if ``force``)."""
+        stamp = self._settling.due(force)
+        if stamp is None:
             return
-        self._stamp = stamp
         try:
-            loaded = load_contracts(self.directory)
+            loaded: ContractSet | ContractError = load_contracts(self.directory)
         except ContractError as exc:
+            loaded = exc
+        if not self._settling.held(stamp):
+            if force:
+                self.metrics.contract_reloads.labels("refused").inc()
+                logger.error("contract reload refused: files changed while being read; "
+                             "still deciding with %s", self.current_fingerprint)  # fmt: skip
+            else:
+                logger.info("contract files changed while being read; reading them again")
+            return
+        if isinstance(loaded, ContractError):
             self.metrics.contract_reloads.labels("refused").inc()
             logger.error("contract reload refused; still deciding with %s\n%s",
-                         self.current_fingerprint, exc)  # fmt: skip
+                         self.current_fingerprint, loaded)  # fmt: skip
             return
         if loaded.fingerprint == self.current_fingerprint:
             return

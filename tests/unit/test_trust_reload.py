@@ -1,6 +1,7 @@
 """Rotating keys, approvers and policy under a running processor: all or nothing, between
-batches, the old set kept when the new one is unusable. No broker is touched: a Processor
-only connects when it runs."""
+batches, once the files have settled, the old set kept when the new one is unusable. No
+broker is touched: a Processor only connects when it runs. With ``contracts_poll_s`` 0,
+each ``reload_trust()`` call is one poll."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from prometheus_client import CollectorRegistry
 
 from processor.app import Processor
 from processor.config import IdentitySettings, Settings
+from processor.contracts.registry import ContractSet
 from processor.identity import TokenIssuer
 from processor.keys import init_keys
 from processor.metrics import Metrics
 from processor.model import FieldError, Principal
+from processor.pipeline import Gates
 from tests.unit.helpers import CONTRACTS_DIR, ROOT
 
 
@@ -34,6 +37,16 @@ def _processor(tmp_path: Path) -> tuple[Processor, Path]:
     return Processor(settings, metrics=Metrics(CollectorRegistry())), tmp_path / "keys"
 
 
+def _reloads(proc: Processor, result: str) -> float:
+    """toolsentry_trust_reloads_total{result}."""
+    [family] = proc.metrics.trust_reloads.collect()
+    return sum(
+        s.value
+        for s in family.samples
+        if s.name.endswith("_total") and s.labels["result"] == result
+    )
+
+
 def _touch_later(path: Path) -> None:
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
@@ -48,6 +61,7 @@ def test_a_rotated_issuer_key_is_taken_between_batches(tmp_path: Path) -> None:
     rotated = init_keys(tmp_path / "rotated")
     shutil.copy(rotated.jwks, keys / "jwks.json")
     _touch_later(keys / "jwks.json")
+    assert proc.reload_trust() is False  # changed since the last poll: settling
     assert proc.reload_trust() is True
     new = TokenIssuer.from_jwk_file(rotated.issuer).mint("acme", "u", "a", ["kb:read"])
     assert isinstance(proc.gates.verifier.verify(new), Principal)
@@ -61,7 +75,9 @@ def test_an_unusable_file_keeps_the_old_keys_policy_and_approvers(tmp_path: Path
     (keys / "approvers.yaml").write_text("approvers: [{id: x, public_key: not-base64!}]\n")
     _touch_later(keys / "approvers.yaml")
     assert proc.reload_trust() is False
+    assert proc.reload_trust() is False
     assert proc.gates is before
+    assert _reloads(proc, "refused") == 1
     assert set(proc.gates.approvers) == {"ops-1", "ops-2"}
 
     (tmp_path / "policy.yaml").write_text("tenants: {acme: {allowed_classes: [READ_ONLY]}}\n")
@@ -70,3 +86,71 @@ def test_an_unusable_file_keeps_the_old_keys_policy_and_approvers(tmp_path: Path
     assert proc.reload_trust(force=True) is True
     assert proc.gates is not before
     assert [c.value for c in proc.gates.policy.for_tenant("acme").allowed_classes] == ["READ_ONLY"]
+
+
+def _restricted(shipped: str) -> str:
+    """The shipped policy with every tenant held to READ_ONLY."""
+    start = shipped.index("allowed_classes: [READ_ONLY, EPHEMERAL_WRITE")
+    end = shipped.index("]", start) + 1
+    return shipped[:start] + "allowed_classes: [READ_ONLY]" + shipped[end:]
+
+
+def _classes(proc: Processor, tenant: str) -> list[str]:
+    return sorted(c.value for c in proc.gates.policy.for_tenant(tenant).allowed_classes)
+
+
+def test_a_policy_caught_mid_write_is_taken_only_once_it_holds_still(tmp_path: Path) -> None:
+    proc, _ = _processor(tmp_path)
+    policy = tmp_path / "policy.yaml"
+    new = _restricted(policy.read_text())
+    # Cut after "tenants:", the file still parses: every class for every tenant.
+    policy.write_text(new[: new.index('  "*":')])
+    assert proc.reload_trust() is False
+    policy.write_text(new)
+    assert proc.reload_trust() is False  # changed again since the last poll
+    assert _classes(proc, "other") != ["READ_ONLY"]
+    assert proc.reload_trust() is True
+    assert _classes(proc, "other") == ["READ_ONLY"]
+    assert proc.reload_trust() is False  # taken once
+
+
+def test_files_changing_while_being_read_are_read_again(tmp_path: Path) -> None:
+    proc, _ = _processor(tmp_path)
+    policy = tmp_path / "policy.yaml"
+    shipped = policy.read_text()
+    load = proc._load_trust
+    writes = [_restricted(shipped)]
+
+    def load_while_written(contracts: ContractSet) -> Gates:
+        gates = load(contracts)
+        if writes:
+            policy.write_text(writes.pop())
+        return gates
+
+    proc._load_trust = load_while_written  # type: ignore[method-assign]
+    policy.write_text(shipped + "\n")
+    assert proc.reload_trust() is False
+    assert proc.reload_trust() is False  # settled, but written again while read
+    assert _reloads(proc, "refused") == 0 and _reloads(proc, "loaded") == 0
+    assert proc.reload_trust() is True
+    assert _classes(proc, "other") == ["READ_ONLY"]
+
+    writes.append(shipped)
+    assert proc.reload_trust(force=True) is False  # forced, yet written while read
+    assert _reloads(proc, "refused") == 1
+    assert _classes(proc, "other") == ["READ_ONLY"]
+    assert proc.reload_trust() is True  # unchanged since the refused read
+    assert _classes(proc, "other") != ["READ_ONLY"]
+
+
+def test_a_policy_replaced_with_its_mtime_kept_is_noticed(tmp_path: Path) -> None:
+    proc, _ = _processor(tmp_path)
+    policy = tmp_path / "policy.yaml"
+    st = policy.stat()
+    tmp = tmp_path / "policy.yaml.new"  # as cp -p, rsync -a or tar leave it
+    tmp.write_text(_restricted(policy.read_text()))
+    os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(tmp, policy)
+    assert proc.reload_trust() is False
+    assert proc.reload_trust() is True
+    assert _classes(proc, "other") == ["READ_ONLY"]
