@@ -143,6 +143,9 @@ _CONFIRMATION_KEYS = {
     "ttl_seconds",
     "max_approval_lifetime_seconds",
 }
+_EGRESS_KEYS = {"allowed_domains", "internal_domains"}
+_TENANT_KEYS = {"allowed_classes", "allowed_domains"}
+_SECRETS_KEYS = {"enabled"}
 _BUDGET_KEYS = {"steps", "classes", "run_cost", "day_cost", "repeats", "repairs",
                 "financial_tools", "in_flight_grace_ms", "rate_limit_scale", "tenants"}  # fmt: skip
 
@@ -159,6 +162,19 @@ def _cost(value: Any, where: str) -> float:
     return float(value)
 
 
+def _section(value: Any, keys: set[str], where: str) -> dict[str, Any]:
+    """A mapping of some of ``keys`` (None: empty). A misspelt key is refused, never
+    ignored: a tenant entry missing its ``allowed_classes`` gets every class."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise PolicyError(f"{where}: expected a mapping of {sorted(keys)}")
+    unknown = set(value) - keys
+    if unknown:
+        raise PolicyError(f"{where}: unknown keys {sorted(unknown)} (expected {sorted(keys)})")
+    return value
+
+
 def parse_budgets(doc: Any, where: str, base: Budgets) -> Budgets:
     """A ``budgets`` mapping over ``base``: keys left out keep base's values."""
     if not isinstance(doc, dict):
@@ -167,7 +183,10 @@ def parse_budgets(doc: Any, where: str, base: Budgets) -> Budgets:
     if unknown:
         raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
     classes = dict(base.classes)
-    for group, n in (doc.get("classes") or {}).items():
+    groups = doc.get("classes") or {}
+    if not isinstance(groups, dict):
+        raise PolicyError(f"{where}.classes: expected a mapping of budget groups to counts")
+    for group, n in groups.items():
         if group not in BUDGET_GROUPS:
             raise PolicyError(f"{where}.classes: unknown group {group!r} ({BUDGET_GROUPS})")
         classes[group] = _count(n, f"{where}.classes.{group}")
@@ -207,22 +226,27 @@ def parse_policy(doc: Any, where: str = "policy") -> Policy:
         raise PolicyError(
             f"{where}: confirmation must be a mapping of {sorted(_CONFIRMATION_KEYS)}"
         )
-    egress = doc.get("egress") or {}
-    tenants_doc = doc.get("tenants") or {}
-    secrets = doc.get("secrets") or {}
+    egress = _section(doc.get("egress"), _EGRESS_KEYS, f"{where}: egress")
+    secrets = _section(doc.get("secrets"), _SECRETS_KEYS, f"{where}: secrets")
+    tenants_doc = {} if doc.get("tenants") is None else doc["tenants"]
+    if not isinstance(tenants_doc, dict):
+        raise PolicyError(f"{where}: tenants must be a mapping of tenant ids to entries")
     ttl = _seconds(conf, "ttl_seconds", base.approval_ttl_s, where)
     lifetime = _seconds(conf, "max_approval_lifetime_seconds", base.approval_max_lifetime_s, where)
     tenants: dict[str, TenantPolicy] = {}
-    for name, t in tenants_doc.items():
-        if not isinstance(t, dict):
+    for name, entry in tenants_doc.items():
+        if entry is None:
             raise PolicyError(f"{where}: tenants.{name} must be a mapping")
+        t = _section(entry, _TENANT_KEYS, f"{where}: tenants.{name}")
         classes = t.get("allowed_classes", [c.value for c in ALL_CLASSES])
         tenants[str(name)] = TenantPolicy(
             _classes(classes, f"{where}: tenants.{name}.allowed_classes"),
             _domains(t.get("allowed_domains"), f"{where}: tenants.{name}.allowed_domains"),
         )
     default = tenants.pop("*", base.default_tenant)
-    budgets_doc = doc.get("budgets") or {}
+    budgets_doc = {} if doc.get("budgets") is None else doc["budgets"]
+    if not isinstance(budgets_doc, dict):
+        raise PolicyError(f"{where}: budgets: expected a mapping")
     budgets = parse_budgets(
         {k: v for k, v in budgets_doc.items() if k != "tenants"}, f"{where}: budgets", Budgets()
     )
