@@ -77,11 +77,15 @@ stops writes. The command runs once Redis recovers; waited out like an outage.""
 
 def tenant_tag(tenant: str) -> str:
     """The ``{hash tag}`` every key of a tenant carries, so that all of them share one
-    cluster slot and one script can touch them. A tenant id that would not make a tag of
-    itself (empty, or holding a '}', which would end the tag early and scatter the
-    tenant's keys over slots) is tagged by its digest instead. (Such a tenant's keys
-    written by versions before this rule are not read: see the README's upgrade notes.)"""
-    if tenant and "}" not in tenant:
+    cluster slot and one script can touch them.
+
+    A tenant id is its own tag, unless it would not make one (empty, or holding a '}',
+    which would end the tag early and scatter the tenant's keys over slots) or starts
+    with '#': those are tagged ``{#<digest>}``. No two ids share a tag: an id's own tag
+    never starts with '#', and two digest tags match only if the ids' SHA-256 agree on
+    their first 128 bits. (Such a tenant's keys written by versions before these rules
+    are not read: see the README's upgrade notes.)"""
+    if tenant and "}" not in tenant and not tenant.startswith("#"):
         return f"{{{tenant}}}"
     return "{#" + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:32] + "}"
 

@@ -9,7 +9,13 @@ import hashlib
 import pytest
 import redis
 
-from processor.state.connection import LuaScript, _cluster_nodes, connect, is_cluster_url
+from processor.state.connection import (
+    LuaScript,
+    _cluster_nodes,
+    connect,
+    is_cluster_url,
+    tenant_tag,
+)
 
 
 def test_a_single_server_url_builds_the_usual_client_without_connecting() -> None:
@@ -57,3 +63,17 @@ def test_a_cluster_url_without_a_usable_node_is_refused(url: str) -> None:
 def test_a_script_is_named_by_the_sha1_redis_gives_it() -> None:
     source = "return KEYS[1]"
     assert LuaScript(source).sha == hashlib.sha1(source.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("tenant", ["acme", "globex-eu_1.prod", "ACME.42", "a{b", "ünï"])
+def test_a_tenant_id_is_its_own_tag(tenant: str) -> None:
+    assert tenant_tag(tenant) == "{" + tenant + "}"
+
+
+def test_no_two_tenant_ids_share_a_tag() -> None:
+    digest = "#" + hashlib.sha256(b"globex}eu").hexdigest()[:32]
+    tenants = ["", "}", "globex}eu", digest, "#" + digest, "#", "#acme", "acme", "{#acme}"]
+    tags = [tenant_tag(t) for t in tenants]
+    assert len(set(tags)) == len(tenants), dict(zip(tenants, tags, strict=True))
+    for tenant, tag in zip(tenants, tags, strict=True):
+        assert tag.startswith("{") and tag.endswith("}") and tag.count("}") == 1, tenant
