@@ -336,6 +336,8 @@ _SENSITIVE_SUFFIXES = (
 _KEY_SEPARATORS = str.maketrans("", "", "_- .")
 _SENSITIVE_CACHE: dict[str, bool] = {}
 _SENSITIVE_CACHE_MAX = 4096
+_SENSITIVE_CACHE_KEY = 64
+"""Only keys this short are cached: field names are, and 4096 keys of 64 KiB would hold 256 MiB."""
 
 
 def _sensitive_key(key: str) -> bool:
@@ -344,9 +346,10 @@ def _sensitive_key(key: str) -> bool:
     if hit is None:
         norm = key.lower().translate(_KEY_SEPARATORS)
         hit = norm in _SENSITIVE_NAMES or norm.endswith(_SENSITIVE_SUFFIXES)
-        if len(_SENSITIVE_CACHE) >= _SENSITIVE_CACHE_MAX:
-            _SENSITIVE_CACHE.clear()
-        _SENSITIVE_CACHE[key] = hit
+        if len(key) <= _SENSITIVE_CACHE_KEY:
+            if len(_SENSITIVE_CACHE) >= _SENSITIVE_CACHE_MAX:
+                _SENSITIVE_CACHE.clear()
+            _SENSITIVE_CACHE[key] = hit
     return hit
 
 
@@ -650,6 +653,13 @@ def _within(host: str, domains: tuple[str, ...]) -> bool:
     return any(host == d or host.endswith("." + d) for d in domains)
 
 
+def _port_number(digits: str) -> int:
+    """The port ``digits`` name, or 65536 for one too long to be a port (leading zeros
+    aside): ``int`` refuses strings of more than 4300 digits."""
+    digits = digits.lstrip("0")
+    return int(digits or "0") if len(digits) <= 5 else 65536
+
+
 def _host_of(rest: str) -> tuple[str | None, str]:
     """The normalised host after ``scheme:``, or None and the reason it is refused."""
     if not rest.startswith("//") or rest.startswith("///"):
@@ -662,7 +672,7 @@ def _host_of(rest: str) -> tuple[str | None, str]:
     host, colon, port = authority.rpartition(":")
     if not colon:
         host = authority
-    elif not (port == "" or (port.isascii() and port.isdigit() and int(port) <= 65535)):
+    elif port and not (port.isascii() and port.isdigit() and _port_number(port) <= 65535):
         return None, "malformed URL: bad port"
     if host.endswith("."):
         host = host[:-1]

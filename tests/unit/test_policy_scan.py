@@ -7,8 +7,10 @@ scanner would mistake for a live credential; every value is an obvious fake.
 from __future__ import annotations
 
 import base64
+import gc
 import random
 import string
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -386,6 +388,23 @@ def test_base64_of_ordinary_data_is_flagged() -> None:
     assert kinds({"v": base64.b64encode(b"the quick brown fox").decode()}) == ["high_entropy"]
 
 
+# -- cost ------------------------------------------------------------------------------------------
+
+
+def test_long_keys_are_not_kept_after_the_scan() -> None:
+    """Only short keys are remembered: 4096 distinct keys of 64 KiB would hold 256 MiB."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(64):
+            find_secrets({f"{i:04d}" + "customer note " * 4_600: "ok"})
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 1_000_000  # the keys themselves come to 4 MB
+
+
 # -- hypothesis: never raise -----------------------------------------------------------------------
 
 FRAGMENTS = (
@@ -667,6 +686,17 @@ def test_private_network_only_stays_within_the_internal_domains(url: str, allowe
 def test_unrestricted_with_approval_allows_public_https_hosts_only(url: str, allowed: bool) -> None:
     reason = egress_violation(url, "unrestricted_with_approval", (), ("corp.internal",))
     assert (reason is None) is allowed, reason
+
+
+def test_a_port_too_long_to_be_a_number_is_refused_not_raised() -> None:
+    """``int`` refuses strings of more than 4300 digits; such a port is simply bad."""
+    for port in ("1" * 5_000, "9" * 6, "65536"):
+        url = f"https://internal.example.com:{port}/"
+        for policy in POLICIES:
+            reason = egress_violation(url, policy, ("example.com",), ("internal.example.com",))
+            assert reason == "malformed URL: bad port", (policy, reason)
+    url = "https://internal.example.com:" + "0" * 5_000 + "443/"
+    assert egress_violation(url, "private_network_only", (), ("internal.example.com",)) is None
 
 
 def test_odd_argument_types_are_refused_not_raised() -> None:
