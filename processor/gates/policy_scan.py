@@ -41,25 +41,24 @@ class SecretFinding:
 # they are only looked for in whitespace-delimited tokens that long. Every
 # alternative starts with a literal character (its "not after a letter or
 # digit" check comes second) so that ``re`` can skip positions that cannot
-# start one; the more specific ``sk-ant-`` comes before the generic ``sk-``.
+# start one. Repetitions are possessive: a token of 64 KiB is scanned once, not
+# once from every position where a prefix repeats (``ghp_ghp_ghp_…``).
 _TOKEN_PATTERNS = (
     r"A(?<![A-Z0-9]A)(?:KIA|SIA)[A-Z0-9]{16}(?![A-Z0-9])",
     r"A(?<![A-Za-z0-9]A)Iza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])",
-    r"g(?<![A-Za-z0-9]g)h[pousr]_[A-Za-z0-9]{36,251}(?![A-Za-z0-9])",
-    r"g(?<![A-Za-z0-9]g)ithub_pat_[A-Za-z0-9_]{22,}",
-    r"g(?<![A-Za-z0-9]g)lpat-[A-Za-z0-9_-]{20,}",
-    r"x(?<![A-Za-z0-9]x)ox[abposr]-[A-Za-z0-9-]{15,}",
-    r"s(?<![A-Za-z0-9]s)k_(?:live|test)_[A-Za-z0-9]{16,}",
-    r"r(?<![A-Za-z0-9]r)k_(?:live|test)_[A-Za-z0-9]{16,}",
-    r"w(?<![A-Za-z0-9]w)hsec_[A-Za-z0-9+/=]{20,}",
+    r"g(?<![A-Za-z0-9]g)h[pousr]_[A-Za-z0-9]{36,251}+(?![A-Za-z0-9])",
+    r"g(?<![A-Za-z0-9]g)ithub_pat_[A-Za-z0-9_]{22,}+",
+    r"g(?<![A-Za-z0-9]g)lpat-[A-Za-z0-9_-]{20,}+",
+    r"x(?<![A-Za-z0-9]x)ox[abposr]-[A-Za-z0-9-]{15,}+",
+    r"s(?<![A-Za-z0-9]s)k_(?:live|test)_[A-Za-z0-9]{16,}+",
+    r"r(?<![A-Za-z0-9]r)k_(?:live|test)_[A-Za-z0-9]{16,}+",
+    r"w(?<![A-Za-z0-9]w)hsec_[A-Za-z0-9+/=]{20,}+",
     r"n(?<![A-Za-z0-9]n)pm_[A-Za-z0-9]{36}(?![A-Za-z0-9])",
-    r"s(?<![A-Za-z0-9]s)k-ant-[A-Za-z0-9_-]{20,}",
-    r"s(?<![A-Za-z0-9]s)k-(?=[A-Za-z0-9_-]*[0-9])[A-Za-z0-9_-]{32,}",
-    r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*",
-    r"S(?<![A-Za-z0-9]S)G\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,}",
-    r"y(?<![A-Za-z0-9]y)a29\.[0-9A-Za-z_-]{20,}",
-    r"h(?<![A-Za-z0-9]h)ooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9/_-]{16,}",
-    r"d(?<![A-Za-z0-9]d)iscord(?:app)?\.com/api/webhooks/[0-9]{5,}/[A-Za-z0-9_-]{16,}",
+    r"s(?<![A-Za-z0-9]s)k-ant-[A-Za-z0-9_-]{20,}+",
+    r"S(?<![A-Za-z0-9]S)G\.[A-Za-z0-9_-]{16,}+\.[A-Za-z0-9_-]{16,}+",
+    r"y(?<![A-Za-z0-9]y)a29\.[0-9A-Za-z_-]{20,}+",
+    r"h(?<![A-Za-z0-9]h)ooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9/_-]{16,}+",
+    r"d(?<![A-Za-z0-9]d)iscord(?:app)?\.com/api/webhooks/[0-9]{5,}+/[A-Za-z0-9_-]{16,}+",
 )
 _TOKEN_RE = re.compile("|".join(_TOKEN_PATTERNS))
 _TOKEN_KINDS = (
@@ -72,13 +71,21 @@ _TOKEN_KINDS = (
     (("whsec_",), "stripe_webhook_secret"),
     (("npm_",), "npm_token"),
     (("sk-ant-",), "anthropic_api_key"),
-    (("sk-",), "openai_api_key"),
-    (("eyJ",), "jwt"),
     (("SG.",), "sendgrid_api_key"),
     (("ya29.",), "google_oauth_token"),
     (("hooks.slack.com",), "slack_webhook"),
     (("discord",), "discord_webhook"),
 )
+# Two formats are matched apart, each in one pass over a run, because a single
+# regex would rescan the rest of a run from every place the prefix repeats in it
+# (``sk-sk-sk-…``, ``eyJeyJ…``): quadratic in the token's length.
+_OPENAI = re.compile(r"s(?<![A-Za-z0-9]s)k-(?!ant-)[A-Za-z0-9_-]{32,}+")
+"""``sk-`` and 32 or more key characters; the digit it must hold is checked on the match."""
+_JWT = re.compile(
+    r"(?<![A-Za-z0-9_-])(?>[A-Za-z0-9_-]*?eyJ)[A-Za-z0-9_-]{8,}+\.eyJ[A-Za-z0-9_-]{8,}+\."
+)
+"""Header and payload, each base64url JSON (``eyJ``), from the first ``eyJ`` of a run: a
+later one in the same run is followed by the same characters, fewer of them."""
 
 
 def _token_kind(token: str) -> str:
@@ -89,7 +96,7 @@ def _token_kind(token: str) -> str:
 # Each regex is matched only where its keyword occurs (found with ``str.find``
 # in the lowercased text): an alternation searched over the whole text costs
 # about 20 ns a character in Python's ``re``, a substring search a fraction.
-_PEM = re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----")
+_PEM = re.compile(r"-----BEGIN (?:[A-Z0-9]++ )*PRIVATE KEY(?: BLOCK)?-----")
 _BEARER = re.compile(
     r"(?<![A-Za-z])(?i:bearer)\s+(?=[A-Za-z0-9._~+/-]*[0-9])[A-Za-z0-9._~+/-]{16,}"
 )
@@ -97,19 +104,43 @@ _TOKEN_SCHEME = re.compile(
     r"(?<![A-Za-z])(?i:token)\s+(?=[A-Za-z0-9._~+/-]*[0-9])[A-Za-z0-9._~+/-]{20,}"
 )
 """``Authorization: Token <key>``, the scheme some APIs use in place of Bearer."""
-_BASIC = re.compile(r"(?<![A-Za-z])(?i:basic)\s+([A-Za-z0-9+/]{6,})={0,2}(?![A-Za-z0-9+/=])")
-_URL_CREDENTIALS = re.compile(r"://[^\s/?#@:]*:([^\s/?#@]+)@")
-_ASSIGNMENT = re.compile(r"[A-Za-z0-9_.-]*[\"']?[ \t]*([=:])[ \t]*[\"']?([^\s;&,'\"<>]*)")
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_.-")
+_BASIC = re.compile(r"(?<![A-Za-z])(?i:basic)\s+([A-Za-z0-9+/]{6,}+)={0,2}+(?![A-Za-z0-9+/=])")
+_URL_CREDENTIALS = re.compile(r"://[^\s/?#@:]*+:([^\s/?#@]++)@")
 _ALWAYS_WORDS = ("bearer", "basic", "-----begin", "token")
-_ASSIGNMENT_WORDS = ("pass", "pwd", "kennwort", "contrase", "key", "token", "secret")
-_PASSWORD_NAMES = (
-    "password", "passwd", "passwort", "passphrase", "pwd", "kennwort", "contraseña", "contrasena",
-)  # fmt: skip
-_CREDENTIAL_NAMES = (
-    "apikey", "secret", "accesstoken", "refreshtoken", "authtoken", "secretkey",
-    "secretaccesskey",
-)  # fmt: skip
+
+# ``name=value`` and ``name: value`` (also ``"name": "value"``) where the name ends in a
+# credential's name, its words joined or not (``db_password``, ``API-KEY``, ``apikey``).
+# One regex per first word, searched in the lowercased text when that word is in it (a
+# literal start lets ``re`` skip ahead about as fast as ``str.find``). The value is read
+# in a look-ahead, so that an assignment inside a value is matched too, and every part
+# is bounded or possessive, so that a text of one name repeated is read once. Group 1 is
+# the ``=``, if that is the separator, group 2 the value; the rules on the value are
+# :func:`_assigned`'s, but the digit most values need is looked for here already, so
+# that ``pwd:pwd:pwd:…`` is turned down without a call per occurrence.
+_VALUE = r"(?=\s{0,32}+[\"']?(<[^<>\n]{1,64}>|\{\{[^{}\n]{1,64}\}\}|<?[^\s;&,'\"<>]{0,64}))"
+"""A bracketed value whole (``<your password>``, ``{{ secrets.DB }}``), else up to
+whitespace or a delimiter."""
+_DIGIT_AHEAD = r"(?=[^0-9]{0,104}+[0-9])"
+"""A digit close enough after the separator to be in the value: at most 32 spaces, a
+quote and 68 characters of a value come first."""
+_SEPARATORS = {
+    "password_assignment": r"[_.-]*+[\"']?\s{0,32}+(?:(=)|:" + _DIGIT_AHEAD + ")",
+    "credential_assignment": r"[_.-]*+[\"']?\s{0,32}+(?:(=)|:)" + _DIGIT_AHEAD,
+}
+_ASSIGNMENTS = tuple(
+    (word, kind, re.compile(name + _SEPARATORS[kind] + _VALUE))
+    for word, kind, name in (
+        ("pass", "password_assignment", r"pass[_.-]*+(?:word|wd|wort|phrase)"),
+        ("pwd", "password_assignment", r"pwd"),
+        ("kennwort", "password_assignment", r"kennwort"),
+        ("contrase", "password_assignment", r"contrase(?:ñ|n)a"),
+        ("api", "credential_assignment", r"api[_.-]*+key"),
+        ("secret", "credential_assignment", r"secret(?:[_.-]*+(?:access[_.-]*+)?key)?"),
+        ("access", "credential_assignment", r"access[_.-]*+token"),
+        ("refresh", "credential_assignment", r"refresh[_.-]*+token"),
+        ("auth", "credential_assignment", r"auth[_.-]*+token"),
+    )
+)
 _MIN_SCAN = 8
 """No format can match fewer characters (``pwd=abcd``), so shorter strings are skipped."""
 
@@ -211,6 +242,20 @@ _PLACEHOLDER_WORDS = frozenset(
     {"redacted", "[redacted]", "<redacted>", "hidden", "masked", "none", "null", "n/a"}
 )
 _MASK_CHARS = frozenset("*•xX.-_ ")
+_TEMPLATE = re.compile(
+    r"\$\{[A-Za-z_][A-Za-z0-9_.]*\}"  # ${db_password}
+    r"|\$[A-Z_][A-Z0-9_]*"  # $DB_PASSWORD
+    r"|%[A-Z_][A-Z0-9_]*%"  # %DB_PASSWORD%
+    r"|\{\{\s*[A-Za-z_.][A-Za-z0-9_.]*\s*\}\}"  # {{ secrets.DB_PASSWORD }}
+    r"|\{[A-Za-z_][A-Za-z0-9_.]*\}"  # {db_password}
+    r"|<[A-Za-z_][A-Za-z_. -]*>"  # <your password>
+)
+"""Template forms: a name in the syntax of a shell, a format string or a template engine.
+
+Bare ``$NAME`` and ``%NAME%`` are upper case, as environment variables are written, so
+that ``$uperS3cret`` is a value; ``<…>`` holds words only, so that ``<Summer2024!>``,
+with its digits and symbols, is a value too.
+"""
 
 
 def _placeholder(value: str) -> bool:
@@ -218,7 +263,7 @@ def _placeholder(value: str) -> bool:
     v = value.strip()
     if not v or set(v) <= _MASK_CHARS:
         return True
-    return (v[0] in "$<{%" and v[-1] in "}>%") or v.lower() in _PLACEHOLDER_WORDS
+    return v.lower() in _PLACEHOLDER_WORDS or _TEMPLATE.fullmatch(v) is not None
 
 
 def _basic_credentials(token: str) -> bool:
@@ -230,37 +275,31 @@ def _basic_credentials(token: str) -> bool:
     return ":" in text and text.isprintable()
 
 
-def _assignment(text: str, low: str, at: int, word: str) -> str | None:
-    """The kind of ``name=value`` / ``name: value`` whose name contains ``word`` at ``at``.
+def _assigned(text: str, m: re.Match[str], password: bool) -> bool:
+    """Whether the value of the assignment ``m`` (a match in ``text`` lowercased, see
+    ``_ASSIGNMENTS``) is a credential.
 
     Passwords count from four characters after ``=`` (``pwd=abcd``); after a
     colon, which prose uses too (``password: reset it``), from six characters
     with a digit. Other credentials (``api_key``, ``client-secret``) need eight
-    characters with a digit. Placeholders (``${X}``, ``****``) never count.
+    characters with a digit. Placeholders (``${X}``, ``****``) never count, nor
+    does a comparison (``password == input``).
     """
-    m = _ASSIGNMENT.match(text, at + len(word))
-    if m is None:
-        return None
-    sep, value = m.group(1), m.group(2)
-    if not value or value[0] in "*$<{%=" or _placeholder(value):
-        return None
-    start = at
-    while start > 0 and at - start < 32 and low[start - 1] in _NAME_CHARS:
-        start -= 1
-    name = low[start : m.start(1)].rstrip(" \t\"'").translate(_KEY_SEPARATORS)
-    if name.endswith(_PASSWORD_NAMES):
-        strong = len(value) >= 4 if sep == "=" else len(value) >= 6 and _has_digit(value)
-        return "password_assignment" if strong else None
-    if name.endswith(_CREDENTIAL_NAMES) and len(value) >= 8 and _has_digit(value):
-        return "credential_assignment"
-    return None
+    value = m.group(2)
+    if len(value) < 4 or value[0] == "=":
+        return False
+    if (not password or m.group(1) is None) and (
+        len(value) < (6 if password else 8) or not _has_digit(value)
+    ):
+        return False
+    return not _placeholder(text[m.start(2) : m.end(2)])
 
 
 def _has_digit(text: str) -> bool:
     return not _DIGITS.isdisjoint(text)
 
 
-def _phrase_at(text: str, low: str, at: int, word: str) -> str | None:
+def _phrase_at(text: str, at: int, word: str) -> str | None:
     if word == "bearer":
         return "bearer_token" if _BEARER.match(text, at) else None
     if word == "basic":
@@ -268,12 +307,10 @@ def _phrase_at(text: str, low: str, at: int, word: str) -> str | None:
         return "basic_auth" if m and _basic_credentials(m.group(1)) else None
     if word == "-----begin":
         return "private_key" if _PEM.match(text, at) else None
-    if word == "token" and _TOKEN_SCHEME.match(text, at):
-        return "token_header"
-    if word == "://":
-        m = _URL_CREDENTIALS.match(text, at)
-        return "url_credentials" if m and not _placeholder(m.group(1)) else None
-    return _assignment(text, low, at, word)
+    if word == "token":
+        return "token_header" if _TOKEN_SCHEME.match(text, at) else None
+    m = _URL_CREDENTIALS.match(text, at)
+    return "url_credentials" if m and not _placeholder(m.group(1)) else None
 
 
 def _phrases(text: str) -> list[str]:
@@ -288,32 +325,60 @@ def _phrases(text: str) -> list[str]:
         return kinds
     if len(low) != len(text):
         low = "".join(c if len(c.lower()) != 1 else c.lower() for c in text)
-    words: tuple[str, ...] = _ALWAYS_WORDS
-    if at_sign:
-        words += ("://",)
-    if assigns:
-        words += tuple(w for w in _ASSIGNMENT_WORDS if w not in _ALWAYS_WORDS)
+    words = (*_ALWAYS_WORDS, "://") if at_sign else _ALWAYS_WORDS
     for word in words:
         at = low.find(word)
         while at >= 0:
-            kind = _phrase_at(text, low, at, word)
+            kind = _phrase_at(text, at, word)
             if kind is not None and kind not in kinds:
                 kinds.append(kind)
             at = low.find(word, at + len(word))
+    if assigns:
+        for word, kind, assignment in _ASSIGNMENTS:
+            password = kind == "password_assignment"
+            if (
+                kind not in kinds
+                and word in low
+                and any(_assigned(text, m, password) for m in assignment.finditer(low))
+            ):
+                kinds.append(kind)
     return kinds
+
+
+def _folded(text: str) -> str:
+    """``text`` as the detectors read it: NFKC, without format characters.
+
+    Text copied from a web page, a mail or a chat carries non-breaking and
+    ideographic spaces, fullwidth letters, soft hyphens and zero-width spaces or
+    joiners; a key with a zero-width space after ``AKIA`` is still the key. NFKC
+    turns the spaces into spaces and fullwidth letters into ASCII, and format
+    characters (category Cf) are dropped. The copy is for detection only.
+    """
+    if text.isascii():
+        return text
+    text = unicodedata.normalize("NFKC", text)
+    if text.isprintable():
+        return text
+    return "".join(c for c in text if c.isascii() or unicodedata.category(c) != "Cf")
 
 
 def _scan_text(text: str) -> list[str]:
     """The kinds of secret in ``text``, each once; ``high_entropy`` only when no other."""
+    return _scan_folded(_folded(text))
+
+
+def _scan_folded(text: str) -> list[str]:
     kinds = _phrases(text)
     if len(text) < _MIN_TOKEN:
         return kinds
     tokens = [t for t in text.split() if len(t) >= _MIN_TOKEN]
     for token in tokens:
-        for m in _TOKEN_RE.finditer(token):
-            kind = _token_kind(m.group())
-            if kind not in kinds:
-                kinds.append(kind)
+        found = [_token_kind(m.group()) for m in _TOKEN_RE.finditer(token)]
+        if "sk-" in token and any(_has_digit(m.group()) for m in _OPENAI.finditer(token)):
+            found.append("openai_api_key")
+        if "eyJ" in token and _JWT.search(token):
+            found.append("jwt")
+        kinds.extend(kind for kind in dict.fromkeys(found) if kind not in kinds)
     if "token_header" in kinds and len(kinds) > 1:
         kinds.remove("token_header")  # the token's own format says more
     if not kinds and any(_high_entropy(token) for token in tokens):
@@ -344,7 +409,7 @@ def _sensitive_key(key: str) -> bool:
     """``password``, ``Client-Secret``, ``apiKey``, ``db_password``: a key naming a credential."""
     hit = _SENSITIVE_CACHE.get(key)
     if hit is None:
-        norm = key.lower().translate(_KEY_SEPARATORS)
+        norm = _folded(key).lower().translate(_KEY_SEPARATORS)
         hit = norm in _SENSITIVE_NAMES or norm.endswith(_SENSITIVE_SUFFIXES)
         if len(key) <= _SENSITIVE_CACHE_KEY:
             if len(_SENSITIVE_CACHE) >= _SENSITIVE_CACHE_MAX:
@@ -377,12 +442,25 @@ def _render(link: _Link) -> str:
     return "/".join(parts)
 
 
-def _value_kinds(text: str, key: str | None) -> list[str]:
-    """Kinds for a string value; ``credential_field`` when only its key gives it away."""
-    kinds = _scan_text(text) if len(text) >= _MIN_SCAN else []
-    if not kinds and key is not None and text and _sensitive_key(key) and not _placeholder(text):
+def _value_kinds(text: str, key: str | None, under_credential: bool) -> list[str]:
+    """Kinds for a string value; ``credential_field`` when only a key gives it away: its
+    own ``key``, or one it is nested under (``under_credential``)."""
+    folded = _folded(text)
+    kinds = _scan_folded(folded) if len(folded) >= _MIN_SCAN else []
+    if (
+        not kinds
+        and (under_credential or (key is not None and _sensitive_key(key)))
+        and not _placeholder(folded)
+    ):
         kinds.append("credential_field")
     return kinds
+
+
+def _credential_number(value: Any) -> bool:
+    """{"password": 12345678}: under a credential-named key, a number of six digits or more
+    is a credential too, as a string would be (a short one is left alone, as in prose)."""
+    kind_of = type(value)
+    return (kind_of is int or kind_of is float) and abs(value) >= 100_000
 
 
 def find_secrets(value: Any, *, limit: int = 8) -> list[SecretFinding]:
@@ -391,8 +469,9 @@ def find_secrets(value: Any, *, limit: int = 8) -> list[SecretFinding]:
     Walks with an explicit stack, so any nesting depth is safe, and never raises
     on a JSON value (non-JSON leaves are ignored, non-string keys are read as
     ``str(key)``). A string under a credential-named key (``password``,
-    ``api_key``, ...) that matches no known format is still reported, as
-    ``credential_field``, unless it is empty or a placeholder like ``****``.
+    ``api_key``, ...), however deeply (``{"password": ["…"]}``), that matches no
+    known format is still reported, as ``credential_field``, unless it is empty
+    or a placeholder like ``****``; so is a number there of six digits or more.
     Findings come out object by object: an object's own keys and strings
     before what is nested in it.
     """
@@ -400,11 +479,11 @@ def find_secrets(value: Any, *, limit: int = 8) -> list[SecretFinding]:
     if limit <= 0:
         return found
     if type(value) is str:
-        return [SecretFinding("", kind, False) for kind in _value_kinds(value, None)][:limit]
-    stack: list[tuple[Any, _Link]] = [(value, None)]
+        return [SecretFinding("", kind, False) for kind in _value_kinds(value, None, False)][:limit]
+    stack: list[tuple[Any, _Link, bool]] = [(value, None, False)]
     while stack:
-        node, link = stack.pop()
-        pending: list[tuple[Any, _Link]] = []
+        node, link, under = stack.pop()
+        pending: list[tuple[Any, _Link, bool]] = []
         if type(node) is dict:
             for key, child in node.items():
                 name = key if type(key) is str else str(key)
@@ -417,33 +496,36 @@ def find_secrets(value: Any, *, limit: int = 8) -> list[SecretFinding]:
                         return found[:limit]
                 kind_of = type(child)
                 if kind_of is str:
-                    kinds = _value_kinds(child, name)
-                    if kinds:
-                        where = _render((link, segment))
-                        found.extend(SecretFinding(where, kind, False) for kind in kinds)
-                        if len(found) >= limit:
-                            return found[:limit]
+                    kinds = _value_kinds(child, name, under)
                 elif kind_of is dict or kind_of is list or kind_of is tuple:
-                    pending.append((child, (link, segment)))
-                elif kind_of is int and abs(child) >= 100_000 and _sensitive_key(name):
-                    # {"password": 12345678}: a number of six digits or more is a credential
-                    # too, as a string would be (a short one is left alone, as in prose)
+                    pending.append((child, (link, segment), under or _sensitive_key(name)))
+                    continue
+                elif _credential_number(child) and (under or _sensitive_key(name)):
+                    kinds = ["credential_field"]
+                else:
+                    continue
+                if kinds:
                     where = _render((link, segment))
-                    found.append(SecretFinding(where, "credential_field", False))
+                    found.extend(SecretFinding(where, kind, False) for kind in kinds)
                     if len(found) >= limit:
                         return found[:limit]
         elif type(node) is list or type(node) is tuple:
             for i, child in enumerate(node):
                 kind_of = type(child)
                 if kind_of is str:
-                    kinds = _value_kinds(child, None)
-                    if kinds:
-                        where = _render((link, str(i)))
-                        found.extend(SecretFinding(where, kind, False) for kind in kinds)
-                        if len(found) >= limit:
-                            return found[:limit]
+                    kinds = _value_kinds(child, None, under)
                 elif kind_of is dict or kind_of is list or kind_of is tuple:
-                    pending.append((child, (link, str(i))))
+                    pending.append((child, (link, str(i)), under))
+                    continue
+                elif under and _credential_number(child):
+                    kinds = ["credential_field"]
+                else:
+                    continue
+                if kinds:
+                    where = _render((link, str(i)))
+                    found.extend(SecretFinding(where, kind, False) for kind in kinds)
+                    if len(found) >= limit:
+                        return found[:limit]
         pending.reverse()
         stack.extend(pending)
     return found

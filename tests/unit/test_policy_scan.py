@@ -125,8 +125,71 @@ def test_placeholders_are_not_secrets() -> None:
         "PASSWORD = <redacted>",
         "postgres://app:${DB_PASSWORD}@db:5432/orders",
         "https://user:****@host.example.com/",
+        "password=$DB_PASSWORD",
+        "password=%DB_PASSWORD%",
+        "password={db_password}",
+        "password={{ secrets.DB_PASSWORD }}",
+        "password=<your password>",
+        "Password: <YOUR_PASSWORD>",
+        "api_key=<API key from the console>",
     ):
         assert kinds({"v": value}) == [], value
+    for value in ("${DB_PASSWORD}", "$DB_PASSWORD", "<your password>", "********", "{{ pw }}"):
+        assert find_secrets({"password": value}) == [], value
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "password=$" + "uperS3cret",
+        "password=*" + "Secr3tPw",
+        "Password: <" + "Summer2024!>",
+        "Password: <" + "Summer2024>",
+        "password: %" + "Summer2024",
+        "password=${" + "DB_PASSWORD:-Summer2024}",
+        "api_key=<" + "fake12345678>",
+    ],
+)
+def test_a_value_that_only_starts_like_a_template_is_a_value(text: str) -> None:
+    """Only whole template forms are placeholders: ``$NAME`` in upper case, ``${name}``,
+    ``{name}``, ``{{ name }}``, ``%NAME%``, ``<words>`` (letters, no digits or symbols)
+    and masks like ``****``."""
+    assert kinds({"v": text}) in (["password_assignment"], ["credential_assignment"])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "password:\u00a0Summer2024!",  # a non-breaking space, as text copied from HTML has
+        "mot de passe\u00a0: password\u00a0: Summer2024!",
+        "password:\nSummer2024!",  # the value on the next line, as in a pasted login block
+        "password:\r\n\tSummer2024!",
+        "password\u3000=\u3000hunter22",  # ideographic spaces
+        "".join(chr(ord(c) + 0xFEE0) for c in "password=") + "hunter22",  # fullwidth
+        "pass\u200bword=hunter22",
+        "api\u00adkey=fake12345678",
+        "contraseña=hunter22",
+        "Contraseña: Summer2024!",
+    ],
+)
+def test_an_assignment_is_found_across_unicode_spaces_newlines_and_invisible_characters(
+    text: str,
+) -> None:
+    assert kinds({"v": text}) in (["password_assignment"], ["credential_assignment"])
+
+
+@pytest.mark.parametrize(
+    "invisible",
+    ["\u200b", "\u200c", "\u200d", "\u00ad", "\u2060", "\ufeff", "\u180e", "\u2062"],
+)
+def test_an_invisible_format_character_inside_a_token_does_not_hide_it(invisible: str) -> None:
+    """Zero-width spaces and joiners, soft hyphens, word joiners and BOMs (Unicode
+    category Cf) render as nothing, so the token still reads, and pastes, as the key."""
+    aws = FAKE["aws_access_key_id"]
+    github = FAKE["github_token"]
+    assert kinds({"v": aws[:4] + invisible + aws[4:]}) == ["aws_access_key_id"]
+    assert kinds({"v": f"key {github[:10]}{invisible}{github[10:]} here"}) == ["github_token"]
+    assert kinds({(aws[:4] + invisible + aws[4:]): 1}) == ["aws_access_key_id"]
 
 
 def test_password_after_a_colon_needs_a_digit() -> None:
@@ -179,6 +242,26 @@ def test_a_name_quoted_back_is_redacted_when_it_is_a_credential() -> None:
 )
 def test_keys_that_do_not_name_a_credential_or_values_without_one(arguments: Any) -> None:
     assert find_secrets(arguments) == []
+
+
+def test_a_value_nested_under_a_credential_key_is_a_credential() -> None:
+    """A list, an object or a float under ``password`` holds the password as well."""
+    assert find_secrets({"password": ["hunter2hunter2"]}) == [
+        SecretFinding("password/0", "credential_field", False)
+    ]
+    assert find_secrets({"auth": {"password": {"value": "hunter2hunter2"}}}) == [
+        SecretFinding("auth/password/value", "credential_field", False)
+    ]
+    assert find_secrets({"api_key": [[{"v": 20241122093011}]]}) == [
+        SecretFinding("api_key/0/0/v", "credential_field", False)
+    ]
+    assert find_secrets({"password": 12345678.0}) == [
+        SecretFinding("password", "credential_field", False)
+    ]
+    assert find_secrets({"secret": [12345678.5, 1.5, 1234, True, None, "", "****"]}) == [
+        SecretFinding("secret/0", "credential_field", False)
+    ]
+    assert find_secrets({"password_hint": ["the name of your first pet", 1.5e9]}) == []
 
 
 def test_a_known_format_under_a_credential_key_keeps_its_precise_kind() -> None:
@@ -390,6 +473,30 @@ def test_base64_of_ordinary_data_is_flagged() -> None:
 
 # -- cost ------------------------------------------------------------------------------------------
 
+REPEATED = (
+    # each token format's first characters
+    "AKIA", "ASIA", "AIza", "ghp_", "github_pat_", "glpat-", "xoxb-", "sk_live_", "rk_live_",
+    "whsec_", "npm_", "sk-ant-", "sk-", "eyJ", "SG.", "ya29.", "hooks.slack.com/services/",
+    "discord.com/api/webhooks/12345/",
+    # each phrase format's keyword, with its separator
+    "Bearer ", "Basic ", "Token ", "-----BEGIN ", "://a:", "password=", "password:", "pwd:",
+    "kennwort=", "contraseña=", "api_key=", "secret:", "access_token=", "key=", "pass_word=",
+    # a run the entropy check reads
+    "aZ3",
+)  # fmt: skip
+
+
+@pytest.mark.timeout(10, method="signal")
+def test_a_repeated_prefix_is_scanned_in_linear_time() -> None:
+    """64 KiB (the most a proposal's arguments may hold) of one prefix repeated, in a value
+    and in a key. A pattern tried at every repetition that reads to the end of the run
+    costs time quadratic in the length: over two minutes in all here (``sk-sk-sk-…``
+    alone 20 s), where a linear scan takes well under a second. The time limit tells the
+    two apart with a margin of more than ten either way, so it cannot flake."""
+    for prefix in REPEATED:
+        text = (prefix * (65_536 // len(prefix) + 1))[:65_536]
+        find_secrets({text: text})
+
 
 def test_long_keys_are_not_kept_after_the_scan() -> None:
     """Only short keys are remembered: 4096 distinct keys of 64 KiB would hold 256 MiB."""
@@ -410,7 +517,7 @@ def test_long_keys_are_not_kept_after_the_scan() -> None:
 FRAGMENTS = (
     "password=", "Password: ", "Bearer ", "Basic ", "://", "@", "-----BEGIN ", "eyJ", "AKIA",
     "ghp_", "sk-", "sk-ant-", "api_key=", "javascript:", "data:,", "www.", "http://", "https://",
-    "\t", "\u0130", "0x", "[::1]", "xn--", "\u3002",
+    "\t", "\u0130", "0x", "[::1]", "xn--", "\u3002", "\u200b", "\u00a0", "\ufb03", "<", "${",
 )  # fmt: skip
 texts = st.text(max_size=60) | st.builds(
     lambda a, b, c: a + b + c, st.text(max_size=20), st.sampled_from(FRAGMENTS), st.text()
