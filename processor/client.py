@@ -326,11 +326,8 @@ class ToolsentryClient:
         obs = codec("observation")
         with self._cond:
             kept = list(self._observed.get(proposal_id, ()))
-            run = self._key_of.get(proposal_id)
         out = []
-        for key, value in kept:
-            if run is not None and key != run:
-                continue
+        for _, value in kept:
             with contextlib.suppress(ValueError):
                 out.append(obs.decode(value))
         return out
@@ -415,7 +412,7 @@ def _ids(value: bytes) -> tuple[str | None, str | None]:
     except orjson.JSONDecodeError:
         try:
             env = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None, None
     if not isinstance(env, dict):
         return None, None
