@@ -537,6 +537,7 @@ def refused_compensation(d: Decision) -> Decision:
     known = (
         d.extra.get(ADMITTED) is True
         or d.gate is Gate.APPROVAL
+        or "release_refused" in codes  # parked under the original's key, refused at release
         or (d.gate is Gate.IDENTITY and "delegation_expired" in codes)
     )
     if not known:
