@@ -215,7 +215,7 @@ class ToolsentryClient:
         self._produce(orjson.dumps(env), key, pid)
         return pid
 
-    def send_raw(self, value: bytes, key: bytes | None) -> None:
+    def send_raw(self, value: bytes | None, key: bytes | None) -> None:
         """Publish bytes as they are (for tests and replays of what a model emitted). The
         client follows the record's key, and the run its JSON names, if any: the processor
         keys an observation by the proposal's run, or by the record's key when it could
@@ -231,7 +231,7 @@ class ToolsentryClient:
                     self._key_of.pop(pid, None)
         self._produce(value, key, pid)
 
-    def _produce(self, value: bytes, key: bytes | None, pid: str | None) -> None:
+    def _produce(self, value: bytes | None, key: bytes | None, pid: str | None) -> None:
         delivered = partial(self._delivered, pid)
         while True:
             try:
@@ -403,10 +403,13 @@ class _Run:
         self.proposals: dict[str, float] = {}
 
 
-def _ids(value: bytes) -> tuple[str | None, str | None]:
+def _ids(value: bytes | None) -> tuple[str | None, str | None]:
     """The ``proposal_id`` and ``run_id`` a proposal's JSON names, where it names strings.
     JSON the strict reader refuses (NaN, say) is read as the processor's lenient fallback
-    reads it, so the client follows the run the processor will answer under."""
+    reads it, so the client follows the run the processor will answer under. A tombstone
+    (``None``) names neither."""
+    if not value:
+        return None, None
     try:
         env = orjson.loads(value)
     except orjson.JSONDecodeError:

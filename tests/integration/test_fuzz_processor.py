@@ -97,7 +97,7 @@ def _produce(settings: Settings, cases: list[Case]) -> None:
     client = ToolsentryClient(settings, "t-fuzz", watch=False)
     try:
         for case in cases:
-            client.send_raw(case.value, case.key)  # type: ignore[arg-type]  # None: a tombstone
+            client.send_raw(case.value, case.key)  # None: a tombstone
         client.flush(120)
     finally:
         client.close()

@@ -43,3 +43,14 @@ def test_undelivered_proposals_are_counted_not_hoarded(client: ToolsentryClient)
     with pytest.raises(DeliveryError, match="50 proposals"):
         client.flush(30)
     client.flush(1)  # reported once
+
+
+@pytest.mark.parametrize("value", [None, b"", b"\xff\xfe", b"[1, 2]", b"NaN"])
+def test_raw_records_that_name_no_proposal_are_sent_as_they_are(
+    client: ToolsentryClient, value: bytes | None
+) -> None:
+    """A tombstone, empty bytes, invalid UTF-8 or JSON that is not an object: sent, and
+    counted undelivered here (nothing listens), never an error from reading their ids."""
+    client.send_raw(value, b"run-3")
+    with pytest.raises(DeliveryError, match="1 proposals"):
+        client.flush(30)
