@@ -346,20 +346,34 @@ def _phrases(text: str) -> list[str]:
 
 
 def _folded(text: str) -> str:
-    """``text`` as the detectors read it: NFKC, without format characters.
+    """``text`` as the detectors read it: NFKC, without the characters that render as
+    nothing.
 
     Text copied from a web page, a mail or a chat carries non-breaking and
     ideographic spaces, fullwidth letters, soft hyphens and zero-width spaces or
     joiners; a key with a zero-width space after ``AKIA`` is still the key. NFKC
-    turns the spaces into spaces and fullwidth letters into ASCII, and format
-    characters (category Cf) are dropped. The copy is for detection only.
+    turns the spaces into spaces and fullwidth letters into ASCII; format
+    characters (category Cf) are dropped, and so is every other default-ignorable
+    code point (variation selectors, the combining grapheme joiner, Hangul fillers:
+    printable, yet shown as nothing). The copy is for detection only.
     """
     if text.isascii():
         return text
     text = unicodedata.normalize("NFKC", text)
-    if text.isprintable():
+    if text.isprintable() and _IGNORABLE.search(text) is None:
         return text
-    return "".join(c for c in text if c.isascii() or unicodedata.category(c) != "Cf")
+    return "".join(
+        c
+        for c in text
+        if c.isascii() or (unicodedata.category(c) != "Cf" and _IGNORABLE.match(c) is None)
+    )
+
+
+_IGNORABLE = re.compile(
+    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164\ufe00-\ufe0f\uffa0"
+    "\ufff0-\ufff8\U000e0000-\U000e0fff]"
+)
+"""Unicode's Default_Ignorable_Code_Point characters outside category Cf (DerivedCoreProperties)."""
 
 
 def _scan_text(text: str) -> list[str]:

@@ -180,16 +180,22 @@ def test_an_assignment_is_found_across_unicode_spaces_newlines_and_invisible_cha
 
 @pytest.mark.parametrize(
     "invisible",
-    ["\u200b", "\u200c", "\u200d", "\u00ad", "\u2060", "\ufeff", "\u180e", "\u2062"],
-)
-def test_an_invisible_format_character_inside_a_token_does_not_hide_it(invisible: str) -> None:
+    ["\u200b", "\u200c", "\u200d", "\u00ad", "\u2060", "\ufeff", "\u180e", "\u2062",
+     "\U000e0041", "\u034f", "\ufe0f", "\ufe00", "\u3164", "\uffa0", "\u115f", "\u17b4",
+     "\u180b", "\U000e0100"],
+)  # fmt: skip
+def test_an_invisible_character_inside_a_token_does_not_hide_it(invisible: str) -> None:
     """Zero-width spaces and joiners, soft hyphens, word joiners and BOMs (Unicode
-    category Cf) render as nothing, so the token still reads, and pastes, as the key."""
+    category Cf), and the other default-ignorable code points (variation selectors, the
+    combining grapheme joiner, Hangul fillers), render as nothing, so the token still
+    reads, and pastes, as the key; a credential-named key is still one."""
     aws = FAKE["aws_access_key_id"]
     github = FAKE["github_token"]
     assert kinds({"v": aws[:4] + invisible + aws[4:]}) == ["aws_access_key_id"]
     assert kinds({"v": f"key {github[:10]}{invisible}{github[10:]} here"}) == ["github_token"]
     assert kinds({(aws[:4] + invisible + aws[4:]): 1}) == ["aws_access_key_id"]
+    assert kinds({"v": f"pass{invisible}word=hunter22"}) == ["password_assignment"]
+    assert kinds({f"pass{invisible}word": "hunter22"}) == ["credential_field"]
 
 
 def test_password_after_a_colon_needs_a_digit() -> None:
