@@ -279,11 +279,16 @@ class Verifier:
                 audience=self.settings.audience,
                 issuer=DELEGATION_ISSUER if delegated else self.settings.issuer,
                 leeway=self.settings.leeway_s,
-                # Expiry and not-before are checked by verify(), against the clock it is
-                # given, on first use as on every use after (PyJWT reads the wall clock),
-                # and once a delegation token's binding is known: an expired one is still
-                # told apart from one sent for another call (see gates.identity).
-                options={"require": required, "verify_exp": False, "verify_nbf": False},
+                # Expiry, not-before and issued-at are checked by verify(), against the
+                # clock it is given, on first use as on every use after (PyJWT reads the
+                # wall clock), and once a delegation token's binding is known: an expired
+                # one is still told apart from one sent for another call (gates.identity).
+                options={
+                    "require": required,
+                    "verify_exp": False,
+                    "verify_nbf": False,
+                    "verify_iat": False,
+                },
             )
         except jwt.ImmatureSignatureError:
             return _refuse("token_not_yet_valid", "the principal token is not valid yet")
@@ -332,10 +337,9 @@ def _principal(
     clearance = claims.get("clearance", CLEARANCE_LEVELS[0])
     if clearance not in CLEARANCE_LEVELS:
         return _refuse("token_claims_invalid", f"unknown clearance {clearance!r}")
-    exp = claims["exp"]
-    nbf = claims.get("nbf", 0)
-    if not all(type(t) in (int, float) and math.isfinite(t) for t in (exp, nbf)):
-        return _refuse("token_claims_invalid", "exp and nbf must be numbers")
+    exp, iat, nbf = claims["exp"], claims["iat"], claims.get("nbf", 0)
+    if not all(_is_time(t) for t in (exp, iat, nbf)):
+        return _refuse("token_claims_invalid", "exp, iat and nbf must be numbers")
     principal = Principal(
         tenant_id=str(tenant),
         user_id=str(user),
@@ -345,7 +349,16 @@ def _principal(
         key_id=kid,
         delegated_for=delegated_for,
     )
-    return _Cached(principal, float(exp), float(nbf))
+    # A token is not valid before it was issued either (as PyJWT would say, on its clock).
+    return _Cached(principal, float(exp), float(max(nbf, iat)))
+
+
+def _is_time(t: object) -> bool:
+    """A finite number of seconds that a float holds exactly enough: an integer past 2**53
+    would overflow ``float`` (10**400 raised), and NaN compares false with every clock."""
+    if type(t) is int:
+        return abs(t) <= 2**53
+    return type(t) is float and math.isfinite(t)
 
 
 # -- issuing (clients, tests, the demo) ---------------------------------------------------

@@ -272,12 +272,20 @@ def parse_policy(doc: Any, where: str = "policy") -> Policy:
         internal_domains=_domains(
             egress.get("internal_domains"), f"{where}: egress.internal_domains"
         ),
-        secrets_enabled=bool(secrets.get("enabled", True)),
+        secrets_enabled=_enabled(secrets.get("enabled", True), f"{where}: secrets.enabled"),
         tenants=tenants,
         default_tenant=default,
         budgets=budgets,
         tenant_budgets=tenant_budgets,
     )
+
+
+def _enabled(value: object, where: str) -> bool:
+    """A switch is true or false: an empty YAML value (null) or a word such as "off" is a
+    mistake to refuse, not a reason to turn the credential scan off (or on)."""
+    if type(value) is not bool:
+        raise PolicyError(f"{where} must be true or false, not {value!r}")
+    return value
 
 
 def load_policy(path: Path | None) -> Policy:

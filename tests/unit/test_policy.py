@@ -56,8 +56,11 @@ def test_a_misspelt_key_is_refused(doc: dict[str, Any], where: str) -> None:
         {"tenants": {"acme": None}},
         {"budgets": ["steps"]},
         {"budgets": {"classes": ["read"]}},
+        {"secrets": {"enabled": None}},  # `enabled:` with nothing after it
+        {"secrets": {"enabled": "no"}},
+        {"secrets": {"enabled": 0}},
     ],
 )
-def test_a_section_that_is_not_a_mapping_is_refused(doc: dict[str, Any]) -> None:
+def test_a_section_not_a_mapping_or_a_switch_not_a_bool_is_refused(doc: dict[str, Any]) -> None:
     with pytest.raises(PolicyError):
         parse_policy(doc)

@@ -58,7 +58,35 @@ def test_a_token_s_expiry_is_read_on_the_clock_it_is_given_from_the_first_use(
     assert isinstance(verifier.verify(old, now=wall), FieldError)
 
 
-@pytest.mark.parametrize("claims", [{"exp": "tomorrow"}, {"exp": True}, {"nbf": float("nan")}])
+def test_a_token_is_not_valid_before_it_was_issued_on_the_clock_it_is_given(
+    tmp_path: Path,
+) -> None:
+    """Issued-at is read on the given clock too (PyJWT read it on the wall clock, and
+    only on first use): a token issued ahead of the wall clock is good at a given time
+    inside its life, and not before its iat."""
+    issuer, verifier = _issuer_and_verifier(tmp_path)
+    wall = time.time()
+    ahead = issuer.mint("t-1", "u-1", "a-1", ["orders:read"], ttl_s=100, now=wall + 500)
+    assert isinstance(verifier.verify(ahead, now=wall + 550), Principal)
+    early = verifier.verify(ahead, now=wall + 450)
+    assert isinstance(early, FieldError) and early.code == "token_not_yet_valid"
+    fresh = issuer.mint("t-1", "u-1", "a-2", ["orders:read"], ttl_s=100, now=wall + 500)
+    first = verifier.verify(fresh, now=wall + 450)  # its first use, before its iat
+    assert isinstance(first, FieldError) and first.code == "token_not_yet_valid"
+
+
+@pytest.mark.parametrize(
+    "claims",
+    [
+        {"exp": "tomorrow"},
+        {"exp": True},
+        {"nbf": float("nan")},
+        {"exp": 10**400},  # float() of it overflows
+        {"nbf": -(10**400)},
+        {"iat": float("inf")},
+        {"iat": "yesterday"},
+    ],
+)
 def test_an_expiry_or_start_that_is_not_a_number_is_refused(
     tmp_path: Path, claims: dict[str, object]
 ) -> None:
