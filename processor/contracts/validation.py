@@ -149,11 +149,22 @@ _TIME_RE = re.compile(
 )
 _DOT_ATOM = re.compile(r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*\Z")
 _QUOTED_LOCAL = re.compile(r'^"(?:[^"\\\r\n]|\\.)*"\Z')
-_URI_CHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})"
+_URI_PLAIN = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%[0-9A-Fa-f]{2})"
+"""Unreserved characters, sub-delims and escapes as %HH (RFC 3986, 2.1-2.3)."""
+_URI_PCHAR = rf"(?:{_URI_PLAIN}|[:@])"
+_URI_AUTHORITY = (
+    rf"(?:(?:{_URI_PLAIN}|:)*@)?"  # userinfo
+    r"(?:\[(?:[0-9A-Fa-f:.]+|[vV][0-9A-Fa-f]+\.[A-Za-z0-9\-._~!$&'()*+,;=:]+)\]"  # IP literal
+    rf"|{_URI_PLAIN}*)"  # IPv4 address or registered name
+    r"(?::[0-9]*)?"  # port
+)
 _URI_RE = re.compile(
-    # RFC 3986: a scheme, then only the characters a URI may hold (unreserved, sub-delims,
-    # ':' '@' '/' '?', brackets for an IP literal, escapes as %HH) and one '#' at most.
-    rf"^[A-Za-z][A-Za-z0-9+.-]*:(?:{_URI_CHAR}|[\[\]])*(?:#{_URI_CHAR}*)?\Z",
+    # RFC 3986, 3: scheme ":" hier-part ["?" query] ["#" fragment], where hier-part is
+    # "//" authority and a path, or a path that does not start with "//". Brackets hold
+    # only the host's IP literal; only the characters a URI may hold, one '#' at most.
+    rf"^[A-Za-z][A-Za-z0-9+.-]*:"
+    rf"(?://{_URI_AUTHORITY}(?:/{_URI_PCHAR}*)*|(?!//)(?:{_URI_PCHAR}|/)*)"
+    rf"(?:\?(?:{_URI_PCHAR}|[/?])*)?(?:#(?:{_URI_PCHAR}|[/?])*)?\Z",
     re.ASCII,
 )
 _HOSTNAME_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z", re.ASCII)

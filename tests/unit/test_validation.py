@@ -823,6 +823,19 @@ def test_a_loop_no_check_can_see_is_a_value_error_not_a_crash() -> None:
         ("https://docs.example.com/a#b#c", False),  # one fragment at most
         ("https://docs.example.com/a#[b]", False),
         ("https://docs.example.com/a b", False),
+        ("http://[v1.fe80::a+en1]/", True),  # IPvFuture
+        ("http://user:pw@[::1]:8080/a?b=[", False),  # brackets hold the host only
+        ("http://a/b[c]", False),
+        ("http://a/?q=[1]", False),
+        ("http://[::1", False),
+        ("http://]]]/", False),
+        ("a:[", False),
+        ("http://a:b:c/", False),  # a port is digits
+        ("http://a/b%", False),
+        ("https://a/#", True),
+        ("https://ex.com/a?#b?c/d", True),
+        ("urn:isbn:0451450523", True),
+        ("a:", True),
     ],
 )
 def test_a_uri_holds_only_what_rfc_3986_allows(value: str, valid: bool) -> None:
