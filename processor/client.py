@@ -39,6 +39,7 @@ from confluent_kafka import (
 
 from processor.codec.avro import codec
 from processor.config import Settings
+from processor.gates.parse import is_id
 from processor.kafka.offsets import high_watermark
 
 _ENDS = ("COMPLETED", "FAILED", "REJECTED")
@@ -420,7 +421,9 @@ def _ids(value: bytes | None) -> tuple[str | None, str | None]:
     if not isinstance(env, dict):
         return None, None
     pid, run_id = env.get("proposal_id"), env.get("run_id")
+    # A run_id the processor cannot use (lone surrogates, say: not printable, and no key
+    # can be made of it) is none; the record is then answered under its own key.
     return (
         pid if isinstance(pid, str) else None,
-        run_id if isinstance(run_id, str) else None,
+        run_id if is_id(run_id) else None,
     )

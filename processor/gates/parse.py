@@ -177,7 +177,7 @@ def trace_id_for(proposal_id: str, traceparent: str | None) -> str:
 def _claimed_id(env: dict[str, Any], key: str, errors: list[FieldError]) -> str | None:
     """The envelope's id under ``key``, or None with the reason added to ``errors``."""
     value = env.get(key)
-    if _is_id(value):
+    if is_id(value):
         return value
     errors.append(
         _err(
@@ -200,7 +200,8 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def _is_id(v: Any) -> TypeGuard[str]:
+def is_id(v: Any) -> TypeGuard[str]:
+    """An id the processor uses as it is: 1-256 printable characters (no lone surrogates)."""
     return type(v) is str and 0 < len(v) <= _ID_MAX and v.isprintable()
 
 
@@ -251,7 +252,7 @@ def parse_proposal(
     if type(env) is not dict:
         return DeadLetter("not_object", "the envelope is not a JSON object")
     claimed_run = env.get("run_id")
-    if not _is_id(claimed_run):
+    if not is_id(claimed_run):
         if strict_error is not None:
             return DeadLetter(strict_error.code, f"envelope is {strict_error.message[4:]}")
         return DeadLetter("no_run_id", "the envelope has no usable run_id (1-256 printable chars)")

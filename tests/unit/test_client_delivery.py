@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from processor.client import DeliveryError, ToolsentryClient
+from processor.client import DeliveryError, ToolsentryClient, _ids
 from processor.config import Settings
 from processor.stack.local import free_ports
 
@@ -54,3 +54,21 @@ def test_raw_records_that_name_no_proposal_are_sent_as_they_are(
     client.send_raw(value, b"run-3")
     with pytest.raises(DeliveryError, match="1 proposals"):
         client.flush(30)
+
+
+@pytest.mark.parametrize(
+    ("value", "ids"),
+    [
+        (b'{"proposal_id": "p1", "run_id": "r1"}', ("p1", "r1")),
+        (b'{"proposal_id": "p1", "run_id": "r1", "x": NaN}', ("p1", "r1")),  # lenient read
+        (b'{"proposal_id": "p1", "run_id": "\\ud800"}', ("p1", None)),  # no key can be made
+        (b'{"proposal_id": "p1", "run_id": ""}', ("p1", None)),
+        (b'{"proposal_id": 1, "run_id": ["r"]}', (None, None)),
+    ],
+)
+def test_the_client_follows_only_a_run_the_processor_can_answer_under(
+    value: bytes, ids: tuple[str | None, str | None]
+) -> None:
+    """The run a raw record names is followed only when the processor keys its answer by
+    it; a lone surrogate was followed, and encoding it raised out of send_raw."""
+    assert _ids(value) == ids
