@@ -1250,6 +1250,10 @@ def _compensation_failed(d: Decision) -> list[tuple[str, Item]]:
     p = d.proposal
     if p is None or d.taxonomy is not TaxonomyClass.COMPENSATION_FAILED:
         return []
+    # With no principal, the refusal is the processor's own delegation token having
+    # expired (results.refused_compensation), which gates.identity counts only when the
+    # token, verified earlier, names this very proposal and this tenant: the envelope's
+    # tenant is then the one the token signs.
     tenant = d.principal.tenant_id if d.principal else p.tenant_id
     return [(tenant or "", comp_failed_item(p.idempotency_key or "", position(d.source)))]
 
