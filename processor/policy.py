@@ -150,15 +150,23 @@ _BUDGET_KEYS = {"steps", "classes", "run_cost", "day_cost", "repeats", "repairs"
                 "financial_tools", "in_flight_grace_ms", "rate_limit_scale", "tenants"}  # fmt: skip
 
 
+_MAX_NUMBER = 2**53
+"""The largest number a policy may give: the admission script reads numbers as doubles,
+and the JSON that carries them there holds no infinity or NaN (``.inf`` reached it as
+null, and every call of the tenant failed in the script)."""
+
+
 def _count(value: Any, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise PolicyError(f"{where}: expected a non-negative integer")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_NUMBER:
+        raise PolicyError(f"{where}: expected a non-negative integer of at most 2**53")
     return value
 
 
 def _cost(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise PolicyError(f"{where}: expected a non-negative number")
+    if not value <= _MAX_NUMBER:  # also refuses NaN
+        raise PolicyError(f"{where}: expected a finite number of at most 2**53")
     return float(value)
 
 

@@ -259,6 +259,13 @@ def test_budgets_are_data_with_per_tenant_overrides() -> None:
         {"run_cost": True},
         {"financial_tools": "refund_order"},
         {"speed": 3},
+        {"run_cost": float("inf")},  # YAML's .inf: null in the script's JSON
+        {"run_cost": float("nan")},
+        {"day_cost": float("inf")},
+        {"rate_limit_scale": float("inf")},
+        {"run_cost": 10**400},
+        {"steps": 2**64},  # past what the script's JSON carries
+        {"in_flight_grace_ms": 10**30},
     ],
 )
 def test_unusable_budgets_are_refused(budgets: dict[str, Any]) -> None:
