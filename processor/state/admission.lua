@@ -242,8 +242,10 @@ end
 -- `exempt`: the hand-off tool, which a run out of steps or budget is told to call.
 local function limits(c, counters, charged)
   if not c.exempt and (counters.steps or 0) >= c.steps then return refuse('step_cap') end
-  if (counters['sig:' .. c.sig] or 0) >= c.repeats then return refuse('loop') end
+  -- A charged call was counted for the loop guard when it was parked: it is not a
+  -- repeat of itself (parked as the last identical call the guard allows, it would be).
   if charged then return nil end
+  if (counters['sig:' .. c.sig] or 0) >= c.repeats then return refuse('loop') end
   if not c.exempt then
     if (counters['class:' .. c.group] or 0) >= c.class_budget then return refuse('class_budget') end
     if (counters.cost or 0) + c.cost > c.cost_cap + 1e-9 then return refuse('cost_cap') end
@@ -400,13 +402,18 @@ local function admit_step(c)
     if steps >= c.steps then return refuse('step_cap') end
     return {ok = true}
   end
+  if steps >= c.steps then return refuse('step_cap') end
   local same = counters['bad:' .. c.sig] or 0
   local repairs = counters.repairs or 0
+  -- Once the run is out of steps or repairs, every repair is refused whatever was counted
+  -- before: nothing more is, or a looping agent would grow its run's counters (decoded
+  -- and written whole by every batch that names the run) without end.
+  if repairs >= c.max_repairs then
+    return refuse(same >= 1 and 'repair_loop' or 'repair_cap')
+  end
   bump(c.run, 'repairs', 1)
   bump(c.run, 'bad:' .. c.sig, 1)
-  if steps >= c.steps then return refuse('step_cap') end
   if same >= 1 then return refuse('repair_loop') end
-  if repairs >= c.max_repairs then return refuse('repair_cap') end
   return {ok = true}
 end
 

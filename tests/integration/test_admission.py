@@ -144,6 +144,22 @@ def test_a_repair_loop_and_the_repair_cap(store: AdmissionStore) -> None:
     assert store.run_counters(TENANT, "r3", NOW) == {"steps": 5.0}
 
 
+def test_a_run_out_of_repairs_counts_no_more_of_them(store: AdmissionStore) -> None:
+    """Past the repair cap or the step cap every repair is refused, and nothing more is
+    counted: a looping agent's run stays a few counters, however long it loops."""
+    spam = [step(f"bad-{i}", run="r4") for i in range(50)]
+    verdicts = whys(store.apply(spam))
+    assert verdicts == [None, None, None] + ["repair_cap"] * 47
+    counters = store.run_counters(TENANT, "r4", NOW)
+    assert counters == {"steps": 50.0, "repairs": 3.0, "bad:bad-0": 1.0, "bad:bad-1": 1.0,
+                        "bad:bad-2": 1.0}  # fmt: skip
+    again = whys(store.apply([step("bad-1", run="r4"), step("bad-9", run="r4")]))
+    assert again == ["repair_loop", "repair_cap"]  # still told apart where it was counted
+    capped = [step(f"x-{i}", run="r5", steps=2) for i in range(5)]
+    assert whys(store.apply(capped)) == [None, None] + ["step_cap"] * 3
+    assert store.run_counters(TENANT, "r5", NOW)["repairs"] == 2
+
+
 def test_gcra_allows_a_burst_then_one_per_interval(store: AdmissionStore) -> None:
     rate = rate_of(window_sec=60, max_requests=30)
     assert rate == (2000, 30)
@@ -639,6 +655,21 @@ def test_a_parked_call_resubmitted_with_its_approvals_counts_once_for_the_loop_g
                  deadline=NOW + 720_000)  # fmt: skip
     assert whys(store.apply([retry])) == [None]
     third = call(sig="charge", repeats=2, now=NOW + 130_000)
+    assert whys(store.apply([third])) == ["loop"]
+
+
+def test_a_parked_call_that_was_the_last_repeat_allowed_is_not_a_loop_of_itself(
+    store: AdmissionStore,
+) -> None:
+    """The second of two identical calls (the loop guard allows two) is parked; sent again
+    with its approvals, it is the same call, not a third one, as its release would be."""
+    first = call(sig="charge", repeats=2)
+    parked = call(sig="charge", repeats=2, park=True, deadline=NOW + 600_000)
+    assert whys(store.apply([first, parked])) == [None, None]
+    approved = call(sig="charge", repeats=2, ikey=parked[1]["ikey"], now=NOW + 60_000)
+    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
+    assert store.run_counters(TENANT, "run-1", NOW)["sig:charge"] == 2
+    third = call(sig="charge", repeats=2, now=NOW + 70_000)
     assert whys(store.apply([third])) == ["loop"]
 
 
