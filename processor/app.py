@@ -109,7 +109,14 @@ from processor.results import (
     settle_item,
     stale_compensation,
 )
-from processor.state.admission import AdmissionStore, Item, comp_failed_item, void_item
+from processor.state.admission import (
+    AdmissionStore,
+    Item,
+    Verdict,
+    comp_failed_item,
+    lapse_item,
+    void_item,
+)
 from processor.state.approvals import ApprovalStore, OpResult, retain_ms
 from processor.state.connection import REDIS_ERRORS, connect, is_script_error
 from processor.state.references import ReferenceLoader, ReferenceStore
@@ -140,9 +147,10 @@ class StuckForGood(RuntimeError):
 
 
 class Fenced(Exception):
-    """Another instance took over this producer's transactional id, or the consumer failed
-    for good (a static member fenced by its own rejoin after a broker restart): the
-    clients are rebuilt from the committed offsets."""
+    """Another instance took over this producer's transactional id, the consumer failed
+    for good (a static member fenced by its own rejoin after a broker restart), or it
+    could not seek back to a batch to be read again: the clients are rebuilt from the
+    committed offsets."""
 
 
 @dataclass(eq=False)
@@ -634,9 +642,11 @@ class Processor:
             self.metrics.transactions.labels("committed").inc()
             self.metrics.record_tally(batch.tally, batch.finished - batch.started)
             return True
-        rewind_to(consumer, [*batch.firsts, *first_offsets(after or [])], self._assigned)
+        failed = rewind_to(consumer, [*batch.firsts, *first_offsets(after or [])], self._assigned)
         if isinstance(failure, Fenced):
             raise failure
+        if failed:
+            raise _unrewound(failed)
         return False
 
     def _on_kafka_error(self, err: KafkaError) -> None:
@@ -899,6 +909,7 @@ class Processor:
         entries = [r.entry for _, _, r in released if r.entry is not None]
         keys = {k for e in entries for k in release_keys(e, self.gates, now_ms)}
         answers = self.references.lookup(keys) if keys else {}
+        refused: list[tuple[ApprovalInput, OpResult]] = []
         for i, item, result in released:
             assert result.entry is not None
             refusal = recheck_release(result.entry, self.gates, answers, now_ms)
@@ -907,6 +918,20 @@ class Processor:
             else:
                 self._count("approvals", "refused_at_release")
                 out[i] = refused_release(item.src, result.entry, refusal, now_ms)
+                refused.append((item, result))
+        self._lapse(refused, now_ms)
+
+    def _lapse(self, ended: list[tuple[ApprovalInput, OpResult]], now_ms: int) -> list[Verdict]:
+        """Give back what parked calls whose requests ended without them took: one round
+        trip, only for batches that end requests. Each verdict says "moved_on" where a
+        resubmission carrying approvals had taken the call's key over."""
+        items = []
+        for x, r in ended:
+            assert r.entry is not None  # (an ended or released request names its call)
+            items.append(lapse_item(r.entry, position(x.src), now_ms))
+        verdicts = self.admission.apply(items)
+        self._admitted += items
+        return verdicts
 
     def _end_requests(
         self,
@@ -915,19 +940,14 @@ class Processor:
         now_ms: int,
     ) -> None:
         """Rejected or expired requests. The call is told it was declined, or not approved
-        in time, and did not run, unless its key moved on meanwhile: the agent resubmitted
-        it with approvals attached, and that resubmission was admitted (it ran, or runs,
-        and its own observation says so). Then the approver's rejection lands on the DLQ
+        in time, and did not run, and what it took when it was parked is given back,
+        unless its key moved on meanwhile: the agent resubmitted it with approvals
+        attached, and that resubmission was admitted (it ran, or runs, and its own
+        observation says so). Then the approver's rejection lands on the DLQ
         (\"approval_request_superseded\"), and an expiry changes nothing."""
-        calls = [
-            (str(r.entry["tenant_id"]), str(r.entry["idempotency_key"]),
-             str(r.entry["payload_hash"]))
-            for _, _, r in ended if r.entry is not None
-        ]  # fmt: skip
-        for (i, item, result), moved_on in zip(
-            ended, self.admission.moved_on(calls, now_ms), strict=True
-        ):
-            if not moved_on:
+        verdicts = self._lapse([(item, result) for _, item, result in ended], now_ms)
+        for (i, item, result), verdict in zip(ended, verdicts, strict=True):
+            if verdict.get("status") != "moved_on":
                 out[i] = self._approval_outcome(item, result, now_ms)
             elif item.kind == EXPIRY_CHECK:
                 self._count("approvals", "ignored")
@@ -1157,7 +1177,9 @@ class Processor:
         return exc
 
     def _rewind(self, consumer: Consumer, records: list[Message]) -> None:
-        rewind(consumer, records, self._assigned)
+        failed = rewind(consumer, records, self._assigned)
+        if failed:
+            raise _unrewound(failed)
 
     def _retry_kafka(self, what: str, call: Callable[[], None]) -> None:
         delay = 0.2
@@ -1213,7 +1235,11 @@ class Processor:
         self._count_assigned()
         for tp in partitions:
             self._committed_at.pop((tp.topic, tp.partition), None)
-            with contextlib.suppress(ValueError):
+            if tp.topic != self.settings.topics.proposals:
+                continue  # the lag series are the proposals' partitions only
+            # A partition revoked before its first statistics has no series: older
+            # prometheus-client releases raise KeyError for it, newer ones ignore it.
+            with contextlib.suppress(KeyError, ValueError):
                 self.metrics.consumer_lag.remove(str(tp.partition))
 
     def _on_stats(self, stats_json: str) -> None:
@@ -1235,6 +1261,13 @@ class Processor:
                     self.metrics.consumer_lag.labels(pid).set(lag)
         except Exception:
             logger.debug("unreadable librdkafka stats", exc_info=True)
+
+
+def _unrewound(failed: list[TopicPartition]) -> Fenced:
+    """A batch to be read again that the consumer could not seek back to: the clients are
+    rebuilt, and read on from the committed offsets, which stand before it."""
+    where = ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in failed)
+    return Fenced(f"cannot rewind {where}; rebuilding the clients")
 
 
 def _drain(producer: Producer) -> None:
@@ -1322,6 +1355,9 @@ class ExpirySweeper(threading.Thread):
         self.settings, self.store, self.metrics, self._halt = settings, store, metrics, stop
         self.every_s = every_s
 
+    def new_producer(self) -> Producer:
+        return Producer(self.settings.client_config(**{"enable.idempotence": True}))
+
     def run(self) -> None:
         producer: Producer | None = None
         while not self._halt.wait(self.every_s):
@@ -1332,7 +1368,7 @@ class ExpirySweeper(threading.Thread):
                 if not due:
                     continue
                 if producer is None:
-                    producer = Producer(self.settings.client_config(**{"enable.idempotence": True}))
+                    producer = self.new_producer()
                 for tenant, rid in due:
                     body = {"type": EXPIRY_CHECK, "tenant_id": tenant, "request_id": rid}
                     producer.produce(
@@ -1344,8 +1380,21 @@ class ExpirySweeper(threading.Thread):
                 which = "redis" if isinstance(exc, REDIS_ERRORS) else "kafka"
                 self.metrics.dependency_errors.labels(which).inc()
                 logger.warning("expiry sweep failed: %s", exc)
+                if isinstance(exc, KafkaException) and _failed_for_good(exc):
+                    # An idempotent producer that failed for good (a sequence gap after
+                    # the broker lost data) refuses every record from then on.
+                    producer = None
+            except Exception:
+                # Not expected; the thread must not end on it, or no parked call would
+                # ever be answered as expired again.
+                logger.exception("expiry sweep failed")
         if producer is not None:
             producer.flush(5)
+
+
+def _failed_for_good(exc: KafkaException) -> bool:
+    err = exc.args[0] if exc.args else None
+    return isinstance(err, KafkaError) and (err.fatal() or err.code() == KafkaError._FATAL)
 
 
 def _source(m: Message) -> SourceRecord:

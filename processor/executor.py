@@ -350,7 +350,8 @@ class Executor:
             # Some of these may belong to a partition revoked inside poll()/consume():
             # run under the new assignment, they would run here and at its new owner.
             self._rebalanced = False
-            rewind(consumer, records, self._assigned)
+            if rewind(consumer, records, self._assigned):
+                self._close_clients()  # rebuilt: they read on from the committed offsets
             return 0
         read = [(m, _read(m.value())) for m in records]
         held = _newer(read)
@@ -632,7 +633,9 @@ class Executor:
             logger.warning("abort failed (%s); rebuilding the clients", failed.args[0])
             self._close_clients()
             return
-        rewind(consumer, records, self._assigned)
+        if rewind(consumer, records, self._assigned):
+            logger.warning("cannot rewind the batch; rebuilding the clients")
+            self._close_clients()
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._rebalanced = True

@@ -3,7 +3,6 @@ consume-produce loop sends with its transaction, and where it rewinds to on abor
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Collection
 from typing import cast
@@ -26,11 +25,15 @@ def next_offsets(records: list[Message]) -> list[TopicPartition]:
 
 
 def first_offsets(records: list[Message]) -> list[TopicPartition]:
-    """Each partition's first offset in ``records``: where to rewind to."""
+    """Each partition's earliest offset in ``records``: where to rewind to. (A record
+    polled before a rebalance may stand ahead of records read after it, from further
+    back: a rewind to the first one seen would skip those.)"""
     first: dict[tuple[str, int], int] = {}
     for m in records:
         topic, partition, offset = where(m)
-        first.setdefault((topic, partition), offset)
+        seen = first.get((topic, partition))
+        if seen is None or offset < seen:
+            first[(topic, partition)] = offset
     return [TopicPartition(t, p, o) for (t, p), o in first.items()]
 
 
@@ -40,7 +43,9 @@ def span(records: list[Message]) -> tuple[list[TopicPartition], list[TopicPartit
     last: dict[tuple[str, int], int] = {}
     for m in records:
         topic, partition, offset = where(m)
-        first.setdefault((topic, partition), offset)
+        seen = first.get((topic, partition))
+        if seen is None or offset < seen:
+            first[(topic, partition)] = offset
         last[(topic, partition)] = offset
     return (
         [TopicPartition(t, p, o) for (t, p), o in first.items()],
@@ -50,21 +55,28 @@ def span(records: list[Message]) -> tuple[list[TopicPartition], list[TopicPartit
 
 def rewind(
     consumer: Consumer, records: list[Message], assigned: Collection[tuple[str, int]]
-) -> None:
+) -> list[TopicPartition]:
     """Seek back to the batch's first records, on the partitions still assigned (a revoked
-    one is read again by its next owner from the committed offsets)."""
-    rewind_to(consumer, first_offsets(records), assigned)
+    one is read again by its next owner from the committed offsets). Returns the
+    partitions whose seek failed (see ``rewind_to``)."""
+    return rewind_to(consumer, first_offsets(records), assigned)
 
 
 def rewind_to(
     consumer: Consumer, firsts: list[TopicPartition], assigned: Collection[tuple[str, int]]
-) -> None:
+) -> list[TopicPartition]:
     """Seek back to ``firsts`` (from ``first_offsets`` of one or more batches), on the
-    partitions still assigned."""
+    partitions still assigned. Returns those whose seek failed: the consumer would read
+    on past the records to be read again, so the caller rebuilds its clients, which then
+    start from the committed offsets."""
+    failed: list[TopicPartition] = []
     for tp in earliest_offsets(firsts):
         if (tp.topic, tp.partition) in assigned:
-            with contextlib.suppress(KafkaException):
+            try:
                 consumer.seek(tp)
+            except KafkaException:
+                failed.append(tp)
+    return failed
 
 
 def earliest_offsets(firsts: list[TopicPartition]) -> list[TopicPartition]:

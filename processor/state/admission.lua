@@ -15,6 +15,8 @@
 --                     (answered UNKNOWN_ERROR, never routed)
 --          6 comp_failed  the compensating call the processor proposed under a key was
 --                     refused by a gate: it will not be proposed again
+--          7 lapse    a parked call's approval request ended without it going (declined,
+--                     expired, or refused when released): it never ran
 -- ARGV[3]  how long a run's counters live after the day of their last use (ms)
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
@@ -22,14 +24,15 @@
 -- or a result's "settled[|grant|<claims>]", "superseded",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
 -- "unknown"; a void's "voided" or "unchanged"; a comp_failed's "marked" or
--- "unchanged". Short strings,
+-- "unchanged"; a lapse's "lapsed", "moved_on" or "unchanged". Short strings,
 -- not JSON: decoding and encoding are most of a script's cost per item.
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, n tool (records written
 -- before it was kept have none), c call, d deadline,
 -- w awaiting approval, a attempt, r run, t the principal's claims a compensation would
 -- act for (never a token), x result id, k compensation key, kh and kt the compensation's
--- payload hash and tool, kf 1 once that compensation failed, v cached answer); a run's
+-- payload hash and tool, kf 1 once that compensation failed, v cached answer, p and q
+-- what a parked call took and the position it was parked at, given back if it lapses); a run's
 -- counters are JSON too. Every record
 -- and run the batch names is read before anything is decided, kept in this script while
 -- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
@@ -82,6 +85,8 @@ local function unwire(a)
     return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6]}
   elseif kind == 6 then
     return {kind = 'comp_failed', pos = a[2], comp = a[3]}
+  elseif kind == 7 then
+    return {kind = 'lapse', pos = a[2], ikey = a[3], hash = a[4], deadline = a[5]}
   end
   return {kind = 'release', pos = a[2], run = a[3], ikey = a[4], hash = a[5], call = a[6],
           deadline = a[7], ttl = a[8]}
@@ -147,7 +152,7 @@ local function ikey_of(a)
   local kind = a[1]
   if kind == 1 then return a[7] end
   if kind == 2 then return opt(a[6]) end
-  if kind == 3 or kind == 5 then return a[3] end
+  if kind == 3 or kind == 5 or kind == 7 then return a[3] end
   if kind == 6 then return nil end  -- names the original's key only through its own
   return a[4]
 end
@@ -377,9 +382,18 @@ local function admit_call(c)
   end
   local next_attempt = charged and math.max(attempt, 1) or attempt + 1
   local parked_until = rec and rec.d
-  put_record(c.ikey, {s = 'PENDING', h = c.hash, n = c.tool, c = c.call, d = c.deadline,
-                      w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant}, c.ttl)
-  return {ok = true, attempt = next_attempt, took = took(c, charged, parked_until)}
+  local took_ = took(c, charged, parked_until)
+  local fresh_rec = {s = 'PENDING', h = c.hash, n = c.tool, c = c.call, d = c.deadline,
+                     w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant}
+  if c.park then
+    -- What a parked call took, given back should its request end without it (see lapse).
+    fresh_rec.p, fresh_rec.q = took_, c.pos
+  elseif charged then
+    -- (kept, should this resubmission be given back and the call wait for approval again)
+    fresh_rec.p, fresh_rec.q = rec.p, rec.q
+  end
+  put_record(c.ikey, fresh_rec, c.ttl)
+  return {ok = true, attempt = next_attempt, took = took_}
 end
 
 local function admit_step(c)
@@ -488,7 +502,7 @@ local function release(c)
     return refuse('superseded')
   end
   rec = rec or {h = c.hash, a = 1, r = c.run}
-  rec.s, rec.w, rec.c, rec.d = 'PENDING', 0, c.call, c.deadline
+  rec.s, rec.w, rec.c, rec.d, rec.p, rec.q = 'PENDING', 0, c.call, c.deadline, nil, nil
   put_record(c.ikey, rec, c.ttl)
   -- The attempt the parked call was admitted as: its result must say the same.
   return {ok = true, attempt = rec.a or 1}
@@ -602,6 +616,25 @@ local function void(c)
   return {status = 'voided'}
 end
 
+-- A parked call whose approval request ended without it going: declined, expired, or
+-- refused when its approvers released it. It never ran, so what it took when it was parked
+-- (its class budget, cost, the day's cost, its rate-limit arrival and loop-guard count) is
+-- given back, as for any call that never ran; its step stays. Its record stops waiting
+-- for approval and stays in flight until its deadline plus the grace period, as before:
+-- the same call proposed after that is a new attempt, charged as one. "moved_on": a
+-- resubmission carrying approvals took the key over (it ran, or runs). Only the attempt
+-- parked until `deadline` is given back: a later one, parked afresh, is not.
+local function lapse(c)
+  local rec = record_of(c.ikey)
+  if not rec or rec.h ~= c.hash then return {status = 'unchanged'} end
+  if not (rec.s == 'PENDING' and rec.w == 1) then return {status = 'moved_on'} end
+  if rec.d ~= c.deadline then return {status = 'unchanged'} end
+  if rec.p then give_back(rec.q or '', rec.r, rec.n, rec.p) end
+  rec.w, rec.p, rec.q = 0, nil, nil
+  keep_record(c.ikey, rec)
+  return {status = 'lapsed'}
+end
+
 local fresh = {}
 for i, a in ipairs(items) do
   local was = earlier[i]
@@ -643,6 +676,8 @@ for i, a in ipairs(items) do
       verdict = void(c)
     elseif c.kind == 'comp_failed' then
       verdict = comp_failed(c)
+    elseif c.kind == 'lapse' then
+      verdict = lapse(c)
     else
       verdict = settle(c)
     end

@@ -189,21 +189,6 @@ class AdmissionStore:
             out.append(orjson.loads(raw) if raw is not None else None)
         return out
 
-    def moved_on(self, calls: list[tuple[str, str, str]], now_ms: int) -> list[bool]:
-        """For each parked call (tenant, idempotency key, payload hash): whether its key's
-        record has stopped waiting for its approvers (a resubmission carrying approvals
-        took the key over, and ran or runs). A call with no record is not said to have
-        moved on."""
-        if not calls:
-            return []
-        out = []
-        for rec, (_, _, payload_hash) in zip(
-            self._records([(t, k) for t, k, _ in calls], now_ms), calls, strict=True
-        ):
-            waiting = rec is not None and rec.get("s") == "PENDING" and rec.get("w") == 1
-            out.append(rec is not None and not waiting and rec.get("h") == payload_hash)
-        return out
-
     def day_cost(self, tenant: str, day: str) -> float:
         return float(self.client.hget(f"{self._base(tenant)}:day:{day}", "cost") or 0)
 
@@ -226,7 +211,7 @@ _RECORD_FIELDS = {
     "s": "state", "h": "hash", "n": "tool", "c": "call", "d": "deadline", "w": "awaiting",
     "a": "attempt", "r": "run", "t": "grant", "x": "result", "k": "compensation",
     "kh": "compensation_hash", "kt": "compensation_tool", "kf": "compensation_failed",
-    "v": "cached",
+    "v": "cached", "p": "parked_took", "q": "parked_at",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
 
@@ -310,6 +295,8 @@ def _wire(item: Item) -> list[Any]:
         return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"]]
     if kind == "comp_failed":
         return [6, item["pos"], item["comp"]]
+    if kind == "lapse":
+        return [7, item["pos"], item["ikey"], item["hash"], item["deadline"]]
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
             item["deadline"], item["ttl"]]  # fmt: skip
 
@@ -363,6 +350,22 @@ def comp_failed_item(compensation_key: str, pos: str) -> Item:
     retry of the original is answered COMPENSATION_FAILED (see admission.lua, hit).
     Idempotent, so it keeps no replay marker."""
     return {"kind": "comp_failed", "pos": "compfail:" + pos, "comp": compensation_key}
+
+
+def lapse_item(entry: dict[str, Any], pos: str, now_ms: int) -> tuple[str, Item]:
+    """A parked call whose approval request ended without it going (declined, expired, or
+    refused when released), from its request's ``entry``, decided at input position
+    ``pos`` at ``now_ms``: what it took when it was parked is given back, once, unless a
+    resubmission carrying approvals took its key over ("moved_on"; see admission.lua,
+    lapse)."""
+    return str(entry["tenant_id"]), {
+        "kind": "lapse",
+        "pos": "lapse:" + pos,
+        "now": now_ms,
+        "ikey": str(entry["idempotency_key"]),
+        "hash": str(entry["payload_hash"]),
+        "deadline": entry["expires_at"],
+    }
 
 
 def void_item(item: Item) -> Item | None:

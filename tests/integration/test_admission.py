@@ -23,6 +23,7 @@ from processor.state.admission import (
     _segments,
     call_item,
     comp_failed_item,
+    lapse_item,
     parse_verdict,
     rate_of,
     void_item,
@@ -671,6 +672,86 @@ def test_a_parked_call_that_was_the_last_repeat_allowed_is_not_a_loop_of_itself(
     assert store.run_counters(TENANT, "run-1", NOW)["sig:charge"] == 2
     third = call(sig="charge", repeats=2, now=NOW + 70_000)
     assert whys(store.apply([third])) == ["loop"]
+
+
+def _lapse(parked: tuple[str, Item], pos: str = "") -> tuple[str, Item]:
+    tenant, c = parked
+    entry = {"tenant_id": tenant, "idempotency_key": c["ikey"], "payload_hash": c["hash"],
+             "expires_at": c["deadline"]}  # fmt: skip
+    return lapse_item(entry, pos or f"a/0/{next(_pos)}", NOW)
+
+
+def test_a_parked_call_whose_request_ends_gives_back_what_it_took(store: AdmissionStore) -> None:
+    """Declined or lapsed, a parked call never ran: its class budget, cost, day cost, rate
+    arrival and loop-guard count come back, once; its step stays. Its key stays in flight
+    until the request's deadline plus the grace, then the same call is a new attempt,
+    charged as one: with a budget of one, it parks again instead of running out."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 1, "cost": 2.0,
+              "cost_cap": 3.0, "day_cap": 10.0, "rate": rate_of(60, 1), "tool": "charge",
+              "repeats": 2}  # fmt: skip
+    parked = call(park=True, deadline=NOW + 600_000, **limits)
+    assert whys(store.apply([parked])) == [None]
+    taken = store.run_counters(TENANT, "run-1", NOW)
+    assert taken == {"steps": 1.0, "class:financial": 1.0, "cost": 2.0, "sig:charge": 1.0}
+    assert store.day_cost(TENANT, limits_day := parked[1]["day"]) == 2.0
+    lapse = _lapse(parked)
+    assert store.apply([lapse]) == [{"status": "lapsed"}]
+    assert store.run_counters(TENANT, "run-1", NOW) == {"steps": 1.0}
+    assert store.day_cost(TENANT, limits_day) == 0.0
+    assert store.apply([lapse]) == [{"status": "lapsed"}]  # its replay: nothing twice
+    assert store.run_counters(TENANT, "run-1", NOW) == {"steps": 1.0}
+    record = store.record(TENANT, parked[1]["ikey"], NOW)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "0")
+    key = parked[1]["ikey"]
+    early = call(park=True, ikey=key, now=NOW + 600_500, deadline=NOW + 1_200_000, **limits)
+    assert whys(store.apply([early])) == ["in_flight"]
+    again = call(park=True, ikey=key, now=NOW + 601_001, deadline=NOW + 1_200_000, **limits)
+    assert store.apply([again]) == [{"ok": True, "attempt": 2}]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+    # The first request's lapse again, late (a fresh position): the second attempt, parked
+    # until another deadline, keeps what it took.
+    assert store.apply([_lapse(parked)]) == [{"status": "unchanged"}]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+    assert store.apply([_lapse(again)]) == [{"status": "lapsed"}]
+    assert "class:financial" not in store.run_counters(TENANT, "run-1", NOW)
+
+
+def test_a_request_that_ends_after_its_call_went_ahead_gives_nothing_back(
+    store: AdmissionStore,
+) -> None:
+    """Resubmitted with its approvals, the parked call took its key over and runs: the
+    request's later end is "moved_on", and what the call took stays taken."""
+    parked = call(sig="charge", group="financial", class_budget=1, park=True,
+                  deadline=NOW + 600_000)  # fmt: skip
+    key = parked[1]["ikey"]
+    assert whys(store.apply([parked])) == [None]
+    approved = call(sig="charge", group="financial", class_budget=1, ikey=key, now=NOW + 60_000)
+    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
+    assert store.apply([_lapse(parked)]) == [{"status": "moved_on"}]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+    other = call(hash="h2", ikey=key, park=True, deadline=NOW + 600_000)
+    assert store.apply([_lapse(other)]) == [{"status": "unchanged"}]  # another payload
+    assert store.apply([_lapse(call(park=True))]) == [{"status": "unchanged"}]  # no record
+
+
+def test_a_resubmission_given_back_waits_for_approval_and_can_still_lapse(
+    store: AdmissionStore,
+) -> None:
+    """A resubmission carrying approvals, admitted, then decided as something else on
+    replay, gives its key back to the parked call; that call's request lapsing later
+    still gives back what the call took when it was parked."""
+    parked = call(sig="charge", group="financial", class_budget=1, park=True,
+                  deadline=NOW + 600_000)  # fmt: skip
+    key = parked[1]["ikey"]
+    store.apply([parked])
+    approved = call(sig="charge", group="financial", class_budget=1, ikey=key, now=NOW + 60_000)
+    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
+    changed = step(repair=False, pos=approved[1]["pos"])
+    assert whys(store.apply([changed])) == [None]  # decided as a refusal this time
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "1")
+    assert store.apply([_lapse(parked)]) == [{"status": "lapsed"}]
+    assert "class:financial" not in store.run_counters(TENANT, "run-1", NOW)
 
 
 def _awaiting_compensation(store: AdmissionStore, payload: str = "h-undo") -> tuple[str, str]:

@@ -47,6 +47,7 @@ from processor.config import Settings
 from processor.identity import TokenIssuer
 from processor.pipeline import canonical_json, hash_payload
 from processor.reference_data import publish_references, wait_until_loaded
+from processor.state.admission import AdmissionStore
 from processor.state.approvals import ApprovalStore
 from processor.state.connection import connect
 from tests.integration.harness import (
@@ -1234,6 +1235,10 @@ def test_a_proposal_sent_again_after_its_request_lapsed_asks_afresh(
         assert first["decision"] == "PENDING_APPROVAL"
         lapsed = client.wait_final(pid, 30)
         refused(lapsed, "CONFIRMATION_MISSING", "approval", ["approval_expired"])
+        # It never ran: what parking it took is given back (its step stays).
+        admission = AdmissionStore(connect(settings.redis_url), settings.redis_namespace)
+        counters = admission.run_counters("acme-ga", same["run_id"])
+        assert counters == {"steps": 1.0}, counters
         time.sleep(0.5)  # past the in-flight grace
 
         client.propose("cancel_order", cancel(), **same)
@@ -1263,6 +1268,8 @@ def test_a_proposal_sent_again_after_its_request_lapsed_asks_afresh(
         finally:
             calls.close()
         assert call["proposal_id"] == pid and call["attempt"] == 2
+        counters = admission.run_counters("acme-ga", same["run_id"])
+        assert counters["steps"] == 2 and counters["class:external"] == 1, counters
 
 
 # -- 7. look-alike tool names -------------------------------------------------------------------

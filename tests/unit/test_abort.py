@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from processor.app import DependencyDown, Fenced, Processor
@@ -200,3 +200,97 @@ def test_stuck_producers_are_let_go_once_their_call_returns_and_too_many_stop_th
     assert len(owner._stuck_producers) == MAX_STUCK_PRODUCERS
     with pytest.raises(StuckForGood, match=f"{MAX_STUCK_PRODUCERS + 1} Kafka producers"):
         Processor._stuck(owner, object(), Future(), "send_offsets_to_transaction", 45)  # type: ignore[arg-type]
+
+
+def test_a_revoke_touches_only_the_proposals_lag_series_and_never_raises() -> None:
+    """tool.approvals[0] revoked after tool.proposals[0] removed the series "0" a second
+    time (prometheus-client 0.20 and 0.21 raise KeyError for that, out of the rebalance
+    callback, and the processor stopped); it also wiped the proposals' series."""
+    metrics = Metrics(CollectorRegistry())
+    metrics.consumer_lag.labels("0").set(5)
+    metrics.consumer_lag.labels("1").set(7)
+    owner = SimpleNamespace(
+        metrics=metrics,
+        settings=SimpleNamespace(topics=SimpleNamespace(proposals="tool.proposals")),
+        _rebalanced=False,
+        _assigned={("tool.proposals", 0), ("tool.approvals", 1), ("tool.results", 1)},
+        _committed_at={},
+        _settle_inflight=lambda consumer: True,
+        _count_assigned=lambda: None,
+    )
+    revoked = [
+        TopicPartition(topic, partition)
+        for topic, partition in [("tool.approvals", 1), ("tool.results", 1),
+                                 ("tool.proposals", 0), ("tool.proposals", 3)]
+    ]  # fmt: skip
+    Processor._on_revoke(owner, None, revoked)  # type: ignore[arg-type]
+    series = {s.labels["partition"]: s.value for s in metrics.consumer_lag.collect()[0].samples}
+    assert series == {"1": 7}
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.postponed = 0
+
+    def forget_ended(self, now_ms: int) -> int:
+        return 0
+
+    def due(self, now_ms: int) -> list[tuple[str, str]]:
+        return [("acme", "req-1")]
+
+    def postpone(self, due: list[tuple[str, str]], until_ms: int) -> None:
+        self.postponed += 1
+
+
+class _SweepProducer:
+    def __init__(self, failure: Exception | None) -> None:
+        self.failure = failure
+
+    def produce(self, *args: Any) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("failure", "replaced"),
+    [
+        (KafkaException(KafkaError(KafkaError._FATAL, "sequence gap", fatal=True)), True),
+        (KafkaException(KafkaError(KafkaError._TRANSPORT, "broker down")), False),
+        (RuntimeError("a defect"), False),
+    ],
+)
+def test_the_expiry_sweeper_outlives_its_failures_and_replaces_a_failed_producer(
+    failure: Exception, replaced: bool
+) -> None:
+    """A producer that failed for good refuses every record: kept, no parked call would be
+    answered as expired again. Nothing the sweep raises ends the thread."""
+    from processor.app import ExpirySweeper
+
+    stop = threading.Event()
+    store = _Store()
+    made: list[_SweepProducer] = []
+
+    def new_producer() -> _SweepProducer:
+        made.append(_SweepProducer(failure if not made else None))
+        return made[-1]
+
+    sweeper = ExpirySweeper(
+        SimpleNamespace(topics=SimpleNamespace(approvals="tool.approvals")),  # type: ignore[arg-type]
+        store,  # type: ignore[arg-type]
+        Metrics(CollectorRegistry()),
+        stop,
+        every_s=0.01,
+    )
+    sweeper.new_producer = new_producer  # type: ignore[method-assign]
+    sweeper.start()
+    deadline = time.monotonic() + (10 if replaced else 0.5)
+    while store.postponed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sweeper.is_alive()  # nothing it met ended it
+    stop.set()
+    sweeper.join(5)
+    assert len(made) == (2 if replaced else 1)
+    assert (store.postponed > 0) is replaced
