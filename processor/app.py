@@ -116,6 +116,7 @@ from processor.state.admission import (
     comp_failed_item,
     lapse_item,
     void_item,
+    withdraw_item,
 )
 from processor.state.approvals import ApprovalStore, OpResult, retain_ms
 from processor.state.connection import REDIS_ERRORS, connect, is_script_error
@@ -789,6 +790,13 @@ class Processor:
                 budgets = policy.budgets_for(x.principal.tenant_id) if x.principal else None
                 item = admission_item(x, contract, budgets, now_ms) if budgets else None
                 extra: Any = (contract, budgets)
+                p = x.proposal
+                if item is None and p is not None and p.tenant_id and _token_lapsed(x):
+                    # Nothing to admit; but a call admitted at this position before, in a
+                    # transaction that aborted, while its token was still good, must give
+                    # back what it took.
+                    item = withdraw_item(p.tenant_id, position(x.source), p.run_id, now_ms)
+                    extra = _WITHDRAWN
             elif isinstance(x, ResultInput):
                 comp, unsigned = compensation_plan(x, self.contracts, verifier)
                 item = settle_item(x, position(x.src), comp, unsigned)
@@ -803,6 +811,8 @@ class Processor:
         self._admitted = items
         out: list[Decision | ApprovalInput | ResultInput] = list(slots)
         for (i, x, extra), v in zip(owners, verdicts, strict=True):
+            if extra is _WITHDRAWN:
+                continue
             if isinstance(x, Decision):
                 contract, budgets = extra
                 out[i] = apply_verdict(x, v, budgets, contract)
@@ -1331,6 +1341,26 @@ def _proposal_op(d: Decision, now_ms: int) -> tuple[str, dict[str, Any]] | None:
         }
         return tenant, op
     return None
+
+
+_WITHDRAWN = object()
+"""Marks a proposal's withdraw item in ``Processor._admit``: its verdict changes nothing."""
+
+_LAPSED_TOKEN = frozenset({"token_expired", "delegation_expired"})
+
+
+def _token_lapsed(d: Decision) -> bool:
+    """Whether ``d`` was refused only because its token has expired: the one way the same
+    record, admitted as a call before its transaction aborted, asks nothing of admission
+    when it is decided again. (Other refusals of identity would have refused it then too;
+    a token that never verified asks nothing of Redis, so unverified traffic costs none.)"""
+    rej = d.rejection
+    return (
+        d.principal is None
+        and rej is not None
+        and rej.gate is Gate.IDENTITY
+        and any(e.code in _LAPSED_TOKEN for e in rej.errors)
+    )
 
 
 _DEPENDENCY_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, KafkaException, BufferError)

@@ -17,6 +17,9 @@
 --                     refused by a gate: it will not be proposed again
 --          7 lapse    a parked call's approval request ended without it going (declined,
 --                     expired, or refused when released): it never ran
+--          8 withdraw a proposal that asks nothing of admission this time (its token no
+--                     longer verifies, say): a call admitted at its position before, whose
+--                     transaction aborted, never ran
 -- ARGV[3]  how long a run's counters live after the day of their last use (ms)
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
@@ -24,7 +27,8 @@
 -- or a result's "settled[|grant|<claims>]", "superseded",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
 -- "unknown"; a void's "voided" or "unchanged"; a comp_failed's "marked" or
--- "unchanged"; a lapse's "lapsed", "moved_on" or "unchanged". Short strings,
+-- "unchanged"; a lapse's "lapsed", "moved_on" or "unchanged"; a withdraw's "withdrawn"
+-- or "none". Short strings,
 -- not JSON: decoding and encoding are most of a script's cost per item.
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, n tool (records written
@@ -153,7 +157,8 @@ local function ikey_of(a)
   if kind == 1 then return a[7] end
   if kind == 2 then return opt(a[6]) end
   if kind == 3 or kind == 5 or kind == 7 then return a[3] end
-  if kind == 6 then return nil end  -- names the original's key only through its own
+  if kind == 6 or kind == 8 then return nil end  -- (6 names the original's key only
+  -- through its own; 8 finds its call's key in its position's marker)
   return a[4]
 end
 
@@ -636,9 +641,30 @@ local function lapse(c)
 end
 
 local fresh = {}
+
+-- A position decided this time as nothing admission counts (a proposal whose token has
+-- expired since, say) after a call was admitted there and its transaction aborted: that
+-- call never ran, and gives back what it took, once, as a call decided again as another
+-- does (below). Nothing is written for a position that holds no call's marker: most such
+-- proposals were never admitted, and their batches must not grow the replay markers.
+local function withdraw(a, was)
+  if not was then return 'none' end
+  local ikey, hash, tool, _, took_, verdict = marker_of(was)
+  if not ikey or took_ == '' then return 'none' end
+  local attempt = tonumber(string.match(verdict or '', '^ok|(%d+)$'))
+  local resubmitted, parked_until = give_back(a[2], a[3], tool, took_)
+  release_record(ikey, attempt, hash, nil, resubmitted, parked_until)
+  -- (decided again as a call, it is refused as changed; as a refused proposal, it passes)
+  fresh[#fresh + 1] = a[2]
+  fresh[#fresh + 1] = 'ok|0'
+  return 'withdrawn'
+end
+
 for i, a in ipairs(items) do
   local was = earlier[i]
-  if was then
+  if a[1] == 8 then
+    out[i] = withdraw(a, was)
+  elseif was then
     -- The verdict of this very position, unless the record was decided as something
     -- else this time (the world changed between the two: a refused proposal is now a
     -- call, or a call is another call or refused). A call never takes a refusal's or a

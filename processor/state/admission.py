@@ -297,6 +297,8 @@ def _wire(item: Item) -> list[Any]:
         return [6, item["pos"], item["comp"]]
     if kind == "lapse":
         return [7, item["pos"], item["ikey"], item["hash"], item["deadline"]]
+    if kind == "withdraw":
+        return [8, item["pos"], item["run"]]
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
             item["deadline"], item["ttl"]]  # fmt: skip
 
@@ -366,6 +368,14 @@ def lapse_item(entry: dict[str, Any], pos: str, now_ms: int) -> tuple[str, Item]
         "hash": str(entry["payload_hash"]),
         "deadline": entry["expires_at"],
     }
+
+
+def withdraw_item(tenant: str, pos: str, run: str, now_ms: int) -> tuple[str, Item]:
+    """The proposal at input position ``pos`` (of ``run``) asks nothing of admission this
+    time: a call admitted there before, in a transaction that aborted, gives back what it
+    took (see admission.lua, withdraw). Cheap where there is none: the script reads every
+    item's marker in one command, and writes nothing for such a position."""
+    return tenant, {"kind": "withdraw", "pos": pos, "run": run, "now": now_ms}
 
 
 def void_item(item: Item) -> Item | None:

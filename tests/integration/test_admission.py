@@ -27,6 +27,7 @@ from processor.state.admission import (
     parse_verdict,
     rate_of,
     void_item,
+    withdraw_item,
 )
 from processor.state.connection import connect, is_script_error
 
@@ -752,6 +753,55 @@ def test_a_resubmission_given_back_waits_for_approval_and_can_still_lapse(
     assert (record["state"], record["awaiting"]) == ("PENDING", "1")
     assert store.apply([_lapse(parked)]) == [{"status": "lapsed"}]
     assert "class:financial" not in store.run_counters(TENANT, "run-1", NOW)
+
+
+def test_a_call_whose_position_asks_nothing_on_replay_gives_back_what_it_took(
+    store: AdmissionStore,
+) -> None:
+    """Admitted, its transaction aborted, then decided again as nothing admission counts
+    (its token expired meanwhile): the call never ran. What it took comes back, once, its
+    record becomes retryable, and its position answers a later replay as a call with a
+    refusal (it is proposed again) and as a refused proposal with a pass."""
+    limits = {"sig": "refund", "group": "financial", "class_budget": 1, "cost": 2.0}
+    admitted = call(**limits)
+    pos, key = admitted[1]["pos"], admitted[1]["ikey"]
+    assert store.apply([admitted]) == [{"ok": True, "attempt": 1}]
+    withdraw = withdraw_item(TENANT, pos, "run-1", NOW)
+    assert store.apply([withdraw]) == [{"status": "withdrawn"}]
+    assert store.run_counters(TENANT, "run-1", NOW) == {"steps": 1.0}
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+    assert store.apply([withdraw]) == [{"status": "none"}]  # once
+    assert whys(store.apply([call(pos=pos, ikey=key, **limits)])) == ["replay_changed"]
+    assert whys(store.apply([step(pos=pos)])) == [None]
+    assert store.run_counters(TENANT, "run-1", NOW) == {"steps": 1.0}
+    # Retried under its key, it goes as its second attempt, charged once.
+    assert store.apply([call(ikey=key, **limits)]) == [{"ok": True, "attempt": 2}]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+
+
+def test_a_position_never_admitted_is_withdrawn_without_a_trace(store: AdmissionStore) -> None:
+    refused = step(repair=False)
+    assert whys(store.apply([refused])) == [None]
+    done = f"{store._base(TENANT)}:done"
+    nothing = withdraw_item(TENANT, "t/0/999999", "run-1", NOW)
+    stepped = withdraw_item(TENANT, refused[1]["pos"], "run-1", NOW)
+    assert store.apply([nothing, stepped]) == [{"status": "none"}, {"status": "none"}]
+    assert store.client.hget(done, "t/0/999999") is None  # no marker written for it
+    assert store.run_counters(TENANT, "run-1", NOW) == {"steps": 1.0}
+
+
+def test_a_withdrawn_resubmission_waits_for_its_approvers_again(store: AdmissionStore) -> None:
+    parked = call(sig="charge", group="financial", class_budget=1, park=True,
+                  deadline=NOW + 600_000)  # fmt: skip
+    key = parked[1]["ikey"]
+    store.apply([parked])
+    approved = call(sig="charge", group="financial", class_budget=1, ikey=key, now=NOW + 60_000)
+    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
+    gone = withdraw_item(TENANT, approved[1]["pos"], "run-1", NOW + 61_000)
+    assert store.apply([gone]) == [{"status": "withdrawn"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "1")
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0  # still parked
 
 
 def _awaiting_compensation(store: AdmissionStore, payload: str = "h-undo") -> tuple[str, str]:
