@@ -18,7 +18,12 @@ def publish_references(
     settings: Settings, entities: list[tuple[str, dict[str, Any] | None]]
 ) -> None:
     """Publish ``(tenant/entity/id, value or None)`` pairs to ``tool.reference``."""
-    producer = Producer(settings.client_config(**{"enable.idempotence": True}))
+    # murmur2, as the executors' producers and Java systems of record partition: one
+    # entity's records must share a partition (librdkafka's default, crc32, put them in
+    # another, and a replay could end on the older state, or bring a deleted one back).
+    producer = Producer(
+        settings.client_config(**{"enable.idempotence": True, "partitioner": "murmur2_random"})
+    )
     for key, value in entities:
         body = None if value is None else orjson.dumps(value)
         producer.produce(settings.topics.reference, body, key.encode())

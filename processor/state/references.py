@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -36,7 +37,13 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPar
 from processor.config import Settings
 from processor.gates.semantic import FOREIGN, RefEntry, RefKey
 from processor.metrics import Metrics
-from processor.state.connection import REDIS_ERRORS, RedisClient, tenant_tag
+from processor.state.connection import (
+    REDIS_ERRORS,
+    LuaScript,
+    RedisClient,
+    run_scripts,
+    tenant_tag,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +93,13 @@ class ReferenceStore:
         if missing:
             pipe = self.client.pipeline(transaction=False)
             for _, entity, entity_id in missing:
-                pipe.exists(index_key(self.ns, entity, entity_id))
-            for key, elsewhere in zip(missing, pipe.execute(), strict=True):
-                out[key] = FOREIGN if elsewhere else None
+                pipe.smembers(index_key(self.ns, entity, entity_id))
+            for key, holders in zip(missing, pipe.execute(), strict=True):
+                # Another tenant's only if another tenant holds it: the index may still
+                # name the asking tenant alone (its entity evicted, or a tombstone's
+                # delete seen before its index update), and that id is not found.
+                asking = key[0].encode()
+                out[key] = FOREIGN if any(t != asking for t in holders) else None
         return out
 
 
@@ -155,14 +166,17 @@ def apply_records(
     group: str,
     ns: str = "ts",
     past: dict[tuple[str, int], int] | None = None,
-) -> tuple[int, int]:
-    """Write a batch of (topic, partition, offset, key, value); positions last.
-    ``past``: the consumer's positions after the batch, which may be beyond its last
-    record (transaction markers).
+    stored: dict[tuple[str, int], int] | None = None,
+) -> tuple[int, int, dict[tuple[str, int], int]]:
+    """Write a batch of (topic, partition, offset, key, value); positions last, in the
+    same round trip. ``past``: the consumer's positions after the batch, which may be
+    beyond its last record (transaction markers). ``stored``: the positions this loader
+    wrote last; a partition whose position in Redis stands behind it lost writes, and
+    keeps the position Redis holds (see positions.lua).
 
-    Returns (applied, refused)."""
+    Returns (applied, refused, {partition: the position Redis holds} for those)."""
     pipe = client.pipeline(transaction=False)
-    positions: dict[str | bytes, int] = {}
+    positions: dict[str, int] = {}
     applied = refused = 0
     past = past or {}
     for topic, partition, offset, key, value in records:
@@ -186,10 +200,23 @@ def apply_records(
         else:
             pipe.set(ek, rec.value)
             pipe.sadd(ik, rec.tenant)
-    if positions:
-        pipe.hset(position_key(ns, group), mapping=positions)
-    pipe.execute()
-    return applied, refused
+    if not positions:
+        pipe.execute()
+        return applied, refused, {}
+    stored = stored or {}
+    args: list[str | int] = []
+    for field, new in positions.items():
+        name, _, part = field.rpartition("/")
+        args += [field, stored.get((name, int(part)), -1), new]
+    reply = run_scripts(client, _POSITIONS, [([position_key(ns, group)], args)], pipe)[-1]
+    behind: dict[tuple[str, int], int] = {}
+    for field, there in zip(reply[::2], reply[1::2], strict=True):
+        name, _, part = field.decode().rpartition("/")
+        behind[(name, int(part))] = int(there)
+    return applied, refused, behind
+
+
+_POSITIONS = LuaScript((Path(__file__).with_name("positions.lua")).read_text())
 
 
 def positions(client: RedisClient, group: str, ns: str = "ts") -> dict[tuple[str, int], int]:
@@ -338,18 +365,21 @@ class ReferenceLoader:
             there = held.get((topic, partition), 0)  # none at all: a flushed database
             if there >= mine:
                 continue
-            logger.warning(
-                "reference positions in Redis went back (%s/%s: %s, loaded up to %s); "
-                "reading it again from there",
-                topic, partition, there, mine,
-            )  # fmt: skip
-            try:
-                consumer.seek(TopicPartition(topic, partition, there or OFFSET_BEGINNING))
-            except KafkaException as exc:
-                logger.warning("cannot rewind %s/%s: %s", topic, partition, exc)
-                continue
-            self._stored[(topic, partition)] = there
-            self.metrics.reference_rewinds.inc()
+            self._rewind(consumer, topic, partition, there)
+
+    def _rewind(self, consumer: Consumer, topic: str, partition: int, there: int) -> None:
+        logger.warning(
+            "reference positions in Redis went back (%s/%s: %s, loaded up to %s); "
+            "reading it again from there",
+            topic, partition, there, self._stored.get((topic, partition)),
+        )  # fmt: skip
+        try:
+            consumer.seek(TopicPartition(topic, partition, there or OFFSET_BEGINNING))
+        except KafkaException as exc:
+            logger.warning("cannot rewind %s/%s: %s", topic, partition, exc)
+            return
+        self._stored[(topic, partition)] = there
+        self.metrics.reference_rewinds.inc()
 
     def _advance(self, consumer: Consumer) -> None:
         """Idle: move the stored positions past what the consumer skipped since (the
@@ -378,16 +408,21 @@ class ReferenceLoader:
             past = {}  # the records' own positions, then; _advance catches up
         while not self._stop.is_set():
             try:
-                applied, refused = apply_records(
+                applied, refused, behind = apply_records(
                     self.client,
                     records,
                     self.settings.reference_group_id,
                     self.settings.redis_namespace,
                     past,
+                    self._stored,
                 )
                 for topic, partition, offset, _, _ in records:
                     tp = (topic, partition)
                     self._stored[tp] = max(offset + 1, past.get(tp, 0))
+                for (topic, partition), there in behind.items():
+                    # Redis lost writes since this loader's last batch (a failover while
+                    # it was being retried, say): read the partition again from there.
+                    self._rewind(consumer, topic, partition, there)
                 self.metrics.references.labels("applied").inc(applied)
                 self.metrics.references.labels("refused").inc(refused)
                 return
