@@ -24,6 +24,7 @@ never look loaded up to its end.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterable
@@ -124,6 +125,10 @@ class ReferenceRecord:
     """The normalised JSON to store, or None for a tombstone."""
 
 
+_ENTITY = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
+"""An entity kind, as the contract schema has it (references[].entity)."""
+
+
 class BadReference(ValueError):
     pass
 
@@ -140,6 +145,10 @@ def parse_reference(key: bytes | None, value: bytes | None) -> ReferenceRecord:
     if len(parts) != 3 or not all(parts):
         raise BadReference("key must be tenant/entity/id")
     tenant, entity, entity_id = parts
+    if not _ENTITY.match(entity):
+        # (as contracts name entities; any other, ':' in it say, could spell another
+        # entity's key: "order:x" with id "1" and "order" with id "x:1")
+        raise BadReference("entity must be a lower-case name ([a-z][a-z0-9_]{0,63})")
     if value is None:
         return ReferenceRecord(tenant, entity, entity_id, None)
     try:
