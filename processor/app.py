@@ -502,7 +502,9 @@ class Processor:
             # have aborted in the callback (rewinding its partitions to before these).
             # Read them again under the new assignment.
             self._rebalanced = False
-            self._rewind(consumer, records)
+            # (a seek refused here is of a partition just assigned again, which starts from
+            # its committed offsets, before these records, anyway: nothing to rebuild)
+            rewind(consumer, records, self._assigned)
             return
         if not records:
             return

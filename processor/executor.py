@@ -350,8 +350,9 @@ class Executor:
             # Some of these may belong to a partition revoked inside poll()/consume():
             # run under the new assignment, they would run here and at its new owner.
             self._rebalanced = False
-            if rewind(consumer, records, self._assigned):
-                self._close_clients()  # rebuilt: they read on from the committed offsets
+            # (a seek refused here is of a partition just assigned again, which starts from
+            # its committed offsets, before these records, anyway)
+            rewind(consumer, records, self._assigned)
             return 0
         read = [(m, _read(m.value())) for m in records]
         held = _newer(read)

@@ -36,7 +36,8 @@
 -- w awaiting approval, a attempt, r run, t the principal's claims a compensation would
 -- act for (never a token), x result id, k compensation key, kh and kt the compensation's
 -- payload hash and tool, kf 1 once that compensation failed, v cached answer, p and q
--- what a parked call took and the position it was parked at, given back if it lapses); a run's
+-- what a parked call took and the position it was parked at, given back if it lapses, e 1
+-- once its request ended after a resubmission took the key over); a run's
 -- counters are JSON too. Every record
 -- and run the batch names is read before anything is decided, kept in this script while
 -- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
@@ -541,7 +542,7 @@ end
 -- alone on a defect (void). Its step stays counted: the position is still a proposal of
 -- its run. Returns whether it was a resubmitted parked call (which took nothing then),
 -- and the deadline it was parked until.
-local function give_back(pos, run, tool, took_)
+local function give_back(pos, run, tool, took_, keep_rate)
   local again, cost, sig, day, interval, group, approvals =
     string.match(took_, '^([01]);([^;]*);([^;]*);([^;]*);([^;]*);([^;]*);(.*)$')
   if not again then return false, nil end
@@ -559,15 +560,51 @@ local function give_back(pos, run, tool, took_)
     days[day] = math.max(0, day_cost(day) - tonumber(cost))
     day_dirty[day] = true
   end
-  if interval ~= '' then
+  if interval ~= '' and not keep_rate then
     local key = base .. ':rl:' .. tool
     local left = redis.call('PTTL', key)
     if left > 0 then
-      tats[tool] = tat_of(tool) - tonumber(interval)
+      -- (never below now: what has drained since is not given back a second time)
+      tats[tool] = math.max(tat_of(tool) - tonumber(interval), H.now)
       tat_ttl[tool] = math.max(tat_ttl[tool] or 0, left)
     end
   end
   return false, nil
+end
+
+-- The replay markers whose take was given back by other means (a parked call's, when its
+-- request ended): they keep their verdict, and no replay of their position gives it back.
+local emptied = {}
+local fresh = {}
+
+local function without_take(m)
+  local ikey, hash, tool, parked, took_, verdict = marker_of(m)
+  if not ikey or took_ == '' then return m end
+  return '\2' .. ikey .. '\2' .. hash .. '\2' .. tool .. '\2' .. parked .. '\2\2' .. verdict
+end
+
+local function empty_take(pos)
+  emptied[pos] = true
+  for k = 1, #fresh, 2 do
+    if fresh[k] == pos then
+      fresh[k + 1] = without_take(fresh[k + 1])
+      return
+    end
+  end
+  local was = redis.call('HGET', done_key, pos)
+  if was then redis.call('HSET', done_key, pos, without_take(was)) end
+end
+
+-- What a parked call took when it was parked (its record's p, taken at position q), given
+-- back once: the position's marker no longer holds it. Its rate-limit arrival stays taken:
+-- a request ends minutes after the call arrived, and GCRA cannot tell that arrival's share
+-- of the tool's arrival time from later calls' (given back, it would let them through
+-- faster than the rate).
+local function give_back_park(rec)
+  if not rec.p then return end
+  give_back(rec.q or '', rec.r, rec.n, rec.p, true)
+  if rec.q then empty_take(rec.q) end
+  rec.p, rec.q = nil, nil
 end
 
 -- The record a call admitted at attempt `attempt` took, if it still holds it: back to
@@ -580,8 +617,15 @@ local function release_record(ikey, attempt, hash, call, resubmitted, parked_unt
     return false
   end
   if resubmitted then
-    rec.w = 1
     if parked_until and parked_until > 0 then rec.d = parked_until end
+    if rec.e == 1 then
+      -- Its request ended while it went ahead (see lapse, "moved_on"): nobody can approve
+      -- it now. It waits for nothing, and what parking it took comes back.
+      give_back_park(rec)
+      rec.w, rec.e = 0, nil
+    else
+      rec.w = 1
+    end
   else
     rec.s, rec.w = 'FAILED_RETRYABLE', 0
   end
@@ -632,15 +676,19 @@ end
 local function lapse(c)
   local rec = record_of(c.ikey)
   if not rec or rec.h ~= c.hash then return {status = 'unchanged'} end
-  if not (rec.s == 'PENDING' and rec.w == 1) then return {status = 'moved_on'} end
+  if not (rec.s == 'PENDING' and rec.w == 1) then
+    if rec.s == 'PENDING' and rec.e ~= 1 then
+      rec.e = 1  -- the resubmission that took the key over, if given back, waits for nobody
+      keep_record(c.ikey, rec)
+    end
+    return {status = 'moved_on'}
+  end
   if rec.d ~= c.deadline then return {status = 'unchanged'} end
-  if rec.p then give_back(rec.q or '', rec.r, rec.n, rec.p) end
-  rec.w, rec.p, rec.q = 0, nil, nil
+  give_back_park(rec)
+  rec.w = 0
   keep_record(c.ikey, rec)
   return {status = 'lapsed'}
 end
-
-local fresh = {}
 
 -- A position decided this time as nothing admission counts (a proposal whose token has
 -- expired since, say) after a call was admitted there and its transaction aborted: that
@@ -662,6 +710,7 @@ end
 
 for i, a in ipairs(items) do
   local was = earlier[i]
+  if was and emptied[a[2]] then was = without_take(was) end
   if a[1] == 8 then
     out[i] = withdraw(a, was)
   elseif was then

@@ -211,7 +211,7 @@ _RECORD_FIELDS = {
     "s": "state", "h": "hash", "n": "tool", "c": "call", "d": "deadline", "w": "awaiting",
     "a": "attempt", "r": "run", "t": "grant", "x": "result", "k": "compensation",
     "kh": "compensation_hash", "kt": "compensation_tool", "kf": "compensation_failed",
-    "v": "cached", "p": "parked_took", "q": "parked_at",
+    "v": "cached", "p": "parked_took", "q": "parked_at", "e": "request_ended",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
 
@@ -362,7 +362,9 @@ def lapse_item(entry: dict[str, Any], pos: str, now_ms: int) -> tuple[str, Item]
     lapse)."""
     return str(entry["tenant_id"]), {
         "kind": "lapse",
-        "pos": "lapse:" + pos,
+        # (the approval record's own position: it ends one request or releases one call,
+        # never both, and forget_committed reads plain positions)
+        "pos": pos,
         "now": now_ms,
         "ikey": str(entry["idempotency_key"]),
         "hash": str(entry["payload_hash"]),

@@ -93,14 +93,17 @@ class ReferenceStore:
                     out[key] = _entry(key[0], raw)
         if missing:
             pipe = self.client.pipeline(transaction=False)
-            for _, entity, entity_id in missing:
-                pipe.smembers(index_key(self.ns, entity, entity_id))
-            for key, holders in zip(missing, pipe.execute(), strict=True):
+            for tenant, entity, entity_id in missing:
+                index = index_key(self.ns, entity, entity_id)
+                pipe.scard(index)
+                pipe.sismember(index, tenant)
+            replies = pipe.execute()
+            for n, key in enumerate(missing):
                 # Another tenant's only if another tenant holds it: the index may still
                 # name the asking tenant alone (its entity evicted, or a tombstone's
                 # delete seen before its index update), and that id is not found.
-                asking = key[0].encode()
-                out[key] = FOREIGN if any(t != asking for t in holders) else None
+                holders, own = replies[2 * n], replies[2 * n + 1]
+                out[key] = FOREIGN if holders > (1 if own else 0) else None
         return out
 
 
@@ -212,17 +215,30 @@ def apply_records(
     if not positions:
         pipe.execute()
         return applied, refused, {}
-    stored = stored or {}
+    new = {(t, int(p)): o for f, o in positions.items() for t, _, p in [f.rpartition("/")]}
+    return applied, refused, write_positions(client, group, ns, new, stored or {}, pipe)
+
+
+def write_positions(
+    client: RedisClient,
+    group: str,
+    ns: str,
+    new: dict[tuple[str, int], int],
+    stored: dict[tuple[str, int], int],
+    pipe: Any | None = None,
+) -> dict[tuple[str, int], int]:
+    """Move a loader's positions to ``new`` where Redis still holds what it wrote last
+    (``stored``), after whatever ``pipe`` holds, in one round trip (see positions.lua).
+    Returns {partition: the position Redis holds} where it stands behind: lost writes."""
     args: list[str | int] = []
-    for field, new in positions.items():
-        name, _, part = field.rpartition("/")
-        args += [field, stored.get((name, int(part)), -1), new]
+    for (topic, partition), offset in new.items():
+        args += [f"{topic}/{partition}", stored.get((topic, partition), -1), offset]
     reply = run_scripts(client, _POSITIONS, [([position_key(ns, group)], args)], pipe)[-1]
     behind: dict[tuple[str, int], int] = {}
     for field, there in zip(reply[::2], reply[1::2], strict=True):
-        name, _, part = field.decode().rpartition("/")
-        behind[(name, int(part))] = int(there)
-    return applied, refused, behind
+        topic, _, partition = field.decode().rpartition("/")
+        behind[(topic, int(partition))] = int(there)
+    return behind
 
 
 _POSITIONS = LuaScript((Path(__file__).with_name("positions.lua")).read_text())
@@ -400,12 +416,16 @@ class ReferenceLoader:
         ahead = {tp: o for tp, o in now.items() if o > self._stored.get(tp, o)}
         if not ahead:
             return
-        key = position_key(self.settings.redis_namespace, self.settings.reference_group_id)
+        s = self.settings
         try:
-            self.client.hset(key, mapping={f"{t}/{p}": o for (t, p), o in ahead.items()})
+            behind = write_positions(
+                self.client, s.reference_group_id, s.redis_namespace, ahead, self._stored
+            )
         except REDIS_ERRORS:
             return  # tried again when next idle
         self._stored.update(ahead)
+        for (topic, partition), there in behind.items():
+            self._rewind(consumer, topic, partition, there)
 
     def _apply(
         self, consumer: Consumer, records: list[tuple[Any, Any, Any, bytes | None, bytes | None]]

@@ -717,6 +717,84 @@ def test_a_parked_call_whose_request_ends_gives_back_what_it_took(store: Admissi
     assert "class:financial" not in store.run_counters(TENANT, "run-1", NOW)
 
 
+def test_a_lapsed_parked_call_is_given_back_once_whatever_its_position_is_decided_as_later(
+    store: AdmissionStore,
+) -> None:
+    """The request can end (expiry, an operator's decline) before the batch that parked
+    the call commits: the parked position is then decided again. Whether as nothing
+    (withdraw: its token expired), another call or a refusal (a changed replay), or alone
+    on a defect (void), the take the lapse gave back is not given back again, and what the
+    run's other calls took stays taken."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 2, "cost": 2.0}
+    for replay in ("withdraw", "changed", "void"):
+        run = f"run-{replay}"
+        other = call(run=run, **limits)
+        parked = call(run=run, park=True, deadline=NOW + 600_000, **limits)
+        assert whys(store.apply([other, parked])) == [None, None]
+        assert store.apply([_lapse(parked)]) == [{"status": "lapsed"}]
+        kept = store.run_counters(TENANT, run, NOW)
+        assert (kept["class:financial"], kept["cost"], kept["sig:charge"]) == (1.0, 2.0, 1.0)
+        pos = parked[1]["pos"]
+        if replay == "withdraw":
+            assert store.apply([withdraw_item(TENANT, pos, run, NOW)]) == [{"status": "none"}]
+        elif replay == "changed":
+            assert whys(store.apply([step(repair=False, run=run, pos=pos)])) == [None]
+        else:
+            voided = void_item(parked[1])
+            assert voided is not None
+            store.apply([(TENANT, voided)])
+        assert store.run_counters(TENANT, run, NOW) == kept, replay
+
+
+def test_a_lapse_keeps_the_rate_limit_arrival(store: AdmissionStore) -> None:
+    """GCRA cannot tell the parked call's arrival from the calls since: given back minutes
+    later, it would let the next call through faster than the rate."""
+    rate = rate_of(window_sec=60, max_requests=1)
+    parked = call(tool="charge", rate=rate, park=True, deadline=NOW + 600_000)
+    assert whys(store.apply([parked])) == [None]
+    later = call(tool="charge", rate=rate, now=NOW + 590_000)
+    assert whys(store.apply([later])) == [None]
+    assert store.apply([_lapse(parked)]) == [{"status": "lapsed"}]
+    too_soon = call(tool="charge", rate=rate, now=NOW + 600_000)
+    assert whys(store.apply([too_soon])) == ["rate_limited"]
+
+
+def test_a_resubmission_given_back_after_its_request_ended_waits_for_nobody(
+    store: AdmissionStore,
+) -> None:
+    """Resubmitted with approvals, the call took its key over; its request then ended
+    ("moved_on"); then the resubmission's position was decided again as nothing. Nobody
+    can approve the call any more: its record does not wait for approval, and what parking
+    it took comes back."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 1}
+    parked = call(park=True, deadline=NOW + 600_000, **limits)
+    key = parked[1]["ikey"]
+    store.apply([parked])
+    approved = call(ikey=key, now=NOW + 60_000, **limits)
+    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
+    assert store.apply([_lapse(parked)]) == [{"status": "moved_on"}]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+    gone = withdraw_item(TENANT, approved[1]["pos"], "run-1", NOW + 61_000)
+    assert store.apply([gone]) == [{"status": "withdrawn"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "0")
+    assert record["deadline"] == str(NOW + 600_000)  # in flight until then, as it was
+    assert "class:financial" not in store.run_counters(TENANT, "run-1", NOW)
+
+
+def test_a_lapse_marker_is_dropped_with_its_partitions_committed_positions(
+    store: AdmissionStore,
+) -> None:
+    parked = call(park=True, deadline=NOW + 600_000)
+    store.apply([parked])
+    tenant, lapse = _lapse(parked, "tool.approvals/0/5")
+    assert store.apply([(tenant, lapse)]) == [{"status": "lapsed"}]
+    done = f"{store._base(TENANT)}:done"
+    assert store.client.hget(done, "tool.approvals/0/5") == b"lapsed"
+    assert store.forget_committed({("tool.approvals", 0): 6}) >= 1
+    assert store.client.hget(done, "tool.approvals/0/5") is None
+
+
 def test_a_request_that_ends_after_its_call_went_ahead_gives_nothing_back(
     store: AdmissionStore,
 ) -> None:

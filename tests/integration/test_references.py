@@ -31,6 +31,7 @@ from processor.state.references import (
     entity_key,
     index_key,
     position_key,
+    write_positions,
 )
 from tests.integration.harness import isolated
 
@@ -233,3 +234,22 @@ def test_an_id_only_the_asking_tenant_indexes_is_not_another_tenants(
     redis.sadd(index_key(ns, "order", "WO-2"), "acme", "globex")
     got = store.lookup([("acme", "order", "WO-1"), ("acme", "order", "WO-2")])
     assert got == {("acme", "order", "WO-1"): None, ("acme", "order", "WO-2"): FOREIGN}
+
+
+def test_positions_move_forward_only_where_redis_kept_what_the_loader_wrote(
+    stack_settings: Settings,
+) -> None:
+    """The compare-and-set both a loader batch and an idle advance (past transaction
+    markers) write their positions with: a partition whose position Redis holds behind
+    what the loader wrote last keeps it, and is reported, to be read again from there."""
+    redis = connect(stack_settings.redis_url)
+    ns, group = f"refs-{uuid.uuid4().hex[:6]}", "g"
+    p0, p1, p2 = ("tool.reference", 0), ("tool.reference", 1), ("tool.reference", 2)
+    assert write_positions(redis, group, ns, {p0: 10, p1: 5}, {}) == {}
+    assert write_positions(redis, group, ns, {p0: 12, p1: 7}, {p0: 10, p1: 5}) == {}
+    redis.hset(position_key(ns, group), "tool.reference/0", 4)  # a replica that missed 2
+    redis.hdel(position_key(ns, group), "tool.reference/1")  # or a flushed database
+    moved = write_positions(redis, group, ns, {p0: 13, p1: 8, p2: 3}, {p0: 12, p1: 7})
+    assert moved == {p0: 4, p1: 0}
+    held = redis.hgetall(position_key(ns, group))
+    assert held == {b"tool.reference/0": b"4", b"tool.reference/2": b"3"}
