@@ -766,12 +766,8 @@ def test_a_resubmission_given_back_after_its_request_ended_waits_for_nobody(
     ("moved_on"); then the resubmission's position was decided again as nothing. Nobody
     can approve the call any more: its record does not wait for approval, and what parking
     it took comes back."""
-    limits = {"sig": "charge", "group": "financial", "class_budget": 1}
-    parked = call(park=True, deadline=NOW + 600_000, **limits)
+    parked, approved = _resubmitted(store)
     key = parked[1]["ikey"]
-    store.apply([parked])
-    approved = call(ikey=key, now=NOW + 60_000, **limits)
-    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
     assert store.apply([_lapse(parked)]) == [{"status": "moved_on"}]
     assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
     gone = withdraw_item(TENANT, approved[1]["pos"], "run-1", NOW + 61_000)
@@ -795,17 +791,24 @@ def test_a_lapse_marker_is_dropped_with_its_partitions_committed_positions(
     assert store.client.hget(done, "tool.approvals/0/5") is None
 
 
+def _resubmitted(store: AdmissionStore) -> tuple[tuple[str, Item], tuple[str, Item]]:
+    """A financial call (a budget of one) parked, then sent again with its approvals a
+    minute later, which takes its key over: (the parked call, the resubmission)."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 1}
+    parked = call(park=True, deadline=NOW + 600_000, **limits)
+    assert whys(store.apply([parked])) == [None]
+    approved = call(ikey=parked[1]["ikey"], now=NOW + 60_000, **limits)
+    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
+    return parked, approved
+
+
 def test_a_request_that_ends_after_its_call_went_ahead_gives_nothing_back(
     store: AdmissionStore,
 ) -> None:
     """Resubmitted with its approvals, the parked call took its key over and runs: the
     request's later end is "moved_on", and what the call took stays taken."""
-    parked = call(sig="charge", group="financial", class_budget=1, park=True,
-                  deadline=NOW + 600_000)  # fmt: skip
+    parked, _ = _resubmitted(store)
     key = parked[1]["ikey"]
-    assert whys(store.apply([parked])) == [None]
-    approved = call(sig="charge", group="financial", class_budget=1, ikey=key, now=NOW + 60_000)
-    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
     assert store.apply([_lapse(parked)]) == [{"status": "moved_on"}]
     assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
     other = call(hash="h2", ikey=key, park=True, deadline=NOW + 600_000)
@@ -819,12 +822,8 @@ def test_a_resubmission_given_back_waits_for_approval_and_can_still_lapse(
     """A resubmission carrying approvals, admitted, then decided as something else on
     replay, gives its key back to the parked call; that call's request lapsing later
     still gives back what the call took when it was parked."""
-    parked = call(sig="charge", group="financial", class_budget=1, park=True,
-                  deadline=NOW + 600_000)  # fmt: skip
+    parked, approved = _resubmitted(store)
     key = parked[1]["ikey"]
-    store.apply([parked])
-    approved = call(sig="charge", group="financial", class_budget=1, ikey=key, now=NOW + 60_000)
-    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
     changed = step(repair=False, pos=approved[1]["pos"])
     assert whys(store.apply([changed])) == [None]  # decided as a refusal this time
     record = store.record(TENANT, key, NOW)
@@ -869,12 +868,8 @@ def test_a_position_never_admitted_is_withdrawn_without_a_trace(store: Admission
 
 
 def test_a_withdrawn_resubmission_waits_for_its_approvers_again(store: AdmissionStore) -> None:
-    parked = call(sig="charge", group="financial", class_budget=1, park=True,
-                  deadline=NOW + 600_000)  # fmt: skip
+    parked, approved = _resubmitted(store)
     key = parked[1]["ikey"]
-    store.apply([parked])
-    approved = call(sig="charge", group="financial", class_budget=1, ikey=key, now=NOW + 60_000)
-    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
     gone = withdraw_item(TENANT, approved[1]["pos"], "run-1", NOW + 61_000)
     assert store.apply([gone]) == [{"status": "withdrawn"}]
     record = store.record(TENANT, key, NOW)

@@ -10,8 +10,11 @@ tests, operators) then timed out on every later run of the demo.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import orjson
 import pytest
@@ -118,24 +121,36 @@ def test_a_record_the_loader_cannot_keep_is_refused_and_the_rest_still_load(
         loader.stop()
 
 
+@contextlib.contextmanager
+def _cancelled_order(
+    stack_settings: Settings, order: str
+) -> Iterator[tuple[Settings, Any, Metrics, str]]:
+    """A loader of its own topics and namespace, running, that has loaded order ``order``
+    of acme as processing, then cancelled: (settings, Redis, its metrics, the order's key)."""
+    settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
+    redis = connect(settings.redis_url)
+    metrics = Metrics(CollectorRegistry())
+    loader = ReferenceLoader(settings, redis, metrics)
+    loader.start()
+    try:
+        key = f"acme/order/{order}"
+        publish_references(settings, [(key, {"state": "processing"})])
+        publish_references(settings, [(key, {"state": "cancelled"})])
+        wait_until_loaded(settings, timeout=30)
+        ek = entity_key(settings.redis_namespace, "acme", "order", order)
+        assert redis.get(ek) == b'{"state":"cancelled"}'
+        yield settings, redis, metrics, ek
+    finally:
+        loader.stop()
+
+
 def test_writes_redis_lost_are_loaded_again(stack_settings: Settings) -> None:
     """Redis goes back in time (a failover to a replica that missed the latest writes, a
     restore): the entity and the loader's positions both older. The loader sees its
     positions behind what it wrote and reads those partitions again, so the entity comes
     back to its latest state without a restart."""
-    settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
-    redis = connect(settings.redis_url)
-    ns = settings.redis_namespace
-    metrics = Metrics(CollectorRegistry())
-    loader = ReferenceLoader(settings, redis, metrics)
-    loader.start()
-    try:
-        key = "acme/order/WO-00042-A"
-        publish_references(settings, [(key, {"state": "processing"})])
-        publish_references(settings, [(key, {"state": "cancelled"})])
-        wait_until_loaded(settings, timeout=30)
-        ek = entity_key(ns, "acme", "order", "WO-00042-A")
-        assert redis.get(ek) == b'{"state":"cancelled"}'
+    with _cancelled_order(stack_settings, "WO-00042-A") as (settings, redis, metrics, ek):
+        ns = settings.redis_namespace
         lag = metrics.reference_lag._value
         deadline = time.monotonic() + 30
         while lag.get() != 0 and time.monotonic() < deadline:  # measured at least once
@@ -156,8 +171,6 @@ def test_writes_redis_lost_are_loaded_again(stack_settings: Settings) -> None:
         # The lag read just after the rewind: both records to load again; then none.
         assert 2 in seen and lag.get() == 0, seen
         wait_until_loaded(settings, timeout=30)
-    finally:
-        loader.stop()
 
 
 def test_writes_redis_lost_are_loaded_again_though_a_batch_came_first(
@@ -168,19 +181,9 @@ def test_writes_redis_lost_are_loaded_again_though_a_batch_came_first(
     leaves it there and reads the partition again (a plain write of the batch's position
     hid the rollback for good, and the entity stayed in its older state)."""
     monkeypatch.setattr(references, "RESYNC_S", 3600.0)  # no periodic check in this test
-    settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
-    redis = connect(settings.redis_url)
-    ns = settings.redis_namespace
-    metrics = Metrics(CollectorRegistry())
-    loader = ReferenceLoader(settings, redis, metrics)
-    loader.start()
-    try:
+    with _cancelled_order(stack_settings, "WO-00043-A") as (settings, redis, metrics, ek):
+        ns = settings.redis_namespace
         key = "acme/order/WO-00043-A"
-        publish_references(settings, [(key, {"state": "processing"})])
-        publish_references(settings, [(key, {"state": "cancelled"})])
-        wait_until_loaded(settings, timeout=30)
-        ek = entity_key(ns, "acme", "order", "WO-00043-A")
-        assert redis.get(ek) == b'{"state":"cancelled"}'
         partitions = 6
         home = partition_for(key.encode(), partitions)
         neighbour = next(
@@ -197,8 +200,6 @@ def test_writes_redis_lost_are_loaded_again_though_a_batch_came_first(
         assert redis.get(ek) == b'{"state":"cancelled"}'
         assert metrics.reference_rewinds._value.get() >= 1
         wait_until_loaded(settings, timeout=30)
-    finally:
-        loader.stop()
 
 
 def test_reference_records_are_partitioned_as_the_executors_partition(
