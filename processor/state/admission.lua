@@ -36,8 +36,9 @@
 -- w awaiting approval, a attempt, r run, t the principal's claims a compensation would
 -- act for (never a token), x result id, k compensation key, kh and kt the compensation's
 -- payload hash and tool, kf 1 once that compensation failed, v cached answer, p and q
--- what a parked call took and the position it was parked at, given back if it lapses, e 1
--- once its request ended after a resubmission took the key over); a run's
+-- what a parked call took and the position it was parked at, given back if it lapses, pd
+-- the deadline a resubmission's call was parked until, e 1 once that request ended after
+-- the resubmission took the key over); a run's
 -- counters are JSON too. Every record
 -- and run the batch names is read before anything is decided, kept in this script while
 -- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
@@ -337,6 +338,10 @@ local function took(c, charged, parked_until)
     .. (c.rate and string.format('%.17g', c.rate[1]) or '') .. ';' .. c.group .. ';' .. approvals
 end
 
+-- (defined below, with the replay markers they read)
+local emptied, fresh = {}, {}
+local empty_take, give_back_park
+
 local function admit_call(c)
   local counters = run_of(c.run)
   if unrequested(c.ikey, c.hash, c.tool) then
@@ -373,6 +378,11 @@ local function admit_call(c)
     bump(c.run, 'steps', 1)
     return refuse('approval_reused')
   end
+  if rec and rec.w == 1 and not charged then
+    -- A parked call whose request lapsed with its end not decided yet (past its deadline
+    -- and the grace): it never ran, and this new attempt replaces its record.
+    give_back_park(rec)
+  end
   local refusal = limits(c, counters, charged)
   bump(c.run, 'steps', 1)
   if refusal then return refusal end
@@ -395,8 +405,11 @@ local function admit_call(c)
     -- What a parked call took, given back should its request end without it (see lapse).
     fresh_rec.p, fresh_rec.q = took_, c.pos
   elseif charged then
-    -- (kept, should this resubmission be given back and the call wait for approval again)
-    fresh_rec.p, fresh_rec.q = rec.p, rec.q
+    -- The parked call goes: no replay of the position it was parked at gives its take
+    -- back from now on. Its record keeps the take (and the deadline it was parked until),
+    -- should this resubmission be given back and the call wait for approval again.
+    if rec.q then empty_take(rec.q) end
+    fresh_rec.p, fresh_rec.q, fresh_rec.pd = rec.p, rec.q, rec.d
   end
   put_record(c.ikey, fresh_rec, c.ttl)
   return {ok = true, attempt = next_attempt, took = took_}
@@ -508,6 +521,7 @@ local function release(c)
     return refuse('superseded')
   end
   rec = rec or {h = c.hash, a = 1, r = c.run}
+  if rec.q then empty_take(rec.q) end  -- it goes: its take stays taken
   rec.s, rec.w, rec.c, rec.d, rec.p, rec.q = 'PENDING', 0, c.call, c.deadline, nil, nil
   put_record(c.ikey, rec, c.ttl)
   -- The attempt the parked call was admitted as: its result must say the same.
@@ -572,10 +586,9 @@ local function give_back(pos, run, tool, took_, keep_rate)
   return false, nil
 end
 
--- The replay markers whose take was given back by other means (a parked call's, when its
--- request ended): they keep their verdict, and no replay of their position gives it back.
-local emptied = {}
-local fresh = {}
+-- `emptied`: the replay markers whose take was given back, or became a call that goes, by
+-- other means (a parked call's, when its request ended, or when it was resubmitted or
+-- released): they keep their verdict, and no replay of their position gives it back.
 
 local function without_take(m)
   local ikey, hash, tool, parked, took_, verdict = marker_of(m)
@@ -583,7 +596,7 @@ local function without_take(m)
   return '\2' .. ikey .. '\2' .. hash .. '\2' .. tool .. '\2' .. parked .. '\2\2' .. verdict
 end
 
-local function empty_take(pos)
+empty_take = function(pos)
   emptied[pos] = true
   for k = 1, #fresh, 2 do
     if fresh[k] == pos then
@@ -600,7 +613,7 @@ end
 -- a request ends minutes after the call arrived, and GCRA cannot tell that arrival's share
 -- of the tool's arrival time from later calls' (given back, it would let them through
 -- faster than the rate).
-local function give_back_park(rec)
+give_back_park = function(rec)
   if not rec.p then return end
   give_back(rec.q or '', rec.r, rec.n, rec.p, true)
   if rec.q then empty_take(rec.q) end
@@ -677,8 +690,11 @@ local function lapse(c)
   local rec = record_of(c.ikey)
   if not rec or rec.h ~= c.hash then return {status = 'unchanged'} end
   if not (rec.s == 'PENDING' and rec.w == 1) then
-    if rec.s == 'PENDING' and rec.e ~= 1 then
-      rec.e = 1  -- the resubmission that took the key over, if given back, waits for nobody
+    -- A resubmission took the key over; only this request's end concerns it (an older
+    -- request of the key, ended late, names another deadline).
+    if rec.pd and rec.pd ~= c.deadline then return {status = 'unchanged'} end
+    if rec.s == 'PENDING' and rec.pd and rec.e ~= 1 then
+      rec.e = 1  -- given back, it waits for nobody
       keep_record(c.ikey, rec)
     end
     return {status = 'moved_on'}

@@ -211,7 +211,7 @@ _RECORD_FIELDS = {
     "s": "state", "h": "hash", "n": "tool", "c": "call", "d": "deadline", "w": "awaiting",
     "a": "attempt", "r": "run", "t": "grant", "x": "result", "k": "compensation",
     "kh": "compensation_hash", "kt": "compensation_tool", "kf": "compensation_failed",
-    "v": "cached", "p": "parked_took", "q": "parked_at", "e": "request_ended",
+    "v": "cached", "p": "parked_took", "q": "parked_at", "pd": "parked_until", "e": "request_ended",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
 

@@ -802,6 +802,61 @@ def _resubmitted(store: AdmissionStore) -> tuple[tuple[str, Item], tuple[str, It
     return parked, approved
 
 
+@pytest.mark.parametrize("goes", ["resubmitted", "released"])
+def test_a_parked_call_that_went_is_not_given_back_by_a_replay_of_its_park(
+    store: AdmissionStore, goes: str
+) -> None:
+    """The park's batch aborted; meanwhile the call went (resubmitted with approvals, or
+    released by its approvers), and ran. The park's position decided again as nothing, or
+    as a refusal, gives nothing back and leaves the running call's record alone: its
+    result still settles it (else the key would be retryable and the call run twice)."""
+    if goes == "resubmitted":
+        parked, went = _resubmitted(store)
+    else:
+        parked = call(sig="charge", group="financial", class_budget=1, park=True,
+                      deadline=NOW + 600_000)  # fmt: skip
+        store.apply([parked])
+        c = parked[1]
+        went = (TENANT, {"kind": "release", "pos": f"a/0/{next(_pos)}", "run": "run-1",
+                         "ikey": c["ikey"], "hash": c["hash"], "call": c["call"],
+                         "deadline": NOW + 70_000, "ttl": 3_600_000,
+                         "now": NOW + 60_000})  # fmt: skip
+        assert store.apply([went]) == [{"ok": True, "attempt": 1}]
+    key, pos = parked[1]["ikey"], parked[1]["pos"]
+    taken = store.run_counters(TENANT, "run-1", NOW)
+    assert store.apply([withdraw_item(TENANT, pos, "run-1", NOW)]) == [{"status": "none"}]
+    assert whys(store.apply([step(repair=False, pos=pos)])) == [None]
+    assert store.run_counters(TENANT, "run-1", NOW) == taken
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
+    if goes == "resubmitted":
+        assert store.apply([result(went)]) == [{"status": "settled"}]
+        assert store.record(TENANT, key, NOW)["state"] == "COMPLETED"
+
+
+def test_an_older_request_ended_late_leaves_a_newer_park_alone(store: AdmissionStore) -> None:
+    """The first park lapsed unseen (its expiry check late); the key was parked again,
+    which gives the first park's take back, and resubmitted. The first request's end, come
+    at last, concerns nothing now: a give-back of the resubmission still waits for the
+    second request's approvers."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 2, "cost": 2.0}
+    first = call(park=True, deadline=NOW + 60_000, **limits)
+    key = first[1]["ikey"]
+    store.apply([first])
+    second = call(park=True, ikey=key, now=NOW + 62_000, deadline=NOW + 600_000, **limits)
+    assert store.apply([second]) == [{"ok": True, "attempt": 2}]
+    assert store.run_counters(TENANT, "run-1", NOW)["cost"] == 2.0  # the first's came back
+    approved = call(ikey=key, now=NOW + 63_000, **limits)
+    assert store.apply([approved]) == [{"ok": True, "attempt": 2}]
+    assert store.apply([_lapse(first)]) == [{"status": "unchanged"}]
+    voided = void_item(approved[1])
+    assert voided is not None
+    assert store.apply([(TENANT, voided)]) == [{"status": "voided"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["awaiting"], record["deadline"]) == ("1", str(NOW + 600_000))
+    assert store.apply([_lapse(second)]) == [{"status": "lapsed"}]
+    assert "cost" not in store.run_counters(TENANT, "run-1", NOW)
+
+
 def test_a_request_that_ends_after_its_call_went_ahead_gives_nothing_back(
     store: AdmissionStore,
 ) -> None:
