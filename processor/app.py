@@ -112,7 +112,6 @@ from processor.results import (
 from processor.state.admission import (
     AdmissionStore,
     Item,
-    Verdict,
     comp_failed_item,
     lapse_item,
     void_item,
@@ -902,10 +901,9 @@ class Processor:
                 continue
             if x.outcome is Outcome.PARKED:
                 self._count("approvals", "requested")
-        if ended:
-            self._end_requests(ended, out, now_ms)
-        if released:
-            self._release(released, out, now_ms)
+        refused = self._release(released, out, now_ms) if released else []
+        if ended or refused:
+            self._end_requests(ended, refused, out, now_ms)
         return [d for d in out if d is not None]
 
     def _release(
@@ -913,10 +911,11 @@ class Processor:
         released: list[tuple[int, ApprovalInput, OpResult]],
         out: list[Decision | None],
         now_ms: int,
-    ) -> None:
+    ) -> list[tuple[ApprovalInput, OpResult]]:
         """Calls their approvers released, checked again against the world before they go
         (recheck_release): one reference lookup for all of the batch's releases. A call
-        refused now is told why and does not run; its record waits out its deadline, as a
+        refused now is told why and does not run (returned, for what parking it took to be
+        given back with the ended requests'); its record waits out its deadline, as a
         declined call's does."""
         entries = [r.entry for _, _, r in released if r.entry is not None]
         keys = {k for e in entries for k in release_keys(e, self.gates, now_ms)}
@@ -931,23 +930,12 @@ class Processor:
                 self._count("approvals", "refused_at_release")
                 out[i] = refused_release(item.src, result.entry, refusal, now_ms)
                 refused.append((item, result))
-        self._lapse(refused, now_ms)
-
-    def _lapse(self, ended: list[tuple[ApprovalInput, OpResult]], now_ms: int) -> list[Verdict]:
-        """Give back what parked calls whose requests ended without them took: one round
-        trip, only for batches that end requests. Each verdict says "moved_on" where a
-        resubmission carrying approvals had taken the call's key over."""
-        items = []
-        for x, r in ended:
-            assert r.entry is not None  # (an ended or released request names its call)
-            items.append(lapse_item(r.entry, position(x.src), now_ms))
-        verdicts = self.admission.apply(items)
-        self._admitted += items
-        return verdicts
+        return refused
 
     def _end_requests(
         self,
         ended: list[tuple[int, ApprovalInput, OpResult]],
+        refused: list[tuple[ApprovalInput, OpResult]],
         out: list[Decision | None],
         now_ms: int,
     ) -> None:
@@ -956,9 +944,18 @@ class Processor:
         unless its key moved on meanwhile: the agent resubmitted it with approvals
         attached, and that resubmission was admitted (it ran, or runs, and its own
         observation says so). Then the approver's rejection lands on the DLQ
-        (\"approval_request_superseded\"), and an expiry changes nothing."""
-        verdicts = self._lapse([(item, result) for _, item, result in ended], now_ms)
-        for (i, item, result), verdict in zip(ended, verdicts, strict=True):
+        (\"approval_request_superseded\"), and an expiry changes nothing.
+
+        The calls refused at release (``refused``, already answered) give back what
+        parking them took in the same round trip: one, only for batches that end
+        requests."""
+        items = []
+        for x, r in [*((item, result) for _, item, result in ended), *refused]:
+            assert r.entry is not None  # (an ended or released request names its call)
+            items.append(lapse_item(r.entry, position(x.src), now_ms))
+        verdicts = self.admission.apply(items)
+        self._admitted += items
+        for (i, item, result), verdict in zip(ended, verdicts[: len(ended)], strict=True):
             if verdict.get("status") != "moved_on":
                 out[i] = self._approval_outcome(item, result, now_ms)
             elif item.kind == EXPIRY_CHECK:

@@ -338,9 +338,12 @@ local function took(c, charged, parked_until)
     .. (c.rate and string.format('%.17g', c.rate[1]) or '') .. ';' .. c.group .. ';' .. approvals
 end
 
--- (defined below, with the replay markers they read)
+-- `fresh`: the replay markers this batch writes (position, marker, ...). `emptied`: the
+-- positions whose take was given back, or became a call that goes, by other means (a
+-- parked call's, when its request ended, or when it was resubmitted or released): their
+-- markers keep their verdict, and no replay of their position gives the take back.
 local emptied, fresh = {}, {}
-local empty_take, give_back_park
+local empty_take, give_back_park  -- (defined below, with the markers they read)
 
 local function admit_call(c)
   local counters = run_of(c.run)
@@ -586,24 +589,15 @@ local function give_back(pos, run, tool, took_, keep_rate)
   return false, nil
 end
 
--- `emptied`: the replay markers whose take was given back, or became a call that goes, by
--- other means (a parked call's, when its request ended, or when it was resubmitted or
--- released): they keep their verdict, and no replay of their position gives it back.
-
 local function without_take(m)
   local ikey, hash, tool, parked, took_, verdict = marker_of(m)
   if not ikey or took_ == '' then return m end
   return '\2' .. ikey .. '\2' .. hash .. '\2' .. tool .. '\2' .. parked .. '\2\2' .. verdict
 end
 
+-- (a marker this batch writes itself is emptied as it is written, at the end)
 empty_take = function(pos)
   emptied[pos] = true
-  for k = 1, #fresh, 2 do
-    if fresh[k] == pos then
-      fresh[k + 1] = without_take(fresh[k + 1])
-      return
-    end
-  end
   local was = redis.call('HGET', done_key, pos)
   if was then redis.call('HSET', done_key, pos, without_take(was)) end
 end
@@ -680,8 +674,9 @@ end
 
 -- A parked call whose approval request ended without it going: declined, expired, or
 -- refused when its approvers released it. It never ran, so what it took when it was parked
--- (its class budget, cost, the day's cost, its rate-limit arrival and loop-guard count) is
--- given back, as for any call that never ran; its step stays. Its record stops waiting
+-- (its class budget, cost, the day's cost and loop-guard count; not its rate-limit
+-- arrival, see give_back_park) is given back, as for any call that never ran; its step
+-- stays. Its record stops waiting
 -- for approval and stays in flight until its deadline plus the grace period, as before:
 -- the same call proposed after that is a new attempt, charged as one. "moved_on": a
 -- resubmission carrying approvals took the key over (it ran, or runs). Only the attempt
@@ -782,6 +777,11 @@ for i, a in ipairs(items) do
       fresh[#fresh + 1] = text
     end
     out[i] = text
+  end
+end
+if next(emptied) then
+  for k = 1, #fresh, 2 do
+    if emptied[fresh[k]] then fresh[k + 1] = without_take(fresh[k + 1]) end
   end
 end
 for first = 1, #fresh, 2 * CHUNK do

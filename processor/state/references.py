@@ -188,11 +188,11 @@ def apply_records(
 
     Returns (applied, refused, {partition: the position Redis holds} for those)."""
     pipe = client.pipeline(transaction=False)
-    positions: dict[str, int] = {}
+    positions: dict[tuple[str, int], int] = {}
     applied = refused = 0
     past = past or {}
     for topic, partition, offset, key, value in records:
-        positions[f"{topic}/{partition}"] = max(offset + 1, past.get((topic, partition), 0))
+        positions[(topic, partition)] = max(offset + 1, past.get((topic, partition), 0))
         try:
             rec = parse_reference(key, value)
         except BadReference as exc:
@@ -215,8 +215,7 @@ def apply_records(
     if not positions:
         pipe.execute()
         return applied, refused, {}
-    new = {(t, int(p)): o for f, o in positions.items() for t, _, p in [f.rpartition("/")]}
-    return applied, refused, write_positions(client, group, ns, new, stored or {}, pipe)
+    return applied, refused, write_positions(client, group, ns, positions, stored or {}, pipe)
 
 
 def write_positions(
