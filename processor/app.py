@@ -119,7 +119,7 @@ from processor.state.admission import (
 )
 from processor.state.approvals import ApprovalStore, OpResult, retain_ms
 from processor.state.connection import REDIS_ERRORS, connect, is_script_error
-from processor.state.references import ReferenceLoader, ReferenceStore
+from processor.state.references import ReferenceLoader, ReferencesLoading, ReferenceStore
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,12 @@ def stop_on_signals() -> tuple[threading.Event, threading.Event]:
 
 
 class DependencyDown(Exception):
-    """Redis could not answer; the batch is rewound and retried, nothing is let through."""
+    """Redis could not answer, or its reference data is being loaded: the batch is rewound
+    and retried, nothing is let through."""
+
+    def __init__(self, message: str, dependency: str = "redis") -> None:
+        super().__init__(message)
+        self.dependency = dependency
 
 
 class UnsafeSetting(ValueError):
@@ -311,7 +316,10 @@ class Processor:
         self._trust_checked = time.monotonic()
         self.gates = self._load_trust(self.contracts)
         self.redis = connect(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
-        self.references = ReferenceStore(self.redis, settings.redis_namespace)
+        self.references = ReferenceStore(
+            self.redis, settings.redis_namespace, settings.reference_group_id,
+            settings.topics.reference,
+        )  # fmt: skip
         self.approval_store = ApprovalStore(self.redis, settings.redis_namespace)
         self.loader = ReferenceLoader(settings, self.redis, self.metrics)
         self.sweeper = ExpirySweeper(settings, self.approval_store, self.metrics, self._stop)
@@ -772,6 +780,8 @@ class Processor:
             if is_script_error(exc):
                 raise  # a defect in a script, met again by waiting: the batch is split
             raise DependencyDown(f"redis: {exc}") from exc
+        except ReferencesLoading as exc:
+            raise DependencyDown(f"reference data: {exc}", "reference_data") from exc
 
     def _admit(
         self, slots: list[Decision | ApprovalInput | ResultInput], now_ms: int
@@ -1034,9 +1044,12 @@ class Processor:
     def _wait_for_redis(
         self, consumer: Consumer, records: list[Message], exc: DependencyDown
     ) -> None:
-        """Redis is down: decide nothing, rewind, back off. Lag grows; nothing gets through."""
-        self.metrics.dependency_errors.labels("redis").inc()
-        self._redis_backoff = min(max(self._redis_backoff * 2, 0.2), 5.0)
+        """Redis is down, or its reference data is being loaded: decide nothing, rewind,
+        back off. Lag grows; nothing gets through. (A load is waited out in short steps: it
+        is this process's own loader, or another instance's, making progress.)"""
+        self.metrics.dependency_errors.labels(exc.dependency).inc()
+        longest = 1.0 if exc.dependency == "reference_data" else 5.0
+        self._redis_backoff = min(max(self._redis_backoff * 2, 0.2), longest)
         logger.warning("%s; batch rewound, retrying in %.1fs", exc, self._redis_backoff)
         self._rewind(consumer, records)
         self._stop.wait(self._redis_backoff)

@@ -11,7 +11,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from processor.config import Settings
 from processor.kafka.offsets import high_watermark
 from processor.state.connection import connect
-from processor.state.references import positions
+from processor.state.references import load_state
 
 
 def publish_references(
@@ -46,8 +46,10 @@ def wait_until_loaded(settings: Settings, timeout: float = 60.0) -> None:
         consumer.close()
     client = connect(settings.redis_url)
     while True:
-        done = positions(client, settings.reference_group_id, settings.redis_namespace)
-        if all(end <= 0 or done.get((topic, p), 0) >= end for p, end in ends.items()):
+        done, why = load_state(client, settings.reference_group_id, settings.redis_namespace, topic)
+        if why is None and all(
+            end <= 0 or done.get((topic, p), 0) >= end for p, end in ends.items()
+        ):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"tool.reference not loaded into Redis within {timeout}s")

@@ -109,10 +109,16 @@ def records_of(messages: list[Message], on_error: Callable[[KafkaError], None]) 
 def high_watermark(consumer: Consumer, tp: TopicPartition, timeout: float = 30.0) -> int:
     """A partition's end, asked again while a new topic's leader is being elected (or a
     broker answers with another retriable error), for at most ``timeout`` seconds."""
+    return watermarks(consumer, tp, timeout)[1]
+
+
+def watermarks(consumer: Consumer, tp: TopicPartition, timeout: float = 30.0) -> tuple[int, int]:
+    """A partition's first and end offsets, asked as ``high_watermark`` asks."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return int(consumer.get_watermark_offsets(tp, timeout=10)[1])
+            low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            return int(low), int(high)
         except KafkaException as exc:
             err = exc.args[0]
             transient = err.retriable() or err.code() == KafkaError.NOT_LEADER_FOR_PARTITION

@@ -19,6 +19,16 @@ harmless because the last value of a key wins either way. The position is the
 consumer's, past the transaction markers a transactional publisher (the reference
 executor) leaves after its records: otherwise a partition ending in a marker would
 never look loaded up to its end.
+
+While a partition is read from behind its end, Redis holds older states of its
+entities than the topic does: an order refunded since shows as not yet refunded, and
+a refund would be let through. So lookups wait for them (``ReferencesLoading``). A hash
+beside the positions holds the topic's partition count, and the position hash, for
+each partition a loader reads from behind the end it had when the loader took it
+(a first load, a restart behind the end) or from a position Redis lost (a rewind),
+the position it must reach (``:loading:<topic>/<partition>``). Lookups go ahead only
+when every partition has a position and none is marked: a flushed database, which
+loses the whole hash, waits too, until the loaders have loaded it again.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPar
 
 from processor.config import Settings
 from processor.gates.semantic import FOREIGN, RefEntry, RefKey
+from processor.kafka.offsets import watermarks
 from processor.metrics import Metrics
 from processor.state.connection import (
     REDIS_ERRORS,
@@ -61,17 +72,55 @@ def position_key(ns: str, group: str) -> str:
     return f"{ns}:refpos:{group}"
 
 
+def _field(topic: str, partition: int) -> str:
+    return f"{topic}/{partition}"
+
+
+LOADING = ":loading:"
+"""The prefix of a partition's field in the position hash while it is loaded again."""
+
+
+def count_key(ns: str, group: str) -> str:
+    """A hash of topic -> partition count, as the loaders of ``group`` last found it (kept
+    out of the position hash, whose every field earlier versions read as a position)."""
+    return f"{ns}:refparts:{group}"
+
+
+class ReferencesLoading(Exception):
+    """The reference data is being loaded: lookups now could read older states."""
+
+
+def unloaded(held: dict[bytes, bytes], count: bytes | None, topic: str) -> str | None:
+    """None when the position hash ``held`` and the partition ``count`` say every
+    partition of ``topic`` is loaded up to where its loader found it; otherwise which
+    are not, for a log line."""
+    if count is None:
+        return f"no loader has taken {topic} yet"
+    marked = (LOADING + topic + "/").encode()
+    loading = sorted(int(k[len(marked) :]) for k in held if k.startswith(marked))
+    if loading:
+        return f"{topic} partitions {loading} are being loaded"
+    missing = [p for p in range(int(count)) if _field(topic, p).encode() not in held]
+    if missing:
+        return f"{topic} partitions {missing} have not been loaded"
+    return None
+
+
 class ReferenceStore:
     """Batched reads of reference data: one pipeline, one round trip, per batch."""
 
-    def __init__(self, client: RedisClient, ns: str = "ts") -> None:
+    def __init__(self, client: RedisClient, ns: str, group: str, topic: str) -> None:
         self.client = client
         self.ns = ns
+        self.group = group
+        """The loaders' consumer group, whose position hash says what is loaded."""
+        self.topic = topic
 
     def lookup(self, keys: Iterable[RefKey]) -> dict[RefKey, RefEntry | None]:
-        """One MGET per tenant (a tenant's keys share a slot), all in one pipeline; ids
-        found nowhere in their tenant are then checked against the index, in a second
-        round trip that only batches naming unknown ids need.
+        """One MGET per tenant (a tenant's keys share a slot), all in one pipeline with
+        the loaders' positions; ids found nowhere in their tenant are then checked
+        against the index, in a second round trip that only batches naming unknown ids
+        need. Raises ``ReferencesLoading`` while any partition is being loaded.
 
         MGET goes through ``execute_command``: redis-py's cluster pipeline refuses its
         ``mget`` method outright, though an MGET of one slot's keys is fine there."""
@@ -81,11 +130,17 @@ class ReferenceStore:
         if not by_tenant:
             return {}
         pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(position_key(self.ns, self.group))
+        pipe.hget(count_key(self.ns, self.group), self.topic)
         for tenant, wanted in by_tenant.items():
             pipe.execute_command("MGET", *[entity_key(self.ns, tenant, e, i) for _, e, i in wanted])
+        held, count, *replies = pipe.execute()
+        why = unloaded(held, count, self.topic)
+        if why is not None:
+            raise ReferencesLoading(why)
         out: dict[RefKey, RefEntry | None] = {}
         missing: list[RefKey] = []
-        for wanted, values in zip(by_tenant.values(), pipe.execute(), strict=True):
+        for wanted, values in zip(by_tenant.values(), replies, strict=True):
             for key, raw in zip(wanted, values, strict=True):
                 if raw is None:
                     missing.append(key)
@@ -231,7 +286,7 @@ def write_positions(
     Returns {partition: the position Redis holds} where it stands behind: lost writes."""
     args: list[str | int] = []
     for (topic, partition), offset in new.items():
-        args += [f"{topic}/{partition}", stored.get((topic, partition), -1), offset]
+        args += [_field(topic, partition), stored.get((topic, partition), -1), offset]
     reply = run_scripts(client, _POSITIONS, [([position_key(ns, group)], args)], pipe)[-1]
     behind: dict[tuple[str, int], int] = {}
     for field, there in zip(reply[::2], reply[1::2], strict=True):
@@ -244,9 +299,25 @@ _POSITIONS = LuaScript((Path(__file__).with_name("positions.lua")).read_text())
 
 
 def positions(client: RedisClient, group: str, ns: str = "ts") -> dict[tuple[str, int], int]:
-    raw = client.hgetall(position_key(ns, group))
+    return positions_of(client.hgetall(position_key(ns, group)))
+
+
+def load_state(
+    client: RedisClient, group: str, ns: str, topic: str
+) -> tuple[dict[tuple[str, int], int], str | None]:
+    """The loaders' positions, and ``unloaded``'s answer: one round trip."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(position_key(ns, group))
+    pipe.hget(count_key(ns, group), topic)
+    held, count = pipe.execute()
+    return positions_of(held), unloaded(held, count, topic)
+
+
+def positions_of(held: dict[bytes, bytes]) -> dict[tuple[str, int], int]:
     out: dict[tuple[str, int], int] = {}
-    for k, v in raw.items():
+    for k, v in held.items():
+        if k.startswith(LOADING.encode()):
+            continue
         topic, _, partition = k.decode().rpartition("/")
         out[(topic, int(partition))] = int(v)
     return out
@@ -267,6 +338,12 @@ class ReferenceLoader:
         self._thread = threading.Thread(target=self._run, name="reference-loader", daemon=True)
         self._stored: dict[tuple[str, int], int] = {}
         """The positions last written to Redis, per assigned partition."""
+        self._targets: dict[tuple[str, int], int] = {}
+        """Where each partition marked as loading must get to (see references.py)."""
+        self._count = 0
+        """The topic's partition count, as the last assignment found it."""
+        self._lost = False
+        """A rewind found Redis behind: compare every partition's position now."""
 
     def start(self) -> None:
         self._thread.start()
@@ -276,14 +353,37 @@ class ReferenceLoader:
         self._thread.join(10)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # Redis's positions, waited for: replaying from the beginning instead would show
-        # the entities' older states while proposals are decided against them.
+        """Each partition from the position Redis holds, waited for (replaying from the
+        beginning instead would show the entities' older states); from the beginning
+        where Redis holds none. A partition that starts behind its end now is marked as
+        loading up to that end, so lookups wait until it is there."""
+        s = self.settings
+        topic = s.topics.reference
+        self._count = len(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+        ends = {tp.partition: watermarks(consumer, tp) for tp in partitions}
+        key = position_key(s.redis_namespace, s.reference_group_id)
         delay = 0.2
         while True:
             try:
-                known = positions(
-                    self.client, self.settings.reference_group_id, self.settings.redis_namespace
-                )
+                known = positions(self.client, s.reference_group_id, s.redis_namespace)
+                stored: dict[tuple[str, int], int] = {}
+                targets: dict[tuple[str, int], int] = {}
+                pipe = self.client.pipeline(transaction=False)
+                pipe.hset(count_key(s.redis_namespace, s.reference_group_id), topic, self._count)
+                for tp in partitions:
+                    low, high = ends[tp.partition]
+                    here = known.get((tp.topic, tp.partition))
+                    if here is None:
+                        # Nothing loaded yet: from the beginning, or from the end of a
+                        # partition that holds no record.
+                        here = high if low >= high else 0
+                        pipe.hset(key, _field(tp.topic, tp.partition), here)
+                    stored[(tp.topic, tp.partition)] = here
+                    if high > here:
+                        targets[(tp.topic, tp.partition)] = high
+                        pipe.hset(key, LOADING + _field(tp.topic, tp.partition), high)
+                    tp.offset = here if here > 0 else OFFSET_BEGINNING
+                pipe.execute()
                 break
             except REDIS_ERRORS as exc:
                 if self._stop.is_set():
@@ -292,11 +392,7 @@ class ReferenceLoader:
                 logger.warning("cannot read reference positions (%s); retrying", exc)
                 self._stop.wait(delay)
                 delay = min(delay * 2, 5.0)
-        self._stored = {}
-        for tp in partitions:
-            tp.offset = known.get((tp.topic, tp.partition), OFFSET_BEGINNING)
-            if tp.offset >= 0:
-                self._stored[(tp.topic, tp.partition)] = tp.offset
+        self._stored, self._targets = stored, targets
         consumer.assign(partitions)
 
     def _run(self) -> None:
@@ -347,7 +443,10 @@ class ReferenceLoader:
                     self._apply(consumer, records)
                 else:
                     self._advance(consumer)
-                if time.monotonic() >= next_check:
+                if time.monotonic() >= next_check or self._lost:
+                    # (at once after a rewind: what Redis lost there, it may have lost on
+                    # the other partitions too)
+                    self._lost = False
                     self._resync(consumer)
                     self._measure_lag(consumer)
                     next_check = time.monotonic() + RESYNC_S
@@ -380,30 +479,57 @@ class ReferenceLoader:
         (a failover to a replica that missed the latest writes, a restore from an older
         snapshot, a flushed database) mean the entities written since may be gone too:
         those partitions are read again from where Redis says."""
+        s = self.settings
+        key = position_key(s.redis_namespace, s.reference_group_id)
+        counts = count_key(s.redis_namespace, s.reference_group_id)
         try:
-            held = positions(self.client, self.settings.reference_group_id,
-                             self.settings.redis_namespace)  # fmt: skip
+            held = self.client.hgetall(key)
+            if not self.client.hexists(counts, s.topics.reference):  # a flushed database
+                self.client.hset(counts, s.topics.reference, self._count)
         except REDIS_ERRORS:
             return  # Redis down: the next batch waits it out; checked again later
+        there_all = positions_of(held)
         for (topic, partition), mine in list(self._stored.items()):
-            there = held.get((topic, partition), 0)  # none at all: a flushed database
-            if there >= mine:
-                continue
-            self._rewind(consumer, topic, partition, there)
+            there = there_all.get((topic, partition))
+            if there is None or there < mine:  # none at all: a flushed database
+                self._rewind(consumer, topic, partition, there or 0)
 
     def _rewind(self, consumer: Consumer, topic: str, partition: int, there: int) -> None:
+        """Read a partition again from ``there``, marked as loading up to as far as this
+        loader had got (or was to get): until then, Redis holds older states."""
+        tp = (topic, partition)
         logger.warning(
             "reference positions in Redis went back (%s/%s: %s, loaded up to %s); "
             "reading it again from there",
-            topic, partition, there, self._stored.get((topic, partition)),
+            topic, partition, there, self._stored.get(tp),
         )  # fmt: skip
+        s = self.settings
+        key = position_key(s.redis_namespace, s.reference_group_id)
+        target = max(self._stored.get(tp, 0), self._targets.get(tp, 0))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(key, _field(topic, partition), there)
+        # (lost too, if the position hash was)
+        pipe.hset(count_key(s.redis_namespace, s.reference_group_id), topic, self._count)
+        if target > there:
+            pipe.hset(key, LOADING + _field(topic, partition), target)
+        pipe.execute()  # a Redis error: the loader starts again from what Redis holds
         try:
             consumer.seek(TopicPartition(topic, partition, there or OFFSET_BEGINNING))
         except KafkaException as exc:
+            # Read on from here; the next write finds Redis behind and rewinds again.
             logger.warning("cannot rewind %s/%s: %s", topic, partition, exc)
             return
-        self._stored[(topic, partition)] = there
+        self._stored[tp] = there
+        if target > there:
+            self._targets[tp] = target
+        self._lost = True
         self.metrics.reference_rewinds.inc()
+
+    def _wrote(self, written: Iterable[tuple[str, int]]) -> None:
+        """Partitions just written: a loading mark they reached is gone (positions.lua)."""
+        for tp in written:
+            if tp in self._targets and self._stored.get(tp, 0) >= self._targets[tp]:
+                del self._targets[tp]
 
     def _advance(self, consumer: Consumer) -> None:
         """Idle: move the stored positions past what the consumer skipped since (the
@@ -423,6 +549,7 @@ class ReferenceLoader:
         except REDIS_ERRORS:
             return  # tried again when next idle
         self._stored.update(ahead)
+        self._wrote(ahead)
         for (topic, partition), there in behind.items():
             self._rewind(consumer, topic, partition, there)
 
@@ -447,6 +574,7 @@ class ReferenceLoader:
                 for topic, partition, offset, _, _ in records:
                     tp = (topic, partition)
                     self._stored[tp] = max(offset + 1, past.get(tp, 0))
+                self._wrote({(r[0], r[1]) for r in records})
                 for (topic, partition), there in behind.items():
                     # Redis lost writes since this loader's last batch (a failover while
                     # it was being retried, say): read the partition again from there.

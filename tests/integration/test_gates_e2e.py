@@ -50,6 +50,7 @@ from processor.reference_data import publish_references, wait_until_loaded
 from processor.state.admission import AdmissionStore
 from processor.state.approvals import ApprovalStore
 from processor.state.connection import connect
+from processor.state.references import entity_key, position_key
 from tests.integration.harness import (
     ROOT,
     ProcessorProcess,
@@ -712,6 +713,23 @@ def test_references_state_and_rules(world: World) -> None:
     world.none_ran([foreign, shipped, cancelled], "HIGH_RISK_EXTERNAL")
     world.none_ran([same_account], "CRITICAL_MUTATION")
     world.none_ran([same_currency], "READ_ONLY")
+
+
+def test_a_reference_state_redis_lost_is_loaded_again_before_it_decides(world: World) -> None:
+    """Redis goes back (a flush, a restore): the cancelled order reads as processing again
+    and the loaders' positions are gone. The processor waits for its loader to load the
+    topic again instead of deciding on the older state, under which this cancellation
+    of a cancelled order would go through."""
+    s = world.settings
+    redis = connect(s.redis_url)
+    ek = entity_key(s.redis_namespace, ACME, "order", CANCELLED)
+    assert orjson.loads(redis.get(ek) or b"{}")["state"] == "cancelled"
+    redis.set(ek, orjson.dumps({"state": "processing", "owner": "cust-2"}))
+    redis.delete(position_key(s.redis_namespace, s.reference_group_id))
+    pid = world.propose("agent", "cancel_order", cancel(CANCELLED))
+    [err] = refused(world.wait(pid), "STALE_STATE", "state", ["invalid_state"])
+    assert err["actual"] == "cancelled"
+    world.none_ran([pid], "HIGH_RISK_EXTERNAL")
 
 
 # -- 4. policy -----------------------------------------------------------------------------------

@@ -30,9 +30,12 @@ from processor.state import references
 from processor.state.connection import connect
 from processor.state.references import (
     ReferenceLoader,
+    ReferencesLoading,
     ReferenceStore,
+    count_key,
     entity_key,
     index_key,
+    load_state,
     position_key,
     write_positions,
 )
@@ -202,6 +205,73 @@ def test_writes_redis_lost_are_loaded_again_though_a_batch_came_first(
         wait_until_loaded(settings, timeout=30)
 
 
+def test_lookups_wait_while_the_loader_loads_again_what_redis_lost(
+    stack_settings: Settings,
+) -> None:
+    """A flushed database (here: the entity back in an older state and the positions
+    gone): until the loader has read the partition again up to where it had got, a lookup
+    raises ReferencesLoading rather than answer with the older state. (Answered, the
+    cancelled order reads as processing, and a cancel or refund goes through again.)"""
+    with _cancelled_order(stack_settings, "WO-00044-A") as (settings, redis, metrics, ek):
+        store = ReferenceStore(
+            redis, settings.redis_namespace, settings.reference_group_id,
+            settings.topics.reference,
+        )  # fmt: skip
+        wanted = ("acme", "order", "WO-00044-A")
+        assert store.lookup([wanted])[wanted].state == "cancelled"  # type: ignore[union-attr]
+        redis.set(ek, b'{"state":"processing"}')
+        redis.delete(position_key(settings.redis_namespace, settings.reference_group_id))
+        answers: list[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and answers[-1:] != ["cancelled"]:
+            try:
+                entry = store.lookup([wanted])[wanted]
+                answers.append(entry.state if entry else "none")
+            except ReferencesLoading:
+                answers.append("loading")
+            time.sleep(0.01)
+        assert answers[0] == "loading" and answers[-1] == "cancelled", answers
+        assert set(answers) == {"loading", "cancelled"}, answers
+        assert metrics.reference_rewinds._value.get() >= 1
+
+
+def test_a_first_load_is_marked_until_it_reaches_the_end_it_started_from(
+    stack_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loader that starts behind a partition's end (a first load; a restart after the
+    topic moved on) marks the partition before its first batch is written, and the mark
+    goes with the batch that reaches that end: lookups meanwhile would read older states."""
+    settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
+    redis = connect(settings.redis_url)
+    key = position_key(settings.redis_namespace, settings.reference_group_id)
+    group, topic = settings.reference_group_id, settings.topics.reference
+    publish_references(
+        settings,
+        [("acme/order/WO-00045-A", {"state": "processing"}),
+         ("acme/order/WO-00045-A", {"state": "refunded"})],
+    )  # fmt: skip
+    seen: list[str | None] = []
+    apply = references.apply_records
+
+    def watched(*args: Any, **kw: Any) -> Any:
+        seen.append(load_state(redis, group, settings.redis_namespace, topic)[1])
+        return apply(*args, **kw)
+
+    monkeypatch.setattr(references, "apply_records", watched)
+    loader = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
+    loader.start()
+    try:
+        wait_until_loaded(settings, timeout=30)
+    finally:
+        loader.stop()
+    assert seen and seen[0] is not None and "being loaded" in seen[0], seen
+    assert load_state(redis, group, settings.redis_namespace, topic)[1] is None
+    held = redis.hgetall(key)
+    assert not [k for k in held if k.startswith(b":loading:")]
+    # Every partition has a position, the five empty ones included.
+    assert len(held) == 6
+
+
 def test_reference_records_are_partitioned_as_the_executors_partition(
     stack_settings: Settings,
 ) -> None:
@@ -230,7 +300,9 @@ def test_an_id_only_the_asking_tenant_indexes_is_not_another_tenants(
     tenant's data, which would tell the model never to retry."""
     ns = f"refs-{uuid.uuid4().hex[:6]}"
     redis = connect(stack_settings.redis_url)
-    store = ReferenceStore(redis, ns)
+    store = ReferenceStore(redis, ns, "loaders", "refs")
+    redis.hset(position_key(ns, "loaders"), "refs/0", 0)
+    redis.hset(count_key(ns, "loaders"), "refs", 1)
     redis.sadd(index_key(ns, "order", "WO-1"), "acme")
     redis.sadd(index_key(ns, "order", "WO-2"), "acme", "globex")
     got = store.lookup([("acme", "order", "WO-1"), ("acme", "order", "WO-2")])
@@ -254,3 +326,22 @@ def test_positions_move_forward_only_where_redis_kept_what_the_loader_wrote(
     assert moved == {p0: 4, p1: 0}
     held = redis.hgetall(position_key(ns, group))
     assert held == {b"tool.reference/0": b"4", b"tool.reference/2": b"3"}
+
+
+def test_a_loading_mark_goes_with_the_position_that_reaches_it(stack_settings: Settings) -> None:
+    redis = connect(stack_settings.redis_url)
+    ns, group = f"refs-{uuid.uuid4().hex[:6]}", "g"
+    key = position_key(ns, group)
+    p0, p1 = ("tool.reference", 0), ("tool.reference", 1)
+    redis.hset(count_key(ns, group), "tool.reference", 2)
+    redis.hset(key, mapping={":loading:tool.reference/0": 10, ":loading:tool.reference/1": 5})
+    assert write_positions(redis, group, ns, {p0: 9, p1: 5}, {}) == {}
+    held = redis.hgetall(key)
+    assert b":loading:tool.reference/1" not in held
+    assert held[b":loading:tool.reference/0"] == b"10"
+    assert load_state(redis, group, ns, "tool.reference") == (
+        {p0: 9, p1: 5},
+        "tool.reference partitions [0] are being loaded",
+    )
+    assert write_positions(redis, group, ns, {p0: 11}, {p0: 9, p1: 5}) == {}
+    assert load_state(redis, group, ns, "tool.reference") == ({p0: 11, p1: 5}, None)
