@@ -22,7 +22,12 @@ deadline is not run (``TIMED_OUT``), a tool without a handler and a handler
 that raises fail closed (``FAILED``, not retryable). A record that is not an
 approved call goes to the executors' dead-letter topic (``tool.calls.dlq``) with
 the reason in its headers, in the transaction that commits its offset, so one bad
-record never stops the group and none is lost. A call written with an
+record never stops the group and none is lost. A record that is an approved call
+but cannot be handed to a handler (its arguments are not a JSON object: another
+producer wrote it, or a processor of another version) still names its call: it is
+dead-lettered, and answered on ``tool.results`` in the same transaction as a failure
+that says the call was not run (``approved_call_invalid``, ``UNKNOWN_ERROR``), so its
+agent hears of it at once instead of after the call's deadline. A call written with an
 approved-call schema this executor does not know (a newer processor's, during an
 upgrade) is neither run nor skipped: its partition waits at it, paused, and is read
 again every ``HOLD_S`` seconds, until an executor that knows the schema owns it.
@@ -70,7 +75,7 @@ from processor.config import Settings
 from processor.kafka.offsets import next_offsets, records_of, rewind, where
 from processor.kafka.produce import Headers, send
 from processor.model import Decision, Gate, Outcome, SideEffectClass, SourceRecord, TaxonomyClass
-from processor.results import RESULT_TOO_LARGE, RESULT_UNPUBLISHABLE
+from processor.results import CALL_INVALID, RESULT_TOO_LARGE, RESULT_UNPUBLISHABLE
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +88,8 @@ HOLD_S = 10.0
 """How long a partition waits, paused, at a call written with a schema this executor does
 not know, before it is read again (and the call logged and counted again): the next owner
 of the partition, once an upgrade moves it, may know the schema."""
+UNREADABLE_TOOL = "(unreadable)"
+"""The ``tool`` label of the answers to calls that could not be read (see ``_not_run``)."""
 GIVEN_BACK_BYTES = 64 * 1024 * 1024
 """Answers of aborted batches kept for their redelivery, at most this many bytes (the
 oldest dropped first: a call whose batch moved to another executor is never committed
@@ -188,7 +195,8 @@ class ExecutorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.results = Counter(
             "toolsentry_executor_results_total",
-            "Results published, by tool and outcome.",
+            'Results published, by tool and outcome (tool "(unreadable)": the answers '
+            "to calls that could not be read, which are dead-lettered too).",
             ["tool", "outcome"],
             registry=registry,
         )
@@ -222,6 +230,12 @@ class _Unreadable:
     newer: bool = False
     """Framed with a schema this executor does not know: a newer writer's call, held for an
     executor that knows it rather than dead-lettered."""
+    call: Call | None = None
+    """The call an approved-call record names though it cannot be run (its arguments left
+    empty): it is answered on ``tool.results`` as well as dead-lettered. None when the
+    record names no call (it does not decode, or lacks the ids a result needs)."""
+    why: str = ""
+    """What that answer tells the agent: fixed text, never the record's contents."""
 
 
 DeadLetter = tuple[bytes | None, bytes | None, Headers]
@@ -237,6 +251,11 @@ class _Output:
     call: tuple[str, int, str]
     """(call id, attempt, idempotency key)."""
     references: list[tuple[bytes, bytes | None]] = field(default_factory=list)
+    ran: bool = True
+    """A handler's answer (or the deadline's), kept for the batch's redelivery should its
+    transaction abort. False for the answer to a record that could not be run, which is
+    built again from the record: kept under the ids the record claims, it could stand in
+    for the answer of another record claiming the same ids."""
 
     def size(self) -> int:
         return len(self.value) + sum(len(k) + len(v or b"") for k, v in self.references)
@@ -368,8 +387,11 @@ class Executor:
         for m, r in read:
             if isinstance(r, Call):
                 outputs.append(self._execute(r))
-            else:
-                dead.append(self._dead_letter(m, r))
+                continue
+            dead.append(self._dead_letter(m, r))
+            answer = self._not_run(r)
+            if answer is not None:
+                outputs.append(answer)
         try:
             producer.begin_transaction()
             producer.send_offsets_to_transaction(
@@ -387,7 +409,8 @@ class Executor:
             self._abort_and_rewind(consumer, producer, records, exc)
             return 0
         for out in outputs:
-            self._forget(out.call)
+            if out.ran:
+                self._forget(out.call)
         self.metrics.transactions.labels("committed").inc()
         for out in outputs:
             self.metrics.results.labels(out.tool, out.outcome).inc()
@@ -409,6 +432,41 @@ class Executor:
         d = Decision(source, Outcome.DEAD_LETTER, Gate.PARSE, None, dlq_reason=why.reason,
                      dlq_detail=why.detail)  # fmt: skip
         return dlq_record(m.key(), d, self.max_result_bytes)
+
+    def _not_run(self, why: _Unreadable) -> _Output | None:
+        """The answer to a record that names a call but cannot be run: a failure that says
+        nothing ran (no committed steps, no data), under the record's own ids, so the
+        processor settles that call, and only that call, at once. The class is
+        ``UNKNOWN_ERROR``, not retryable: a fault of the platform (not of the model's
+        arguments, which the processor checked) that an operator, who has the dead letter,
+        must fix; retried, the call would meet the same fault. None when there is no call
+        to answer, or its answer would not fit in a record (ids far larger than any the
+        processor writes): the dead letter alone tells of it."""
+        call = why.call
+        if call is None:
+            return None
+        failed = Failed(
+            CALL_INVALID,
+            f"the executor could not read this call ({why.why}); it was not run",
+            retryable=False,  # the same call, routed again, meets the same fault
+            taxonomy_class=TaxonomyClass.UNKNOWN_ERROR.value,
+        )
+        now = self._now_ms()
+        try:
+            out = self._output(call, failed, FAILED, now)
+        except Exception as exc:  # ids no result can carry
+            logger.warning("call %.64s cannot be answered (%s): dead-lettered only",
+                           call.call_id, type(exc).__name__)  # fmt: skip
+            return None
+        if len(out.key) + len(out.value) > self.max_result_bytes:
+            logger.warning("the answer to call %.64s is too large: dead-lettered only",
+                           call.call_id)  # fmt: skip
+            return None
+        out.ran = False
+        out.tool = UNREADABLE_TOOL  # the record's tool name is anybody's text: not a label
+        logger.error("call %.64s cannot be run (%s): answered as not run", call.call_id,
+                     why.why)  # fmt: skip
+        return out
 
     def _hold(self, consumer: Consumer, held: dict[tuple[str, int], int]) -> bool:
         """Pause each partition at its call of an unknown schema for ``HOLD_S``, and seek
@@ -515,6 +573,8 @@ class Executor:
 
     def _give_back(self, outputs: list[_Output]) -> None:
         for out in outputs:
+            if not out.ran:
+                continue
             self._forget(out.call)
             self._given_back[out.call] = out
             self._given_back_bytes += out.size()
@@ -664,9 +724,37 @@ def _read(value: bytes | None) -> Call | _Unreadable:
         fingerprint = header[2:].hex()
         return _Unreadable("approved_call_schema_unknown", f"writer schema {fingerprint}", True)
     try:
-        return _call(decode_approved_call(data))
+        d = decode_approved_call(data)
     except (ValueError, KeyError, TypeError) as exc:
-        return _Unreadable("approved_call_invalid", f"{type(exc).__name__}: {exc}"[:500])
+        return _Unreadable(CALL_INVALID, f"{type(exc).__name__}: {exc}"[:500])
+    try:
+        return _call(d)
+    except (ValueError, KeyError, TypeError) as exc:
+        detail = f"{type(exc).__name__}: {exc}"[:500]
+        why = (
+            "its arguments are not a JSON object"
+            if isinstance(exc, _NotAnObject)
+            else "its arguments are not valid JSON"
+            if isinstance(exc, orjson.JSONDecodeError)
+            else f"a field of it is not usable ({type(exc).__name__})"
+        )
+        return _Unreadable(CALL_INVALID, detail, call=_named(d), why=why)
+
+
+class _NotAnObject(ValueError):
+    pass
+
+
+def _named(d: dict[str, Any]) -> Call | None:
+    """The call a decoded record names, with no arguments (it is never run), or None when
+    it lacks what ties a result to a call (call id, idempotency key, run, tenant)."""
+    try:
+        call = _call({**d, "arguments": "{}"})
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not (call.call_id and call.idempotency_key and call.run_id and call.tenant_id):
+        return None
+    return call
 
 
 def _newer(read: list[tuple[Message, Call | _Unreadable]]) -> dict[tuple[str, int], int]:
@@ -688,7 +776,7 @@ def _behind(m: Message, held: dict[tuple[str, int], int]) -> bool:
 def _call(d: dict[str, Any]) -> Call:
     arguments = orjson.loads(d["arguments"])
     if not isinstance(arguments, dict):
-        raise ValueError("arguments are not a JSON object")
+        raise _NotAnObject("arguments are not a JSON object")
     return Call(
         call_id=d["call_id"],
         proposal_id=d["proposal_id"],

@@ -98,6 +98,10 @@ RESULT_TOO_LARGE = "result_too_large"
 RESULT_UNPUBLISHABLE = "result_unpublishable"
 """Executors' error codes (with ``OBSERVATION_NORMALIZATION_FAIL``) for a call that ran
 whose answer cannot be carried: too large for a record, or not serialisable at all."""
+CALL_INVALID = "approved_call_invalid"
+"""Executors' error code (with ``UNKNOWN_ERROR``) for a call record they could not hand to a
+handler (its arguments not a JSON object): it was not run. Also the reason of its dead
+letter on ``tool.calls.dlq``."""
 RESULT_DATA_MAX_BYTES = 262_144
 """The most of a result's data an observation carries to the model (and Redis caches for
 retries): a larger answer is not shown, and the model is told why."""
@@ -246,6 +250,18 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         rej = Rejection(_T.COMPENSATION_REQUIRED, Gate.RESULT, errors, action)
         return "FAILED_FINAL", rej, final
     claimed = r.get("taxonomy_class")
+    if claimed == _T.UNKNOWN_ERROR.value and r.get("error_code") == CALL_INVALID:
+        # The executor's word for "the call record could not be read; nothing ran": a fault
+        # of the platform (another writer on the execution topic, versions that do not
+        # match), not of the model's arguments, which were checked. Final, as the class
+        # says: the same call routed again meets the same fault, so the model hands off
+        # (an operator has the dead letter) rather than retry or "fix" its arguments.
+        action = (
+            f"{tool} was not run: its executor could not read the call it was sent. This is "
+            "a fault of the platform, not of your arguments. Do not retry it; tell the user "
+            "it could not be done, and call handoff_to_human."
+        )
+        return "FAILED_FINAL", _handoff(_T.UNKNOWN_ERROR, detail, action), final
     if claimed == _T.OBSERVATION_NORMALIZATION_FAIL.value and r.get("error_code") in (
         RESULT_TOO_LARGE,
         RESULT_UNPUBLISHABLE,

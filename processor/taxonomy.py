@@ -35,7 +35,7 @@ RAISED_BY: dict[TaxonomyClass, str] = {
     "compensating call",
     _T.OBSERVATION_NORMALIZATION_FAIL: "result (data not matching the contract's output_schema)",
     _T.UNKNOWN_ERROR: "internal (a bug; fails closed); result (a failure its executor did not "
-    "classify)",
+    "classify, a call its executor could not read)",
 }
 """Where each class comes from. The gates raise theirs as a proposal passes through them,
 admission (idempotency, then budgets) last; the conformance suite sees each of them raised.

@@ -264,6 +264,55 @@ def test_undecodable_records_are_dead_lettered_and_the_executor_goes_on(scenario
         assert headers["toolsentry.source.topic"] == source
 
 
+def test_a_call_that_cannot_be_handed_to_a_handler_is_answered_and_dead_lettered(
+    stack_settings: Settings,
+) -> None:
+    """A call record that decodes but cannot be run (its arguments are not a JSON object,
+    or not JSON at all: another producer wrote it, or a processor of another version) still
+    names its call. Dead-lettered only, its agent would hear nothing until the call's
+    deadline and grace passed; it is also answered on tool.results, in the same
+    transaction, as a failure that does not claim the tool ran. A record that names no
+    call (no idempotency key) is only dead-lettered."""
+    s = isolated(stack_settings, f"exec-unrunnable-{uuid.uuid4().hex[:6]}")
+    run = {"run_id": "run-unrunnable"}  # one partition, in this order
+    listed = {**approved_call("lookup_order", {}), **run, "arguments": '["WO-12345-A"]'}
+    broken = {**approved_call("lookup_order", {}), **run, "arguments": '{"order_id": WO-1'}
+    nameless = {**approved_call("lookup_order", {}), **run, "arguments": "7",
+                "idempotency_key": ""}  # fmt: skip
+    after = {**approved_call("lookup_order", {"order_id": "WO-55555-B"}), **run}
+    send_calls(s, [listed, broken, nameless, after])
+    sc = Scenario(s)
+    ex = executor(s, sc.handlers())
+    try:
+        drain(ex, 4)
+        assert ex.undecodable == 3
+    finally:
+        ex.close()
+    assert sc.seen == [after["call_id"]]  # the handler never saw the unreadable ones
+    out = results(s, 3)
+    assert out[after["call_id"]]["outcome"] == "SUCCEEDED"
+    for call in (listed, broken):
+        r = out[call["call_id"]]
+        assert (r["outcome"], r["error_code"], r["taxonomy_class"]) == (
+            "FAILED",
+            "approved_call_invalid",
+            "UNKNOWN_ERROR",
+        )
+        assert r["result_id"] == hashlib.sha256(f"{call['call_id']}/1".encode()).hexdigest()[:32]
+        for field in ("proposal_id", "run_id", "tenant_id", "trace_id", "tool_name",
+                      "tool_version", "side_effect_class", "idempotency_key", "payload_hash",
+                      "attempt", "contract_set"):  # fmt: skip
+            assert r[field] == call[field], field
+        assert r["committed_steps"] == [] and r["data"] is r["compensation_arguments"] is None
+        assert "not run" in r["error_message"] and "WO-" not in r["error_message"]
+    dead = read_all(s, s.topics.call_dlq, expect=3, idle=1.0)
+    assert [decode_approved_call(m.value())["call_id"] for m in dead] == [
+        listed["call_id"], broken["call_id"], nameless["call_id"],
+    ]  # fmt: skip
+    for m in dead:
+        assert dict(m.headers() or [])["toolsentry.error.reason"] == b"approved_call_invalid"
+
+
 def _newer_codec() -> AvroCodec:
     """The approved-call schema as a newer processor might write it: a field more."""
     schema = orjson.loads((SCHEMAS_DIR / "approved_call.avsc").read_bytes())

@@ -19,10 +19,13 @@ from typing import Any
 
 import orjson
 import pytest
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from processor import b64url
 from processor.approval_flow import publish_approvals
 from processor.client import ToolsentryClient
+from processor.codec.avro import codec
 from processor.codec.records import decode_approved_call, decode_result, encode_result
 from processor.config import Settings
 from processor.executor import Call, Executor, Failed, Handler, Succeeded
@@ -554,3 +557,70 @@ def test_a_result_that_breaks_its_contract_is_not_shown_and_not_run_again(bench:
     )  # fmt: skip
     assert again["status"]["taxonomy_class"] == "OBSERVATION_NORMALIZATION_FAIL"
     assert [c.idempotency_key for c in bench.calls].count(key) == 1
+
+
+def _start_past_what_is_there(settings: Settings, group: str, topic: str) -> None:
+    """Commit ``group``'s offsets at the end of ``topic``: its consumers start after
+    every record on it now."""
+    admin = AdminClient(settings.client_config())
+    reader = Consumer(settings.client_config(**{"group.id": f"{group}-probe"}))
+    try:
+        partitions = reader.list_topics(topic, timeout=10).topics[topic].partitions
+        ends = [TopicPartition(topic, p, reader.get_watermark_offsets(
+            TopicPartition(topic, p), timeout=10)[1]) for p in partitions]  # fmt: skip
+    finally:
+        reader.close()
+    groups = [ConsumerGroupTopicPartitions(group, ends)]
+    for done in admin.alter_consumer_group_offsets(groups).values():
+        done.result(30)
+
+
+def test_a_call_its_executor_cannot_read_is_answered_at_once(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """A call record no handler can be given (its arguments are not a JSON object: another
+    producer wrote it, or a processor of another version) goes to tool.calls.dlq. Its
+    agent must not be left waiting until the call's deadline and grace passed: the
+    executor answers it too, as a failure that does not claim the tool ran, and the
+    processor settles the call's record. The failure is final (the same call routed again
+    would meet the same fault): a retry under the key is told to hand off, and not run."""
+    settings = isolated(stack_settings, "results-unreadable")
+    with _running(settings, "results-unreadable-1", tmp_path) as mine:
+        key = f"k-{uuid.uuid4().hex}"
+        args = {"order_id": "WO-55502-A"}
+        run = f"run-{uuid.uuid4().hex[:10]}"
+        pid = mine.propose("lookup_order", args, idempotency_key=key, run_id=run)
+        mine.routed(pid)
+        [call] = [c for c in mine.exec_calls("READ_ONLY") if c["idempotency_key"] == key]
+        # The executor meets the call only as the other writer wrote it: its group starts
+        # past the processor's own record (the executor of this bench never ran).
+        topic = settings.topics.execution("READ_ONLY")
+        _start_past_what_is_there(settings, mine.executor.settings.group_id, topic)
+        skewed = {**call, "arguments": '["WO-55502-A"]'}
+        producer = Producer(settings.client_config(**{"enable.idempotence": True}))
+        producer.produce(topic, codec("approved_call").encode(skewed), run.encode())
+        assert producer.flush(30) == 0
+
+        failed = mine.result(pid)
+        assert (failed["decision"], failed["gate"]) == ("FAILED", "result")
+        assert failed["status"]["taxonomy_class"] == "UNKNOWN_ERROR"
+        assert failed["status"]["escalate"] is True
+        assert failed["allowed_tools"] == ["handoff_to_human"]
+        assert [e["code"] for e in failed["result_payload"]["errors"]] == ["approved_call_invalid"]
+        assert "not run" in failed["next_action"]
+        assert mine.calls == []  # no handler ran
+        assert mine.store.record(TENANT, key)["state"] == "FAILED_FINAL"
+        [dead] = read_all(settings, settings.topics.call_dlq, expect=1, idle=1.0)
+        assert decode_approved_call(dead.value())["call_id"] == call["call_id"]
+
+        again = mine.client.wait(mine.propose("lookup_order", args, idempotency_key=key,
+                                              run_id=run), 60)  # fmt: skip
+        assert (again["gate"], again["execution_metadata"]["idempotency_hit"]) == (
+            "idempotency", True,
+        )  # fmt: skip
+        assert again["status"]["taxonomy_class"] == "UNKNOWN_ERROR"
+        assert again["next_action"] == failed["next_action"]
+        # Not routed again: the processor's record and the other writer's, both attempt 1.
+        routed = [c for c in mine.exec_calls("READ_ONLY") if c["idempotency_key"] == key]
+        assert [c["attempt"] for c in routed] == [1, 1]
+        assert mine.calls == []

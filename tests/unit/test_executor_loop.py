@@ -301,3 +301,76 @@ def test_a_held_partition_is_resumed_after_the_hold(contracts: ContractSet) -> N
     executor._held[(topic, 0)] = 0.0
     executor._on_revoke(consumer, [TopicPartition(topic, 0)])  # type: ignore[arg-type]
     assert executor._held == {}  # its next owner reads it afresh
+
+
+def _unrunnable(value: bytes, **fields: Any) -> bytes:
+    """The same call as another writer might put it: decodes, but cannot be run."""
+    return codec("approved_call").encode({**decode_approved_call(value), **fields})
+
+
+def test_a_call_that_cannot_be_run_is_answered_as_not_run_and_dead_lettered(
+    contracts: ContractSet,
+) -> None:
+    """Dead-lettered only, its agent would hear nothing until the call's deadline and grace
+    passed. It names its call, so that call is answered too, in the same transaction, as
+    not run; a record that names no call (no idempotency key) is only dead-lettered."""
+    call, now_ms = _approved_call(contracts)
+    listed = _unrunnable(call, arguments='["WO-12345-A"]')
+    broken = _unrunnable(call, call_id="c-broken", arguments='{"order_id": WO-1')
+    nameless = _unrunnable(call, call_id="c-nameless", arguments="7", idempotency_key="")
+    registry = CollectorRegistry()
+    ran: list[Call] = []
+    producer, consumer = _Producer(), _Consumer([])
+    executor = _executor(consumer, producer, ran=ran, registry=registry)
+    executor.clock = lambda: now_ms / 1000
+    topic = executor.topics[0]
+    values = [listed, broken, nameless]
+    consumer.records = [_Record(topic, 3 + i, v) for i, v in enumerate(values)]
+    assert executor.run_once(0.1) == 3
+    assert ran == []
+    assert producer.calls == ["begin", "offsets", *["produce"] * 5, "commit"]
+    assert producer.offsets == [(topic, 0, 6)]
+    dead = [p for p in producer.produced if p["topic"] == executor.settings.topics.call_dlq]
+    assert [p["value"] for p in dead] == values
+    answers = [
+        decode_result(p["value"])
+        for p in producer.produced
+        if p["topic"] == executor.settings.topics.results
+    ]
+    original = decode_approved_call(call)
+    assert [r["call_id"] for r in answers] == [original["call_id"], "c-broken"]
+    for r in answers:
+        assert (r["outcome"], r["error_code"], r["taxonomy_class"], r["retryable"]) == (
+            "FAILED", "approved_call_invalid", "UNKNOWN_ERROR", False,
+        )  # fmt: skip
+        assert r["committed_steps"] == [] and r["data"] is None
+        assert (r["idempotency_key"], r["attempt"]) == (original["idempotency_key"], 1)
+        assert "WO-" not in r["error_message"]
+    assert "not a JSON object" in answers[0]["error_message"]
+    assert "not valid JSON" in answers[1]["error_message"]
+    assert executor.undecodable == 3
+    labels = {"tool": executor_module.UNREADABLE_TOOL, "outcome": "FAILED"}
+    assert registry.get_sample_value("toolsentry_executor_results_total", labels) == 2
+
+
+def test_the_answer_to_a_call_that_cannot_be_run_is_not_kept_for_a_redelivery(
+    contracts: ContractSet,
+) -> None:
+    """An aborted batch's answers stand in for their calls when the batch comes back. The
+    answer to an unreadable record is not kept: under the ids that record claims, it would
+    stand in for the real call carrying the same ids, which would then never run."""
+    call, now_ms = _approved_call(contracts)
+    ran: list[Call] = []
+    failed = KafkaError(KafkaError._TIMED_OUT, "commit failed", retriable=False)
+    producer, consumer = _Producer([failed]), _Consumer([])
+    executor = _executor(consumer, producer, ran=ran)
+    executor.clock = lambda: now_ms / 1000
+    topic = executor.topics[0]
+    consumer.records = [_Record(topic, 3, _unrunnable(call, arguments="[]"))]
+    assert executor.run_once(0.1) == 0  # aborted and rewound
+    assert executor._given_back == {}
+    consumer.records = [_Record(topic, 3, call)]
+    assert executor.run_once(0.1) == 1
+    assert len(ran) == 1
+    [r] = [decode_result(p["value"]) for p in producer.produced[-1:]]
+    assert r["outcome"] == "SUCCEEDED"

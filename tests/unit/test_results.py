@@ -357,3 +357,36 @@ def test_a_result_for_a_key_that_moved_on_does_not_say_a_compensation_was_propos
     assert "proposed for you" not in d.rejection.next_action
     ok = decide_envelope(envelope("lookup_order"), contracts)
     assert stale_compensation(ok) is ok and ok.rejection is None
+
+
+def test_a_call_its_executor_could_not_read_is_final_and_hands_off(
+    contracts: ContractSet,
+) -> None:
+    """Nothing ran, and nothing the model did caused it (its arguments were checked): it is
+    not told it may retry (the same call routed again meets the same fault), nor to fix
+    its arguments, but to hand off; the record agrees, so a retry gets the same answer."""
+    item = _charge_result(
+        contracts,
+        **NOTHING_COMMITTED,
+        error_code="approved_call_invalid",
+        error_message="the executor could not read this call (...); it was not run",
+        taxonomy_class="UNKNOWN_ERROR",
+    )
+    rej = item.decision.rejection
+    assert rej is not None and rej.taxonomy is TaxonomyClass.UNKNOWN_ERROR
+    assert item.state == "FAILED_FINAL"
+    assert rej.allowed_tools == ("handoff_to_human",)
+    assert "was not run" in rej.next_action and "not of your arguments" in rej.next_action
+    assert _codes(item.decision) == ["approved_call_invalid"]
+    assert wants_compensation(item, contracts) is None
+    # A compensating call that could not be read did not undo anything: it escalates.
+    comp = _charge_result(
+        contracts,
+        **NOTHING_COMMITTED,
+        idempotency_key=compensation_key(KEY),
+        error_code="approved_call_invalid",
+        taxonomy_class="UNKNOWN_ERROR",
+    )
+    assert comp.decision.rejection is not None
+    assert comp.decision.rejection.taxonomy is TaxonomyClass.COMPENSATION_FAILED
+    assert comp.state == "FAILED_FINAL"
