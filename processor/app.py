@@ -954,7 +954,10 @@ class Processor:
         unless its key moved on meanwhile: the agent resubmitted it with approvals
         attached, and that resubmission was admitted (it ran, or runs, and its own
         observation says so). Then the approver's rejection lands on the DLQ
-        (\"approval_request_superseded\"), and an expiry changes nothing.
+        (\"approval_request_superseded\"), and an expiry changes nothing. So it does when
+        the parked call was given back already ("given_back": its batch's transaction
+        aborted and its position was decided again as something else, which answered its
+        proposal): a rejection lands on the DLQ as \"approval_request_withdrawn\".
 
         The calls refused at release (``refused``, already answered) give back what
         parking them took in the same round trip: one, only for batches that end
@@ -966,15 +969,21 @@ class Processor:
         verdicts = self.admission.apply(items)
         self._admitted += items
         for (i, item, result), verdict in zip(ended, verdicts[: len(ended)], strict=True):
-            if verdict.get("status") != "moved_on":
+            status = verdict.get("status")
+            if status not in ("moved_on", "given_back"):
                 out[i] = self._approval_outcome(item, result, now_ms)
             elif item.kind == EXPIRY_CHECK:
                 self._count("approvals", "ignored")
-                out[i] = ignored(item.src, "superseded")
-            else:
+                out[i] = ignored(item.src, "superseded" if status == "moved_on" else "withdrawn")
+            elif status == "moved_on":
                 self._count("approvals", "refused")
                 detail = f"{item.request_id}: the call went ahead with approvals attached"
                 out[i] = dead_letter(item.src, "approval_request_superseded", detail)
+            else:
+                self._count("approvals", "refused")
+                detail = (f"{item.request_id}: the call was decided again as something else "
+                          "before its request ended, and never ran")  # fmt: skip
+                out[i] = dead_letter(item.src, "approval_request_withdrawn", detail)
 
     def _count(self, *event: str) -> None:
         """Count an event of the batch being decided, once it commits (see BatchTally)."""

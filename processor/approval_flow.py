@@ -59,6 +59,10 @@ from processor.state.approvals import OpResult
 
 EXPIRY_CHECK = "expiry_check"
 
+PARKED_UNTIL = "parked_until"
+"""``Decision.extra`` key of a released call: its request's expiry, the deadline it was
+parked until (see release_item)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ApprovalInput:
@@ -282,6 +286,7 @@ def outcome_decision(item: ApprovalInput, result: OpResult, now_ms: int) -> Deci
             Gate.APPROVAL,
             p,
             call=call,
+            extra={PARKED_UNTIL: entry["expires_at"]},
             post_action_verification=bool(entry.get("post_action_verification")),
             warnings=(
                 f"released by {', '.join(a['id'] for a in approvers)} "

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from processor.approval_flow import PARKED_UNTIL
 from processor.approvals import parse_iso_ms
 from processor.contracts.registry import Contract
 from processor.gates.confirmation import reissue
@@ -203,7 +204,8 @@ def _compensation_fields(p: Proposal) -> dict[str, str]:
 
 
 def release_item(d: Decision) -> tuple[str, Item]:
-    """A parked call its approvers released: it takes over its key's record."""
+    """A parked call its approvers released: it takes over its key's record (unless a
+    resubmission of its request did: then that one's request has ended)."""
     p, call = d.proposal, d.call
     assert p is not None and call is not None and p.tenant_id is not None
     return p.tenant_id, {
@@ -215,6 +217,7 @@ def release_item(d: Decision) -> tuple[str, Item]:
         "call": call.call_id,
         "deadline": call.deadline_ms,
         "ttl": SETTLED_TTL_MS,  # waiting for its result, as long as any call's record
+        "parked_until": d.extra.get(PARKED_UNTIL) or "",  # its request's expiry
     }
 
 

@@ -10,7 +10,8 @@
 --                     the approvals it carries, which it spends when admitted
 --          2 step     a proposal an earlier gate refused (it still is a step of its run)
 --          3 result   an executor's result for a routed call
---          4 release  a parked call its approvers released
+--          4 release  a parked call its approvers released (with the deadline its request
+--                     parked it until)
 --          5 void     a call whose record failed alone on a defect after it was admitted
 --                     (answered UNKNOWN_ERROR, never routed)
 --          6 comp_failed  the compensating call the processor proposed under a key was
@@ -27,8 +28,8 @@
 -- or a result's "settled[|grant|<claims>]", "superseded",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
 -- "unknown"; a void's "voided" or "unchanged"; a comp_failed's "marked" or
--- "unchanged"; a lapse's "lapsed", "moved_on" or "unchanged"; a withdraw's "withdrawn"
--- or "none". Short strings,
+-- "unchanged"; a lapse's "lapsed", "moved_on", "given_back" or "unchanged"; a withdraw's
+-- "withdrawn" or "none". Short strings,
 -- not JSON: decoding and encoding are most of a script's cost per item.
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, n tool (records written
@@ -38,7 +39,7 @@
 -- payload hash and tool, kf 1 once that compensation failed, v cached answer, p and q
 -- what a parked call took and the position it was parked at, given back if it lapses, pd
 -- the deadline a resubmission's call was parked until, e 1 once that request ended after
--- the resubmission took the key over); a run's
+-- the resubmission took the key over: a lapse, or a release come too late); a run's
 -- counters are JSON too. Every record
 -- and run the batch names is read before anything is decided, kept in this script while
 -- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
@@ -95,7 +96,7 @@ local function unwire(a)
     return {kind = 'lapse', pos = a[2], ikey = a[3], hash = a[4], deadline = a[5]}
   end
   return {kind = 'release', pos = a[2], run = a[3], ikey = a[4], hash = a[5], call = a[6],
-          deadline = a[7], ttl = a[8]}
+          deadline = a[7], ttl = a[8], parked_until = opt(a[9])}
 end
 
 local function encode(v)
@@ -518,9 +519,17 @@ end
 
 -- A parked call released by its approvers. It goes only if its record still waits for
 -- approval: a resubmission that carried approvals may have taken the key over already.
+-- Then this request has ended without its call going, as a lapse after it would say
+-- ("moved_on"): the resubmission it parked (until `parked_until`), should it be given
+-- back, waits for nobody.
 local function release(c)
   local rec = record_of(c.ikey)
   if rec and not (rec.s == 'PENDING' and rec.w == 1 and rec.h == c.hash) then
+    if rec.s == 'PENDING' and rec.h == c.hash and rec.pd and rec.pd == c.parked_until
+        and rec.e ~= 1 then
+      rec.e = 1
+      keep_record(c.ikey, rec)
+    end
     return refuse('superseded')
   end
   rec = rec or {h = c.hash, a = 1, r = c.run}
@@ -626,14 +635,17 @@ local function release_record(ikey, attempt, hash, call, resubmitted, parked_unt
   if resubmitted then
     if parked_until and parked_until > 0 then rec.d = parked_until end
     if rec.e == 1 then
-      -- Its request ended while it went ahead (see lapse, "moved_on"): nobody can approve
-      -- it now. It waits for nothing, and what parking it took comes back.
+      -- Its request ended while it went ahead (see lapse, "moved_on", and release,
+      -- "superseded"): nobody can approve it now. It waits for nothing, and what parking
+      -- it took comes back.
       give_back_park(rec)
       rec.w, rec.e = 0, nil
     else
       rec.w = 1
     end
   else
+    -- (a parked call's record keeps no deadline of a resubmission, and its own: a lapse
+    -- of its request then finds it given back, see lapse)
     rec.s, rec.w = 'FAILED_RETRYABLE', 0
   end
   keep_record(ikey, rec)
@@ -679,12 +691,19 @@ end
 -- stays. Its record stops waiting
 -- for approval and stays in flight until its deadline plus the grace period, as before:
 -- the same call proposed after that is a new attempt, charged as one. "moved_on": a
--- resubmission carrying approvals took the key over (it ran, or runs). Only the attempt
--- parked until `deadline` is given back: a later one, parked afresh, is not.
+-- resubmission carrying approvals took the key over (it ran, or runs). "given_back": the
+-- parked call's own position was decided again as something else (its batch's transaction
+-- aborted) or failed alone on a defect, which gave back what it took, made its record
+-- retryable and answered its proposal: it never went ahead, and nothing comes back twice.
+-- Only the attempt parked until `deadline` is given back: a later one, parked afresh, is
+-- not.
 local function lapse(c)
   local rec = record_of(c.ikey)
   if not rec or rec.h ~= c.hash then return {status = 'unchanged'} end
   if not (rec.s == 'PENDING' and rec.w == 1) then
+    if not rec.pd and rec.d == c.deadline and RETRYABLE[rec.s] then
+      return {status = 'given_back'}  -- (see release_record: the park's own record)
+    end
     -- A resubmission took the key over; only this request's end concerns it (an older
     -- request of the key, ended late, names another deadline).
     if rec.pd and rec.pd ~= c.deadline then return {status = 'unchanged'} end

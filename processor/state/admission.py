@@ -300,7 +300,7 @@ def _wire(item: Item) -> list[Any]:
     if kind == "withdraw":
         return [8, item["pos"], item["run"]]
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
-            item["deadline"], item["ttl"]]  # fmt: skip
+            item["deadline"], item["ttl"], item.get("parked_until") or ""]  # fmt: skip
 
 
 def parse_verdict(raw: bytes | str) -> Verdict:
@@ -358,8 +358,9 @@ def lapse_item(entry: dict[str, Any], pos: str, now_ms: int) -> tuple[str, Item]
     """A parked call whose approval request ended without it going (declined, expired, or
     refused when released), from its request's ``entry``, decided at input position
     ``pos`` at ``now_ms``: what it took when it was parked is given back, once, unless a
-    resubmission carrying approvals took its key over ("moved_on"; see admission.lua,
-    lapse)."""
+    resubmission carrying approvals took its key over ("moved_on"), or the parked call was
+    given back already, its position decided again as something else ("given_back"; see
+    admission.lua, lapse)."""
     return str(entry["tenant_id"]), {
         "kind": "lapse",
         # (the approval record's own position: it ends one request or releases one call,

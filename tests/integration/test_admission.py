@@ -871,6 +871,83 @@ def test_a_request_that_ends_after_its_call_went_ahead_gives_nothing_back(
     assert store.apply([_lapse(call(park=True))]) == [{"status": "unchanged"}]  # no record
 
 
+@pytest.mark.parametrize("replay", ["withdraw", "changed", "void"])
+def test_a_request_that_ends_after_its_park_was_given_back_on_replay_is_not_moved_on(
+    store: AdmissionStore, replay: str
+) -> None:
+    """The park's batch aborted, and its position was decided again as something else
+    (its token expired, a changed call, or alone on a defect): the parked call never ran,
+    its take came back and its record is retryable, while its request stayed parked. That
+    request's end finds the park given back already: not "moved_on" (which tells its
+    approver the call went ahead with approvals attached), and nothing comes back twice."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 2, "cost": 2.0}
+    other = call(**limits)
+    parked = call(park=True, deadline=NOW + 600_000, **limits)
+    assert whys(store.apply([other, parked])) == [None, None]
+    pos, key = parked[1]["pos"], parked[1]["ikey"]
+    if replay == "withdraw":
+        assert store.apply([withdraw_item(TENANT, pos, "run-1", NOW)]) == [{"status": "withdrawn"}]
+    elif replay == "changed":
+        assert whys(store.apply([step(repair=False, pos=pos)])) == [None]
+    else:
+        voided = void_item(parked[1])
+        assert voided is not None
+        assert store.apply([(TENANT, voided)]) == [{"status": "voided"}]
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+    kept = store.run_counters(TENANT, "run-1", NOW)
+    assert (kept["class:financial"], kept["cost"], kept["sig:charge"]) == (1.0, 2.0, 1.0)
+    assert store.apply([_lapse(parked)]) == [{"status": "given_back"}]
+    assert store.run_counters(TENANT, "run-1", NOW) == kept
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+
+
+def test_a_release_refused_as_superseded_ends_the_request_for_the_resubmission(
+    store: AdmissionStore,
+) -> None:
+    """Resubmitted with approvals, the call took its key over; its approvers then released
+    the request, too late ("superseded"): the request has ended, as if it had lapsed
+    ("moved_on"). The resubmission's position decided again as nothing then: nobody can
+    approve the call any more, so its record does not wait for approval, and what parking
+    it took comes back."""
+    parked, approved = _resubmitted(store)
+    c = parked[1]
+    release = (TENANT, {"kind": "release", "pos": f"a/0/{next(_pos)}", "now": NOW + 62_000,
+                        "run": "run-1", "ikey": c["ikey"], "hash": c["hash"],
+                        "call": c["call"], "deadline": NOW + 70_000, "ttl": 3_600_000,
+                        "parked_until": c["deadline"]})  # fmt: skip
+    assert whys(store.apply([release])) == ["superseded"]
+    assert store.record(TENANT, c["ikey"], NOW)["request_ended"] == "1"
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+    gone = withdraw_item(TENANT, approved[1]["pos"], "run-1", NOW + 63_000)
+    assert store.apply([gone]) == [{"status": "withdrawn"}]
+    record = store.record(TENANT, c["ikey"], NOW)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "0")
+    assert record["deadline"] == str(NOW + 600_000)  # in flight until then, as it was
+    assert "class:financial" not in store.run_counters(TENANT, "run-1", NOW)
+    # Sent again with approvals before then, it is in flight: its request has ended.
+    again = call(ikey=c["ikey"], now=NOW + 64_000, sig="charge", group="financial",
+                 class_budget=1)  # fmt: skip
+    assert whys(store.apply([again])) == ["in_flight"]
+
+
+def test_a_release_refused_as_superseded_leaves_another_requests_resubmission_alone(
+    store: AdmissionStore,
+) -> None:
+    """The key's record was taken over by the resubmission of another request (parked
+    until another deadline): a late release of this one ends nothing of that one's."""
+    parked, approved = _resubmitted(store)
+    c = parked[1]
+    release = (TENANT, {"kind": "release", "pos": f"a/0/{next(_pos)}", "now": NOW + 62_000,
+                        "run": "run-1", "ikey": c["ikey"], "hash": c["hash"],
+                        "call": c["call"], "deadline": NOW + 70_000, "ttl": 3_600_000,
+                        "parked_until": c["deadline"] - 1})  # fmt: skip
+    assert whys(store.apply([release])) == ["superseded"]
+    assert "request_ended" not in store.record(TENANT, c["ikey"], NOW)
+    gone = withdraw_item(TENANT, approved[1]["pos"], "run-1", NOW + 63_000)
+    assert store.apply([gone]) == [{"status": "withdrawn"}]
+    assert store.record(TENANT, c["ikey"], NOW)["awaiting"] == "1"
+
+
 def test_a_resubmission_given_back_waits_for_approval_and_can_still_lapse(
     store: AdmissionStore,
 ) -> None:

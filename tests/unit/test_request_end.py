@@ -1,0 +1,88 @@
+"""What the end of an approval request answers (``Processor._end_requests``), and what a
+released call tells admission (``release_item``), with admission stubbed: no Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from processor.app import Processor
+from processor.approval_flow import EXPIRY_CHECK, ApprovalInput, outcome_decision
+from processor.config import Settings
+from processor.gates.budget import release_item
+from processor.metrics import Metrics
+from processor.model import Decision, Outcome, SourceRecord
+from processor.state.approvals import OpResult
+from tests.unit.helpers import CONTRACTS_DIR, NOW_MS
+
+EXPIRES = NOW_MS + 600_000
+
+
+def _entry(state: str) -> dict[str, Any]:
+    return {"tenant_id": "acme", "request_id": "req-1", "proposal_id": "p-1", "run_id": "run-1",
+            "trace_id": "t-1", "traceparent": None, "tool_name": "cancel_order",
+            "tool_version": "1.0.0", "side_effect_class": "HIGH_RISK_EXTERNAL",
+            "idempotency_key": "ik-1", "payload_hash": "h1", "arguments": "{}",
+            "expires_at": EXPIRES, "timeout_ms": 8000, "state": state,
+            "approvers": [{"id": "ops-1", "approval_id": "a-1"}], "rejected_by": "ops-2",
+            "reason": "no"}  # fmt: skip
+
+
+def _input(kind: str) -> ApprovalInput:
+    src = SourceRecord("tool.approvals", 0, 7, b"run-1", b"{}", NOW_MS)
+    return ApprovalInput(src, kind, "acme", "req-1", None if kind == EXPIRY_CHECK else {})
+
+
+def _ended(monkeypatch: pytest.MonkeyPatch, kind: str, lapse: str) -> Decision:
+    settings = Settings(contracts_dir=CONTRACTS_DIR, policy_file=None, metrics_port=0,
+                        redis_url="redis://127.0.0.1:1/0")  # fmt: skip
+    p = Processor(settings, metrics=Metrics(CollectorRegistry()))
+    sent: list[Any] = []
+
+    def apply(items: list[Any], forget: Any = None) -> list[dict[str, Any]]:
+        sent.extend(items)
+        return [{"status": lapse} for _ in items]
+
+    monkeypatch.setattr(p.admission, "apply", apply)
+    state = "expired" if kind == EXPIRY_CHECK else "rejected"
+    out: list[Decision | None] = [None]
+    p._end_requests([(0, _input(kind), OpResult(state, None, _entry(state)))], [], out, NOW_MS)
+    [(_, item)] = sent
+    assert (item["kind"], item["deadline"]) == ("lapse", EXPIRES)
+    assert out[0] is not None
+    return out[0]
+
+
+@pytest.mark.parametrize(
+    ("lapse", "reason"),
+    [("moved_on", "approval_request_superseded"), ("given_back", "approval_request_withdrawn")],
+)
+def test_a_rejection_of_a_call_that_did_not_wait_for_it_answers_no_proposal(
+    monkeypatch: pytest.MonkeyPatch, lapse: str, reason: str
+) -> None:
+    """The call went ahead with approvals attached ("moved_on"), or never ran and its
+    proposal was answered otherwise, its position decided again after its batch aborted
+    ("given_back"): the rejection goes to the DLQ, saying which, and no observation tells
+    the agent its call was declined."""
+    d = _ended(monkeypatch, "decision", lapse)
+    assert (d.outcome, d.dlq_reason) == (Outcome.DEAD_LETTER, reason)
+    expired = _ended(monkeypatch, EXPIRY_CHECK, lapse)
+    assert expired.outcome is Outcome.IGNORED
+
+
+def test_a_rejection_of_a_parked_call_is_its_observation(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = _ended(monkeypatch, "decision", "lapsed")
+    assert (d.outcome, d.proposal and d.proposal.proposal_id) == (Outcome.REJECTED, "p-1")
+
+
+def test_a_released_call_names_the_deadline_its_request_parked_it_until() -> None:
+    """A release refused as superseded ends the request for the resubmission that took
+    the key over only if that resubmission is this request's (see admission.lua, release)."""
+    d = outcome_decision(_input("decision"), OpResult("released", None, _entry("released")),
+                         NOW_MS)  # fmt: skip
+    assert d is not None and d.outcome is Outcome.ROUTED
+    tenant, item = release_item(d)
+    assert (tenant, item["kind"], item["parked_until"]) == ("acme", "release", EXPIRES)
+    assert item["deadline"] == NOW_MS + 8000
