@@ -254,10 +254,12 @@ end
 -- `charged`: the call was charged when it was parked, and is only being released now.
 -- `exempt`: the hand-off tool, which a run out of steps or budget is told to call.
 local function limits(c, counters, charged)
-  if not c.exempt and (counters.steps or 0) >= c.steps then return refuse('step_cap') end
-  -- A charged call was counted for the loop guard when it was parked: it is not a
-  -- repeat of itself (parked as the last identical call the guard allows, it would be).
+  -- A charged call took its step, its budgets and its loop-guard count when it was
+  -- parked, and goes on them: it is not a step past the cap (parked at its run's last
+  -- step, it would be), nor a repeat of itself (parked as the last identical call the
+  -- guard allows, it would be).
   if charged then return nil end
+  if not c.exempt and (counters.steps or 0) >= c.steps then return refuse('step_cap') end
   if (counters['sig:' .. c.sig] or 0) >= c.repeats then return refuse('loop') end
   if not c.exempt then
     if (counters['class:' .. c.group] or 0) >= c.class_budget then return refuse('class_budget') end
@@ -388,10 +390,11 @@ local function admit_call(c)
     give_back_park(rec)
   end
   local refusal = limits(c, counters, charged)
-  bump(c.run, 'steps', 1)
-  if refusal then return refusal end
   if not charged then
-    -- (a parked call resubmitted with its approvals was counted when it was parked)
+    -- (a parked call resubmitted with its approvals was counted when it was parked, its
+    -- step included: it takes nothing again)
+    bump(c.run, 'steps', 1)
+    if refusal then return refusal end
     bump(c.run, 'sig:' .. c.sig, 1)
     charge(c)
   end
@@ -419,27 +422,27 @@ local function admit_call(c)
   return {ok = true, attempt = next_attempt, took = took_}
 end
 
-local function admit_step(c)
+-- `counted`: a call was admitted at this position the first time (its transaction
+-- aborted): its step was counted then, within the cap, and is not counted again.
+local function admit_step(c, counted)
   local counters = run_of(c.run)
+  local step = counted and 0 or 1
   if c.comp and unrequested(c.comp, c.comp_hash, c.tool) then
-    bump(c.run, 'steps', 1)
+    bump(c.run, 'steps', step)
     return refuse('compensation_unrequested')
   end
   if c.ikey then
     -- Refused on the world's state, but maybe because this very call already ran.
     local rec = record_of(c.ikey)
     if rec and FINAL[rec.s] and rec.h == c.hash and (not rec.n or rec.n == c.tool) then
-      bump(c.run, 'steps', 1)
+      bump(c.run, 'steps', step)
       return hit(rec)
     end
   end
   local steps = counters.steps or 0
-  bump(c.run, 'steps', 1)
-  if not c.repair then
-    if steps >= c.steps then return refuse('step_cap') end
-    return {ok = true}
-  end
-  if steps >= c.steps then return refuse('step_cap') end
+  bump(c.run, 'steps', step)
+  if not counted and steps >= c.steps then return refuse('step_cap') end
+  if not c.repair then return {ok = true} end
   local same = counters['bad:' .. c.sig] or 0
   local repairs = counters.repairs or 0
   -- Once the run is out of steps or repairs, every repair is refused whatever was counted
@@ -566,8 +569,9 @@ end
 -- tool's rate, and the approvals it spent. Only for a call that never ran: its batch's
 -- transaction aborted and the position was then decided as something else, or it failed
 -- alone on a defect (void). Its step stays counted: the position is still a proposal of
--- its run. Returns whether it was a resubmitted parked call (which took nothing then),
--- and the deadline it was parked until.
+-- its run. Returns whether it was a resubmitted parked call (which took nothing then, not
+-- even a step: a caller that goes on counting the position counts its step), and the
+-- deadline it was parked until.
 local function give_back(pos, run, tool, took_, keep_rate)
   local again, cost, sig, day, interval, group, approvals =
     string.match(took_, '^([01]);([^;]*);([^;]*);([^;]*);([^;]*);([^;]*);(.*)$')
@@ -676,6 +680,8 @@ local function void(c)
     -- was never ended, and its approvals are unspent)
     local resubmitted, parked_until = give_back(c.of, rec.r, tool, took_)
     release_record(c.ikey, attempt, hash, c.call, resubmitted, parked_until)
+    -- (a resubmission took no step of its own; not going, it is a proposal like any other)
+    if resubmitted then bump(rec.r, 'steps', 1) end
   else  -- a marker an earlier version wrote: the record alone
     rec.s, rec.w = 'FAILED_RETRYABLE', 0
     put_record(c.ikey, rec, c.ttl)
@@ -755,12 +761,26 @@ for i, a in ipairs(items) do
     local ikey, hash, tool, parked, took_, verdict = marker_of(was)
     local same = ikey and a[1] == 1 and ikey == a[7] and hash == a[8] and tool == a[4]
       and parked == (a[11] == 1 and '1' or '0')
-    if ikey and not same and took_ ~= '' then
-      local attempt = tonumber(string.match(verdict or '', '^ok|(%d+)$'))
-      local resubmitted, parked_until = give_back(a[2], a[3], tool, took_)
-      release_record(ikey, attempt, hash, nil, resubmitted, parked_until)
-      -- a refused proposal is a step that passed the budgets: 'ok|0'
-      out[i] = a[1] == 1 and 'no|replay_changed|0' or 'ok|0'
+    -- A call admitted here (its take already given back or kept, if it was parked and
+    -- its request ended or it went) that is a refused proposal now.
+    local now_step = ikey and a[1] == 2 and string.sub(verdict or '', 1, 3) == 'ok|'
+    if ikey and not same and (took_ ~= '' or now_step) then
+      local resubmitted = false
+      if took_ ~= '' then
+        local attempt = tonumber(string.match(verdict or '', '^ok|(%d+)$'))
+        local parked_until
+        resubmitted, parked_until = give_back(a[2], a[3], tool, took_)
+        release_record(ikey, attempt, hash, nil, resubmitted, parked_until)
+      end
+      if a[1] == 2 then
+        -- Decided as any refused proposal is (a repair counts, once: this verdict is the
+        -- position's from now on), on the step the call counted within the cap (a
+        -- resubmission took none: it counts one now).
+        out[i] = encode(admit_step(unwire(a), not resubmitted))
+      else
+        if resubmitted then bump(a[3], 'steps', 1) end
+        out[i] = 'no|replay_changed|0'
+      end
       fresh[#fresh + 1] = a[2]
       fresh[#fresh + 1] = out[i]
     elseif verdict == nil or (a[1] == 1 and (verdict == 'ok|0' or not same and ikey)) then

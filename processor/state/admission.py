@@ -10,7 +10,8 @@ the tenant's ``{tenant}`` hash tag, so a Redis Cluster can serve it.
   pass at once, and a refusal carries an exact retry-after. A sliding-window log
   would keep one entry per call in the window.
 - **Budgets** per run: a step cap (every proposal of a verified principal counts,
-  refused ones included; an unverified one spends nothing),
+  refused ones included; an unverified one spends nothing; a parked call resubmitted
+  with its approvals goes on the step its park took),
   calls per budget group, a cost cap; per tenant and UTC day: a cost cap.
 - **The loop guard**: the same signature (tool and canonical arguments) may be
   allowed ``repeats`` times per run. **The repair guard**: a run that proposes the

@@ -1009,6 +1009,124 @@ def test_a_withdrawn_resubmission_waits_for_its_approvers_again(store: Admission
     assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0  # still parked
 
 
+LAST_STEP = {"sig": "charge", "group": "financial", "class_budget": 1, "cost": 2.0,
+             "cost_cap": 2.0, "day_cap": 2.0, "rate": rate_of(60, 1), "tool": "charge",
+             "repeats": 1, "steps": 2}  # fmt: skip
+"""A run of two steps whose second, a call parked for approval, uses up every limit."""
+
+
+def _parked_at_the_last_step(
+    store: AdmissionStore,
+) -> tuple[tuple[str, Item], tuple[str, Item], dict[str, float]]:
+    """(the parked call, its resubmission with approvals, what the park took)."""
+    first = step(repair=False, steps=2)  # (a refused proposal: a step and nothing else)
+    parked = call(park=True, deadline=NOW + 600_000, **LAST_STEP)
+    assert whys(store.apply([first, parked])) == [None, None]
+    taken = store.run_counters(TENANT, "run-1", NOW)
+    assert taken == {"steps": 2.0, "class:financial": 1.0, "cost": 2.0, "sig:charge": 1.0}
+    approved = call(ikey=parked[1]["ikey"], now=NOW + 30_000, deadline=NOW + 600_000,
+                    approvals=["appr-1"], approvals_ttl=3_600_000, **LAST_STEP)  # fmt: skip
+    return parked, approved, taken
+
+
+def test_a_call_parked_at_its_runs_last_step_goes_when_resubmitted_with_its_approvals(
+    store: AdmissionStore,
+) -> None:
+    """The park took the run's last step, and its class budget, cost, day's cost, rate
+    arrival and loop-guard count. Resubmitted with its approvals, the same call reuses all
+    of it and takes none of it again (as its release by the approvers would), so it goes.
+    A replay of the resubmission's batch answers the same and counts nothing twice; what
+    else the run proposes is past its cap."""
+    parked, approved, taken = _parked_at_the_last_step(store)
+    for _ in range(2):  # the resubmission, then its batch replayed after an abort
+        assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
+        assert store.run_counters(TENANT, "run-1", NOW) == taken
+        assert store.day_cost(TENANT, approved[1]["day"]) == 2.0
+    record = store.record(TENANT, parked[1]["ikey"], NOW)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "0")
+    # Sent once more, it is a proposal of its own: refused, and a step.
+    copy = call(ikey=parked[1]["ikey"], now=NOW + 40_000, approvals=["appr-1"],
+                approvals_ttl=3_600_000, **LAST_STEP)  # fmt: skip
+    assert whys(store.apply([copy])) == ["in_flight"]
+    assert store.run_counters(TENANT, "run-1", NOW) == {**taken, "steps": 3.0}
+    assert whys(store.apply([call(steps=2, now=NOW + 40_000)])) == ["step_cap"]
+
+
+@pytest.mark.parametrize("now", ["refused", "another_call", "void", "withdraw"])
+def test_a_resubmission_that_does_not_go_after_all_counts_its_step_then(
+    store: AdmissionStore, now: str
+) -> None:
+    """The resubmission's batch aborted, and its position is decided again as something
+    else, or failed alone on a defect: the call never went, and waits for its approvers
+    again. That position is then a proposal of its run as any other, and counts its step,
+    once (past the cap here: a refused proposal is told so); a proposal whose token
+    expired meanwhile (withdraw) spends nothing, as any unverified one. Resubmitted
+    afresh, the call still goes, on the step its park took."""
+    parked, approved, taken = _parked_at_the_last_step(store)
+    key, pos = parked[1]["ikey"], approved[1]["pos"]
+    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
+    again: tuple[str, Item]
+    if now == "refused":
+        again, answer = step(repair=False, pos=pos, steps=2), ["step_cap"]
+    elif now == "another_call":
+        again = call(pos=pos, ikey=key, hash="h2", **LAST_STEP)
+        answer = ["replay_changed"]
+    elif now == "void":
+        voided = void_item(approved[1])
+        assert voided is not None
+        again, answer = (TENANT, voided), [None]
+    else:
+        again, answer = withdraw_item(TENANT, pos, "run-1", NOW + 31_000), [None]
+    steps = 2.0 if now == "withdraw" else 3.0
+    for _ in range(2):  # once: decided again, it counts nothing more
+        assert whys(store.apply([again])) == answer
+        assert store.run_counters(TENANT, "run-1", NOW) == {**taken, "steps": steps}
+        record = store.record(TENANT, key, NOW)
+        assert (record["state"], record["awaiting"]) == ("PENDING", "1")
+    fresh = call(ikey=key, now=NOW + 50_000, deadline=NOW + 600_000, approvals=["appr-1"],
+                 approvals_ttl=3_600_000, **LAST_STEP)  # fmt: skip
+    assert store.apply([fresh]) == [{"ok": True, "attempt": 1}]
+    assert store.run_counters(TENANT, "run-1", NOW) == {**taken, "steps": steps}
+
+
+@pytest.mark.parametrize("first", ["admitted", "parked_then_released", "parked_then_lapsed"])
+def test_a_call_decided_again_as_a_repair_counts_the_repair_once(
+    store: AdmissionStore, first: str
+) -> None:
+    """A call was admitted (or parked, and went or lapsed since); its batch's transaction
+    aborted, and decided again a gate refuses it for its arguments (its order deleted
+    meanwhile, a contract reloaded): a repair, counted once as any other, so the same
+    invalid call again is a repair loop and the repair cap counts it."""
+    admitted = call(park=first != "admitted", deadline=NOW + 600_000)
+    pos = admitted[1]["pos"]
+    assert whys(store.apply([admitted])) == [None]
+    if first == "parked_then_released":
+        c = admitted[1]
+        release = {"kind": "release", "pos": f"a/0/{next(_pos)}", "run": "run-1",
+                   "ikey": c["ikey"], "hash": c["hash"], "call": c["call"],
+                   "deadline": NOW + 70_000, "ttl": 3_600_000, "now": NOW}  # fmt: skip
+        assert store.apply([(TENANT, release)]) == [{"ok": True, "attempt": 1}]
+    elif first == "parked_then_lapsed":
+        assert store.apply([_lapse(admitted)]) == [{"status": "lapsed"}]
+    repair = step("bad-1", pos=pos)
+    for _ in range(2):  # counted once: a second replay answers the same, counts nothing
+        assert whys(store.apply([repair])) == [None]
+        counters = store.run_counters(TENANT, "run-1", NOW)
+        assert (counters["steps"], counters["repairs"], counters["bad:bad-1"]) == (1, 1, 1)
+    assert whys(store.apply([step("bad-1")])) == ["repair_loop"]
+    assert whys(store.apply([step("bad-2"), step("bad-3")])) == [None, "repair_cap"]
+
+
+def test_a_call_decided_again_as_a_repair_past_the_repair_cap_is_refused(
+    store: AdmissionStore,
+) -> None:
+    spent = [step(f"bad-{i}") for i in range(3)]
+    admitted = call()
+    assert whys(store.apply([*spent, admitted])) == [None, None, None, None]
+    assert whys(store.apply([step("bad-9", pos=admitted[1]["pos"])])) == ["repair_cap"]
+    assert store.run_counters(TENANT, "run-1", NOW)["repairs"] == 3
+
+
 def _awaiting_compensation(store: AdmissionStore, payload: str = "h-undo") -> tuple[str, str]:
     """A call that failed after a committed step, its compensation proposed with the
     payload hash ``payload``: (the call's key, the compensation's key)."""
