@@ -43,7 +43,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
+    Consumer,
+    KafkaException,
+    TopicPartition,
+)
 
 from processor.config import Settings
 from processor.gates.semantic import FOREIGN, RefEntry, RefKey
@@ -94,7 +100,7 @@ def unloaded(held: dict[bytes, bytes], count: bytes | None, topic: str) -> str |
     """None when the position hash ``held`` and the partition ``count`` say every
     partition of ``topic`` is loaded up to where its loader found it; otherwise which
     are not, for a log line."""
-    if count is None:
+    if count is None or int(count) <= 0:
         return f"no loader has taken {topic} yet"
     marked = (LOADING + topic + "/").encode()
     loading = sorted(int(k[len(marked) :]) for k in held if k.startswith(marked))
@@ -323,6 +329,52 @@ def positions_of(held: dict[bytes, bytes]) -> dict[tuple[str, int], int]:
     return out
 
 
+def plan_partition(here: int | None, low: int, high: int) -> tuple[int, int]:
+    """Where a partition is read from, given the position Redis holds (``here``) and its
+    first and end offsets; and the end it must reach before lookups read it. Where Redis
+    holds none, or one past the end (a topic recreated), the whole partition; records
+    deleted below ``here`` are not waited for."""
+    start = low if here is None or here > high else max(here, low)
+    return start, high
+
+
+def partition_count(consumer: Consumer, topic: str) -> int:
+    meta = consumer.list_topics(topic, timeout=10).topics[topic]
+    if meta.error is not None:
+        raise KafkaException(meta.error)
+    return len(meta.partitions)
+
+
+def mark_behind(settings: Settings, client: RedisClient) -> None:
+    """Mark every partition whose position in Redis stands behind the topic's end: lookups
+    wait until whichever loader holds it gets there (positions.lua removes the mark). A
+    partition with no position needs none: it counts as not loaded until a loader has
+    placed it."""
+    s = settings
+    topic = s.topics.reference
+    consumer = Consumer(
+        s.client_config(
+            **{"group.id": f"{s.reference_group_id}-probe", "isolation.level": "read_committed"}
+        )
+    )
+    try:
+        count = partition_count(consumer, topic)
+        ends = {p: watermarks(consumer, TopicPartition(topic, p), 10)[1] for p in range(count)}
+    finally:
+        consumer.close()
+    known = positions(client, s.reference_group_id, s.redis_namespace)
+    marks = {
+        LOADING + _field(topic, p): end
+        for p, end in ends.items()
+        if (topic, p) in known and known[(topic, p)] < end
+    }
+    if marks:
+        key = position_key(s.redis_namespace, s.reference_group_id)
+        client.hset(key, mapping=marks)  # type: ignore[arg-type]
+
+
+_LOADER_ERRORS: tuple[type[Exception], ...] = (KafkaException, *REDIS_ERRORS)
+
 RESYNC_S = 5.0
 """How often the loader compares Redis's positions with the ones it wrote."""
 
@@ -338,14 +390,21 @@ class ReferenceLoader:
         self._thread = threading.Thread(target=self._run, name="reference-loader", daemon=True)
         self._stored: dict[tuple[str, int], int] = {}
         """The positions last written to Redis, per assigned partition."""
-        self._targets: dict[tuple[str, int], int] = {}
-        """Where each partition marked as loading must get to (see references.py)."""
         self._count = 0
         """The topic's partition count, as the last assignment found it."""
         self._lost = False
         """A rewind found Redis behind: compare every partition's position now."""
 
     def start(self) -> None:
+        """Mark the partitions whose positions in Redis stand behind the topic's end, then
+        load in the background. Marked before the processor reads anything: until this
+        loader (or another instance's) has taken them, which takes a group join, Redis's
+        older states would read as loaded."""
+        try:
+            mark_behind(self.settings, self.client)
+        except _LOADER_ERRORS as exc:
+            # (the loader that takes them marks them then; until then, older states read)
+            logger.warning("cannot compare reference positions with the topic: %s", exc)
         self._thread.start()
 
     def stop(self) -> None:
@@ -356,44 +415,66 @@ class ReferenceLoader:
         """Each partition from the position Redis holds, waited for (replaying from the
         beginning instead would show the entities' older states); from the beginning
         where Redis holds none. A partition that starts behind its end now is marked as
-        loading up to that end, so lookups wait until it is there."""
+        loading up to that end, so lookups wait until it is there.
+
+        Never returns without assigning: were this callback to raise, the client would
+        assign the partitions itself, from the group's committed offsets (there are none:
+        from the beginning), with no mark and positions that go back."""
         s = self.settings
-        topic = s.topics.reference
-        self._count = len(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
-        ends = {tp.partition: watermarks(consumer, tp) for tp in partitions}
-        key = position_key(s.redis_namespace, s.reference_group_id)
         delay = 0.2
         while True:
             try:
+                self._count = partition_count(consumer, s.topics.reference)
+                bounds = {
+                    (tp.topic, tp.partition): watermarks(consumer, tp, 10) for tp in partitions
+                }
                 known = positions(self.client, s.reference_group_id, s.redis_namespace)
-                stored: dict[tuple[str, int], int] = {}
-                targets: dict[tuple[str, int], int] = {}
-                pipe = self.client.pipeline(transaction=False)
-                pipe.hset(count_key(s.redis_namespace, s.reference_group_id), topic, self._count)
-                for tp in partitions:
-                    low, high = ends[tp.partition]
-                    here = known.get((tp.topic, tp.partition))
-                    if here is None:
-                        # Nothing loaded yet: from the beginning, or from the end of a
-                        # partition that holds no record.
-                        here = high if low >= high else 0
-                        pipe.hset(key, _field(tp.topic, tp.partition), here)
-                    stored[(tp.topic, tp.partition)] = here
-                    if high > here:
-                        targets[(tp.topic, tp.partition)] = high
-                        pipe.hset(key, LOADING + _field(tp.topic, tp.partition), high)
-                    tp.offset = here if here > 0 else OFFSET_BEGINNING
-                pipe.execute()
+                plan = {
+                    where: plan_partition(known.get(where), *lh) for where, lh in bounds.items()
+                }
+                self._mark(plan)
                 break
-            except REDIS_ERRORS as exc:
+            except _LOADER_ERRORS as exc:
                 if self._stop.is_set():
+                    for tp in partitions:  # nothing more is read
+                        tp.offset = OFFSET_END
+                    self._stored = {}
+                    consumer.assign(partitions)
                     return
-                self.metrics.dependency_errors.labels("redis").inc()
-                logger.warning("cannot read reference positions (%s); retrying", exc)
+                which = "kafka" if isinstance(exc, KafkaException) else "redis"
+                self.metrics.dependency_errors.labels(which).inc()
+                logger.warning("cannot place the reference partitions (%s); retrying", exc)
                 self._stop.wait(delay)
                 delay = min(delay * 2, 5.0)
-        self._stored, self._targets = stored, targets
+        for tp in partitions:
+            start = plan[(tp.topic, tp.partition)][0]
+            tp.offset = start if start > 0 else OFFSET_BEGINNING
+        self._stored = {where: start for where, (start, _) in plan.items()}
         consumer.assign(partitions)
+
+    def _mark(self, plan: dict[tuple[str, int], tuple[int, int]]) -> None:
+        """Write each partition's position (where it starts) with its loading mark (the
+        end it must reach) in one HSET, so that neither is seen without the other; a
+        partition that starts at its end loses any mark (one an earlier version left)."""
+        s = self.settings
+        key = position_key(s.redis_namespace, s.reference_group_id)
+        fields: dict[str, int] = {}
+        done: list[str] = []
+        for (topic, partition), (start, end) in plan.items():
+            fields[_field(topic, partition)] = start
+            if end > start:
+                fields[LOADING + _field(topic, partition)] = end
+            else:
+                done.append(LOADING + _field(topic, partition))
+        pipe = self.client.pipeline(transaction=False)
+        if self._count > 0:  # (lost too, if the position hash was)
+            counts = count_key(s.redis_namespace, s.reference_group_id)
+            pipe.hset(counts, s.topics.reference, self._count)
+        if fields:
+            pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
+        if done:
+            pipe.hdel(key, *done)
+        pipe.execute()
 
     def _run(self) -> None:
         """Load until stopped. An unexpected error does not end the thread (the decisions
@@ -480,12 +561,11 @@ class ReferenceLoader:
         snapshot, a flushed database) mean the entities written since may be gone too:
         those partitions are read again from where Redis says."""
         s = self.settings
-        key = position_key(s.redis_namespace, s.reference_group_id)
         counts = count_key(s.redis_namespace, s.reference_group_id)
         try:
-            held = self.client.hgetall(key)
-            if not self.client.hexists(counts, s.topics.reference):  # a flushed database
-                self.client.hset(counts, s.topics.reference, self._count)
+            held = self.client.hgetall(position_key(s.redis_namespace, s.reference_group_id))
+            if self._count > 0 and not self.client.hexists(counts, s.topics.reference):
+                self.client.hset(counts, s.topics.reference, self._count)  # a flushed database
         except REDIS_ERRORS:
             return  # Redis down: the next batch waits it out; checked again later
         there_all = positions_of(held)
@@ -495,41 +575,33 @@ class ReferenceLoader:
                 self._rewind(consumer, topic, partition, there or 0)
 
     def _rewind(self, consumer: Consumer, topic: str, partition: int, there: int) -> None:
-        """Read a partition again from ``there``, marked as loading up to as far as this
-        loader had got (or was to get): until then, Redis holds older states."""
+        """Read a partition again from ``there``, marked as loading up to its end: until
+        then, Redis holds older states. A Redis error goes up: the loader starts again
+        from what Redis holds, and marks what stands behind the end then."""
         tp = (topic, partition)
         logger.warning(
             "reference positions in Redis went back (%s/%s: %s, loaded up to %s); "
             "reading it again from there",
             topic, partition, there, self._stored.get(tp),
         )  # fmt: skip
-        s = self.settings
-        key = position_key(s.redis_namespace, s.reference_group_id)
-        target = max(self._stored.get(tp, 0), self._targets.get(tp, 0))
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(key, _field(topic, partition), there)
-        # (lost too, if the position hash was)
-        pipe.hset(count_key(s.redis_namespace, s.reference_group_id), topic, self._count)
-        if target > there:
-            pipe.hset(key, LOADING + _field(topic, partition), target)
-        pipe.execute()  # a Redis error: the loader starts again from what Redis holds
         try:
-            consumer.seek(TopicPartition(topic, partition, there or OFFSET_BEGINNING))
+            start, end = plan_partition(
+                there, *watermarks(consumer, TopicPartition(topic, partition), 10)
+            )
+        except KafkaException as exc:
+            logger.warning("cannot rewind %s/%s: %s", topic, partition, exc)
+            self._lost = True  # tried again at the next check
+            return
+        self._mark({tp: (start, end)})
+        try:
+            consumer.seek(TopicPartition(topic, partition, start or OFFSET_BEGINNING))
         except KafkaException as exc:
             # Read on from here; the next write finds Redis behind and rewinds again.
             logger.warning("cannot rewind %s/%s: %s", topic, partition, exc)
             return
-        self._stored[tp] = there
-        if target > there:
-            self._targets[tp] = target
+        self._stored[tp] = start
         self._lost = True
         self.metrics.reference_rewinds.inc()
-
-    def _wrote(self, written: Iterable[tuple[str, int]]) -> None:
-        """Partitions just written: a loading mark they reached is gone (positions.lua)."""
-        for tp in written:
-            if tp in self._targets and self._stored.get(tp, 0) >= self._targets[tp]:
-                del self._targets[tp]
 
     def _advance(self, consumer: Consumer) -> None:
         """Idle: move the stored positions past what the consumer skipped since (the
@@ -549,19 +621,25 @@ class ReferenceLoader:
         except REDIS_ERRORS:
             return  # tried again when next idle
         self._stored.update(ahead)
-        self._wrote(ahead)
         for (topic, partition), there in behind.items():
             self._rewind(consumer, topic, partition, there)
 
     def _apply(
         self, consumer: Consumer, records: list[tuple[Any, Any, Any, bytes | None, bytes | None]]
     ) -> None:
+        # Only partitions this loader has placed: a record of another (an assignment that
+        # failed) would be written with nothing to compare its position with.
+        records = [r for r in records if (r[0], r[1]) in self._stored]
+        if not records:
+            return
         delay = 0.2
         try:
             past = self._positions(consumer, {(r[0], r[1]) for r in records})
         except KafkaException:
             past = {}  # the records' own positions, then; _advance catches up
-        while not self._stop.is_set():
+        while True:
+            if self._stop.is_set():
+                return
             try:
                 applied, refused, behind = apply_records(
                     self.client,
@@ -571,19 +649,20 @@ class ReferenceLoader:
                     past,
                     self._stored,
                 )
-                for topic, partition, offset, _, _ in records:
-                    tp = (topic, partition)
-                    self._stored[tp] = max(offset + 1, past.get(tp, 0))
-                self._wrote({(r[0], r[1]) for r in records})
-                for (topic, partition), there in behind.items():
-                    # Redis lost writes since this loader's last batch (a failover while
-                    # it was being retried, say): read the partition again from there.
-                    self._rewind(consumer, topic, partition, there)
-                self.metrics.references.labels("applied").inc(applied)
-                self.metrics.references.labels("refused").inc(refused)
-                return
+                break
             except REDIS_ERRORS as exc:
                 self.metrics.dependency_errors.labels("redis").inc()
                 logger.warning("reference load failed (%s); retrying in %.1fs", exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+        for topic, partition, offset, _, _ in records:
+            tp = (topic, partition)
+            self._stored[tp] = max(offset + 1, past.get(tp, 0))
+        self.metrics.references.labels("applied").inc(applied)
+        self.metrics.references.labels("refused").inc(refused)
+        # Redis lost writes since this loader's last batch (a failover while it was being
+        # retried, say): read those partitions again from there. Not inside the retry
+        # above: the batch written again after one rewind would move that partition's
+        # position past the range it has still to read, and take its mark away.
+        for (topic, partition), there in behind.items():
+            self._rewind(consumer, topic, partition, there)

@@ -18,7 +18,8 @@ from typing import Any
 
 import orjson
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+import redis as redis_lib
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from processor.config import Settings
@@ -220,7 +221,10 @@ def test_lookups_wait_while_the_loader_loads_again_what_redis_lost(
         wanted = ("acme", "order", "WO-00044-A")
         assert store.lookup([wanted])[wanted].state == "cancelled"  # type: ignore[union-attr]
         redis.set(ek, b'{"state":"processing"}')
-        redis.delete(position_key(settings.redis_namespace, settings.reference_group_id))
+        redis.delete(
+            position_key(settings.redis_namespace, settings.reference_group_id),
+            count_key(settings.redis_namespace, settings.reference_group_id),
+        )
         answers: list[str] = []
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and answers[-1:] != ["cancelled"]:
@@ -270,6 +274,171 @@ def test_a_first_load_is_marked_until_it_reaches_the_end_it_started_from(
     assert not [k for k in held if k.startswith(b":loading:")]
     # Every partition has a position, the five empty ones included.
     assert len(held) == 6
+
+
+def _names(settings: Settings) -> tuple[str, str, str]:
+    """(the loaders' group, the Redis namespace, the reference topic)"""
+    return settings.reference_group_id, settings.redis_namespace, settings.topics.reference
+
+
+def _loaded_once(stack_settings: Settings) -> tuple[Settings, Any]:
+    """A namespace and topics of their own, one order on them, loaded by a loader that
+    has stopped since: (settings, Redis)."""
+    settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
+    redis = connect(settings.redis_url)
+    publish_references(settings, [("acme/order/WO-00046-A", {"state": "processing"})])
+    first = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
+    first.start()
+    try:
+        wait_until_loaded(settings, timeout=30)
+    finally:
+        first.stop()
+    return settings, redis
+
+
+def test_a_loader_started_behind_the_topic_marks_it_before_it_joins_its_group(
+    stack_settings: Settings,
+) -> None:
+    """The topic moved on while no loader ran: the partitions behind are marked by
+    start() itself, before the loader (or the processor) reads anything. Until the
+    loader's group join, Redis's older state would otherwise read as loaded."""
+    settings, redis = _loaded_once(stack_settings)
+    group, ns, topic = (
+        settings.reference_group_id,
+        settings.redis_namespace,
+        settings.topics.reference,
+    )
+    assert load_state(redis, group, ns, topic)[1] is None
+    publish_references(settings, [("acme/order/WO-00046-A", {"state": "refunded"})])
+    loader = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
+    loader.start()
+    try:
+        why = load_state(redis, group, ns, topic)[1]
+        assert why is not None and "being loaded" in why, why
+        wait_until_loaded(settings, timeout=30)
+        ek = entity_key(ns, "acme", "order", "WO-00046-A")
+        assert redis.get(ek) == b'{"state":"refunded"}'
+    finally:
+        loader.stop()
+
+
+def test_an_assignment_that_fails_is_placed_again_not_left_to_the_client(
+    stack_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker does not answer while the loader places its partitions: it tries again.
+    Raised out of the callback, the client assigned the partitions itself, from the
+    group's committed offsets (none: from the beginning), and the loader wrote the
+    partition's older records again, positions going back, with no mark."""
+    settings, redis = _loaded_once(stack_settings)
+    calls = {"watermarks": 0}
+    real_watermarks = references.watermarks
+
+    def flaky(*args: Any, **kw: Any) -> tuple[int, int]:
+        calls["watermarks"] += 1
+        if calls["watermarks"] <= 2:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "broker busy"))
+        return real_watermarks(*args, **kw)
+
+    applied: list[int] = []
+    real_apply = references.apply_records
+
+    def watched(client: Any, records: list[Any], *args: Any, **kw: Any) -> Any:
+        applied.extend(r[2] for r in records)
+        return real_apply(client, records, *args, **kw)
+
+    monkeypatch.setattr(references, "watermarks", flaky)
+    monkeypatch.setattr(references, "apply_records", watched)
+    metrics = Metrics(CollectorRegistry())
+    loader = ReferenceLoader(settings, redis, metrics)
+    loader.start()  # (its own mark_behind takes the first failure)
+    try:
+        deadline = time.monotonic() + 30
+        while not loader._stored and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loader._stored, "the partitions were never placed"
+        time.sleep(1.0)  # what a replay from the beginning would have written by now
+        assert applied == [], applied
+        assert metrics.dependency_errors.labels("kafka")._value.get() >= 1
+        wait_until_loaded(settings, timeout=30)
+    finally:
+        loader.stop()
+
+
+def test_a_rewind_that_fails_keeps_the_marks_of_the_rewinds_before_it(
+    stack_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch finds two partitions behind (a failover lost writes on both); Redis fails
+    on the second rewind. The error goes up (the loader starts again) instead of the
+    batch being written again, which moved the first partition's position past the range
+    it still had to read and took its mark away."""
+    settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
+    redis = connect(settings.redis_url)
+    ns, group, topic = (
+        settings.redis_namespace,
+        settings.reference_group_id,
+        settings.topics.reference,
+    )
+
+    class Consumer_:
+        """The loader's consumer, as far as a batch and its rewinds use it."""
+
+        def __init__(self) -> None:
+            self.at = {(topic, 0): 12, (topic, 1): 12}
+
+        def position(self, tps: list[TopicPartition]) -> list[TopicPartition]:
+            return [TopicPartition(tp.topic, tp.partition, self.at[(tp.topic, tp.partition)])
+                    for tp in tps]  # fmt: skip
+
+        def get_watermark_offsets(self, tp: TopicPartition, timeout: float) -> tuple[int, int]:
+            return 0, 12
+
+        def seek(self, tp: TopicPartition) -> None:
+            self.at[(tp.topic, tp.partition)] = tp.offset
+
+    loader = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
+    loader._count, loader._stored = 2, {(topic, 0): 10, (topic, 1): 10}
+    redis.hset(count_key(ns, group), topic, 2)
+    redis.hset(position_key(ns, group), mapping={f"{topic}/0": 4, f"{topic}/1": 4})
+    real_mark, marks = ReferenceLoader._mark, []
+
+    def flaky(self: ReferenceLoader, plan: dict[tuple[str, int], tuple[int, int]]) -> None:
+        marks.append(plan)
+        if len(marks) == 2:
+            raise redis_lib.ConnectionError("connection reset by the failover")
+        real_mark(self, plan)
+
+    monkeypatch.setattr(ReferenceLoader, "_mark", flaky)
+    batch = [(topic, p, o, f"acme/order/P{p}-{o}".encode(), b'{"state":"s"}')
+             for p in (0, 1) for o in (10, 11)]  # fmt: skip
+    with pytest.raises(redis_lib.ConnectionError):
+        loader._apply(Consumer_(), batch)  # type: ignore[arg-type]
+    held = redis.hgetall(position_key(ns, group))
+    assert held[f":loading:{topic}/0".encode()] == b"12", held
+    assert held[f"{topic}/0".encode()] == b"4", held
+    assert load_state(redis, group, ns, topic)[1] is not None
+
+
+def test_a_mark_an_earlier_version_left_behind_is_removed_when_its_partition_is_placed(
+    stack_settings: Settings,
+) -> None:
+    """A mark whose position was reached by a loader of an earlier version (whose
+    positions.lua did not remove marks): placed again at its end, the partition loses it,
+    instead of every lookup waiting for ever."""
+    settings, redis = _loaded_once(stack_settings)
+    group, ns, topic = (
+        settings.reference_group_id,
+        settings.redis_namespace,
+        settings.topics.reference,
+    )
+    done, _ = load_state(redis, group, ns, topic)
+    (where, at) = next((w, o) for w, o in done.items() if o > 0)
+    redis.hset(position_key(ns, group), f":loading:{where[0]}/{where[1]}", at)
+    loader = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
+    loader.start()
+    try:
+        wait_until_loaded(settings, timeout=30)
+    finally:
+        loader.stop()
 
 
 def test_reference_records_are_partitioned_as_the_executors_partition(

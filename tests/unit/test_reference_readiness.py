@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from processor.state.references import positions_of, unloaded
+from processor.state.references import plan_partition, positions_of, unloaded
 
 T = "tool.reference"
 
@@ -39,3 +39,29 @@ def test_positions_leave_out_the_marks() -> None:
     held = {b"tool.reference/0": b"4", b":loading:tool.reference/1": b"10",
             b"tool.reference/1": b"3"}  # fmt: skip
     assert positions_of(held) == {(T, 0): 4, (T, 1): 3}
+
+
+def test_a_count_of_none_is_not_loaded() -> None:
+    assert unloaded({}, b"0", T) == "no loader has taken tool.reference yet"
+
+
+def test_a_partition_is_read_from_its_position_and_waited_for_up_to_its_end() -> None:
+    assert plan_partition(40, 0, 100) == (40, 100)
+    assert plan_partition(100, 0, 100) == (100, 100)  # at its end: nothing to wait for
+
+
+def test_a_partition_with_no_position_is_read_whole() -> None:
+    assert plan_partition(None, 0, 100) == (0, 100)
+    assert plan_partition(None, 30, 100) == (30, 100)  # from its first record
+    assert plan_partition(None, 0, 0) == (0, 0)  # empty
+
+
+def test_records_deleted_below_the_position_are_not_waited_for() -> None:
+    # (a position below the first offset stays there; the consumer starts at the first,
+    # and with none left it would never report a position that reaches the mark)
+    assert plan_partition(10, 50, 50) == (50, 50)
+    assert plan_partition(10, 50, 80) == (50, 80)
+
+
+def test_a_position_past_the_end_reads_the_partition_again() -> None:
+    assert plan_partition(500, 0, 80) == (0, 80)  # a topic recreated
