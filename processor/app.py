@@ -869,8 +869,12 @@ class Processor:
             return
         items = [release_item(d) for d in released]
         for d, v in zip(released, self.admission.apply(items), strict=True):
-            if not v.get("ok", True):
-                apply_verdict(d, {"ok": False, "why": "in_flight", "retry_after_ms": 0},
+            if v.get("ok") is not True:
+                # Superseded: a resubmission took the key over, and runs. Anything else is
+                # a replay of a position first decided as the request's end (see
+                # admission.lua): changed, and nothing runs.
+                why = "in_flight" if v.get("why") == "superseded" else "replay_changed"
+                apply_verdict(d, {"ok": False, "why": why, "retry_after_ms": 0},
                               self.gates.policy.budgets, None)  # fmt: skip
             elif d.call is not None and v.get("attempt"):
                 d.call.attempt = int(v["attempt"])

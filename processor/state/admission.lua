@@ -764,7 +764,14 @@ for i, a in ipairs(items) do
     -- A call admitted here (its take already given back or kept, if it was parked and
     -- its request ended or it went) that is a refused proposal now.
     local now_step = ikey and a[1] == 2 and string.sub(verdict or '', 1, 3) == 'ok|'
-    if ikey and not same and (took_ ~= '' or now_step) then
+    if a[1] == 4 and not ikey and string.sub(verdict, 1, 3) ~= 'ok|'
+        and string.sub(verdict, 1, 14) ~= 'no|superseded|' then
+      -- A release at the approval record's position, which was decided the first time as
+      -- the end of its request (refused at its recheck: a lapse gave back what parking
+      -- took, or found it gone). Its call must not go on that: refused as changed, and
+      -- proposed again it is decided afresh.
+      out[i] = 'no|replay_changed|0'
+    elseif ikey and not same and (took_ ~= '' or now_step) then
       local resubmitted = false
       if took_ ~= '' then
         local attempt = tonumber(string.match(verdict or '', '^ok|(%d+)$'))

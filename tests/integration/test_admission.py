@@ -594,6 +594,35 @@ def test_a_parked_call_is_released_once_whichever_path_comes_first(store: Admiss
     assert store.record(TENANT, other[1]["ikey"], NOW)["awaiting"] == "0"
 
 
+def test_a_release_replayed_where_its_request_ended_the_first_time_does_not_go(
+    store: AdmissionStore,
+) -> None:
+    """Approved, but refused at its recheck (the order moved on): the approval record's
+    position gives back what parking took (a lapse). That batch aborts, and on its replay
+    the recheck passes: the release at the same position must not go, on a take already
+    given back (with a budget of one, a second call of the class would then run too)."""
+    limits = {"group": "financial", "class_budget": 1, "tool": "charge"}
+    parked = call(park=True, deadline=NOW + 600_000, **limits)
+    assert whys(store.apply([parked])) == [None]
+    pos = f"a/0/{next(_pos)}"
+    assert store.apply([_lapse(parked, pos)]) == [{"status": "lapsed"}]
+    assert "class:financial" not in store.run_counters(TENANT, "run-1", NOW)
+    release = {"kind": "release", "pos": pos, "run": "run-1", "ikey": parked[1]["ikey"],
+               "hash": "h1", "call": "released", "deadline": NOW + 8000, "ttl": 3_600_000,
+               "parked_until": ""}  # fmt: skip
+    assert store.apply([(TENANT, release)]) == [
+        {"ok": False, "why": "replay_changed", "retry_after_ms": 0}
+    ]
+    record = store.record(TENANT, parked[1]["ikey"], NOW)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "0")
+    # Its own release, replayed, answers as before.
+    other = call(park=True, deadline=NOW + 600_000)
+    assert whys(store.apply([other])) == [None]
+    again = {**release, "pos": f"a/0/{next(_pos)}", "ikey": other[1]["ikey"]}
+    assert store.apply([(TENANT, again)]) == [{"ok": True, "attempt": 1}]
+    assert store.apply([(TENANT, again)]) == [{"ok": True, "attempt": 1}]
+
+
 def test_a_released_retry_runs_as_its_own_attempt_and_its_result_settles_it(
     store: AdmissionStore,
 ) -> None:

@@ -86,3 +86,29 @@ def test_a_released_call_names_the_deadline_its_request_parked_it_until() -> Non
     tenant, item = release_item(d)
     assert (tenant, item["kind"], item["parked_until"]) == ("acme", "release", EXPIRES)
     assert item["deadline"] == NOW_MS + 8000
+
+
+@pytest.mark.parametrize(
+    ("verdict", "expected"),
+    [
+        ({"ok": True, "attempt": 1}, ("ROUTED", None)),
+        ({"ok": False, "why": "superseded", "retry_after_ms": 0}, ("REJECTED", "idempotency_in_flight")),
+        ({"ok": False, "why": "replay_changed", "retry_after_ms": 0},
+         ("REJECTED", "replay_changed")),
+        # A verdict of another kind of item at the release's position: never a go-ahead.
+        ({"status": "lapsed"}, ("REJECTED", "replay_changed")),
+    ],
+)  # fmt: skip
+def test_a_released_call_goes_only_on_admissions_go_ahead(
+    monkeypatch: pytest.MonkeyPatch, verdict: dict[str, Any], expected: tuple[str, str | None]
+) -> None:
+    settings = Settings(contracts_dir=CONTRACTS_DIR, policy_file=None, metrics_port=0,
+                        redis_url="redis://127.0.0.1:1/0")  # fmt: skip
+    p = Processor(settings, metrics=Metrics(CollectorRegistry()))
+    monkeypatch.setattr(p.admission, "apply", lambda items, forget=None: [verdict for _ in items])
+    d = outcome_decision(_input("decision"), OpResult("released", None, _entry("released")),
+                         NOW_MS)  # fmt: skip
+    assert d is not None
+    p._admit_releases([d], NOW_MS)
+    codes = [e.code for e in d.rejection.errors] if d.rejection else []
+    assert (d.outcome.value, codes[0] if codes else None) == expected, (d.outcome, codes)
