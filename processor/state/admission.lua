@@ -367,8 +367,10 @@ local function admit_call(c)
       return hit(rec)
     end
     if rec.s == 'PENDING' then
-      if rec.w == 1 and not c.park then
-        charged = true             -- the parked call, now resubmitted with its approvals
+      if rec.w == 1 and not c.park and (rec.r == nil or rec.r == c.run) then
+        -- The parked call, now resubmitted with its approvals, by its own run (another
+        -- run naming its key would go on a park that run did not pay for: in flight).
+        charged = true
       elseif c.now < rec.d + c.grace then
         bump(c.run, 'steps', 1)
         return refuse('in_flight', rec.d + c.grace - c.now)

@@ -594,6 +594,21 @@ def test_a_parked_call_is_released_once_whichever_path_comes_first(store: Admiss
     assert store.record(TENANT, other[1]["ikey"], NOW)["awaiting"] == "0"
 
 
+def test_a_parked_call_resubmitted_by_another_run_is_in_flight(store: AdmissionStore) -> None:
+    """Only the run that parked a call goes on what its park took: another run naming the
+    key (an agent reusing a key and a trace across runs) would run it on a step and a
+    budget that run never spent, past its own caps."""
+    parked = call(park=True, group="financial", class_budget=1, deadline=NOW + 600_000)
+    assert whys(store.apply([parked])) == [None]
+    other = call(ikey=parked[1]["ikey"], run="run-2", group="financial", class_budget=1,
+                 steps=1, now=NOW + 1000)  # fmt: skip
+    assert whys(store.apply([other])) == ["in_flight"]
+    assert store.run_counters(TENANT, "run-2", NOW) == {"steps": 1.0}
+    own = call(ikey=parked[1]["ikey"], group="financial", class_budget=1, now=NOW + 2000)
+    assert store.apply([own]) == [{"ok": True, "attempt": 1}]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+
+
 def test_a_release_replayed_where_its_request_ended_the_first_time_does_not_go(
     store: AdmissionStore,
 ) -> None:

@@ -92,7 +92,8 @@ def test_a_released_call_names_the_deadline_its_request_parked_it_until() -> Non
     ("verdict", "expected"),
     [
         ({"ok": True, "attempt": 1}, ("ROUTED", None)),
-        ({"ok": False, "why": "superseded", "retry_after_ms": 0}, ("REJECTED", "idempotency_in_flight")),
+        ({"ok": False, "why": "superseded", "retry_after_ms": 0},
+         ("REJECTED", "idempotency_in_flight")),
         ({"ok": False, "why": "replay_changed", "retry_after_ms": 0},
          ("REJECTED", "replay_changed")),
         # A verdict of another kind of item at the release's position: never a go-ahead.
