@@ -862,14 +862,20 @@ class Processor:
         unless a resubmission carrying approvals already did (then it is not routed
         twice). Only batches with releases pay this round trip."""
         released = [
-            d for d in decisions
+            (k, d) for k, d in enumerate(decisions)
             if d.outcome is Outcome.ROUTED and d.gate is Gate.APPROVAL and d.call is not None
         ]  # fmt: skip
         if not released:
             return
-        items = [release_item(d) for d in released]
-        for d, v in zip(released, self.admission.apply(items), strict=True):
-            if v.get("ok") is not True:
+        items = [release_item(d) for _, d in released]
+        for (k, d), v in zip(released, self.admission.apply(items), strict=True):
+            if v.get("why") == "given_back":
+                # Given back before its release (see _end_requests): its proposal was
+                # answered on that replay, and nothing runs.
+                detail = ("the call was decided again as something else before its "
+                          "approvers released it, and never ran")  # fmt: skip
+                decisions[k] = dead_letter(d.source, "approval_request_withdrawn", detail)
+            elif v.get("ok") is not True:
                 # Superseded: a resubmission took the key over, and runs. Anything else is
                 # a replay of a position first decided as the request's end (see
                 # admission.lua): changed, and nothing runs.
@@ -925,7 +931,7 @@ class Processor:
         released: list[tuple[int, ApprovalInput, OpResult]],
         out: list[Decision | None],
         now_ms: int,
-    ) -> list[tuple[ApprovalInput, OpResult]]:
+    ) -> list[tuple[int, ApprovalInput, OpResult]]:
         """Calls their approvers released, checked again against the world before they go
         (recheck_release): one reference lookup for all of the batch's releases. A call
         refused now is told why and does not run (returned, for what parking it took to be
@@ -934,7 +940,7 @@ class Processor:
         entries = [r.entry for _, _, r in released if r.entry is not None]
         keys = {k for e in entries for k in release_keys(e, self.gates, now_ms)}
         answers = self.references.lookup(keys) if keys else {}
-        refused: list[tuple[ApprovalInput, OpResult]] = []
+        refused: list[tuple[int, ApprovalInput, OpResult]] = []
         for i, item, result in released:
             assert result.entry is not None
             refusal = recheck_release(result.entry, self.gates, answers, now_ms)
@@ -943,13 +949,13 @@ class Processor:
             else:
                 self._count("approvals", "refused_at_release")
                 out[i] = refused_release(item.src, result.entry, refusal, now_ms)
-                refused.append((item, result))
+                refused.append((i, item, result))
         return refused
 
     def _end_requests(
         self,
         ended: list[tuple[int, ApprovalInput, OpResult]],
-        refused: list[tuple[ApprovalInput, OpResult]],
+        refused: list[tuple[int, ApprovalInput, OpResult]],
         out: list[Decision | None],
         now_ms: int,
     ) -> None:
@@ -963,28 +969,33 @@ class Processor:
         aborted and its position was decided again as something else, which answered its
         proposal): a rejection lands on the DLQ as \"approval_request_withdrawn\".
 
-        The calls refused at release (``refused``, already answered) give back what
-        parking them took in the same round trip: one, only for batches that end
-        requests."""
+        The calls refused at release (``refused``, answered already with the refusal) give
+        back what parking them took in the same round trip: one, only for batches that
+        end requests. Their refusal stands unless their key moved on or was given back,
+        as above: then it lands on the DLQ instead, as a rejection would."""
+        both = [*ended, *refused]
         items = []
-        for x, r in [*((item, result) for _, item, result in ended), *refused]:
+        for _, x, r in both:
             assert r.entry is not None  # (an ended or released request names its call)
             items.append(lapse_item(r.entry, position(x.src), now_ms))
         verdicts = self.admission.apply(items)
         self._admitted += items
-        for (i, item, result), verdict in zip(ended, verdicts[: len(ended)], strict=True):
+        for n, ((i, item, result), verdict) in enumerate(zip(both, verdicts, strict=True)):
             status = verdict.get("status")
             if status not in ("moved_on", "given_back"):
-                out[i] = self._approval_outcome(item, result, now_ms)
+                if n < len(ended):
+                    out[i] = self._approval_outcome(item, result, now_ms)
             elif item.kind == EXPIRY_CHECK:
                 self._count("approvals", "ignored")
                 out[i] = ignored(item.src, "superseded" if status == "moved_on" else "withdrawn")
             elif status == "moved_on":
-                self._count("approvals", "refused")
+                if n < len(ended):  # (a refusal at release was counted as one)
+                    self._count("approvals", "refused")
                 detail = f"{item.request_id}: the call went ahead with approvals attached"
                 out[i] = dead_letter(item.src, "approval_request_superseded", detail)
             else:
-                self._count("approvals", "refused")
+                if n < len(ended):
+                    self._count("approvals", "refused")
                 detail = (f"{item.request_id}: the call was decided again as something else "
                           "before its request ended, and never ran")  # fmt: skip
                 out[i] = dead_letter(item.src, "approval_request_withdrawn", detail)

@@ -530,6 +530,12 @@ end
 local function release(c)
   local rec = record_of(c.ikey)
   if rec and not (rec.s == 'PENDING' and rec.w == 1 and rec.h == c.hash) then
+    if rec.h == c.hash and not rec.pd and c.parked_until and rec.d == c.parked_until
+        and RETRYABLE[rec.s] then
+      -- The parked call was given back before its approvers released it (see lapse,
+      -- "given_back"): it never ran, and its proposal was answered otherwise.
+      return refuse('given_back')
+    end
     if rec.s == 'PENDING' and rec.h == c.hash and rec.pd and rec.pd == c.parked_until
         and rec.e ~= 1 then
       rec.e = 1

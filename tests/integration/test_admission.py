@@ -945,6 +945,26 @@ def test_a_request_that_ends_after_its_park_was_given_back_on_replay_is_not_move
     assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
 
 
+def test_a_release_of_a_park_given_back_on_replay_is_given_back_not_superseded(
+    store: AdmissionStore,
+) -> None:
+    """Its approvers release a call whose park was given back (its batch aborted and its
+    position was decided as something else, which answered its proposal): not
+    "superseded" (answered as in flight: wait for a result that never comes)."""
+    parked = call(park=True, deadline=NOW + 600_000, group="financial", class_budget=1)
+    assert whys(store.apply([parked])) == [None]
+    c = parked[1]
+    assert whys(store.apply([step(repair=False, pos=c["pos"])])) == [None]
+    release = {"kind": "release", "pos": f"a/0/{next(_pos)}", "run": "run-1",
+               "ikey": c["ikey"], "hash": c["hash"], "call": c["call"], "deadline": NOW + 70_000,
+               "ttl": 3_600_000, "parked_until": c["deadline"]}  # fmt: skip
+    assert whys(store.apply([(TENANT, release)])) == ["given_back"]
+    assert store.record(TENANT, c["ikey"], NOW)["state"] == "FAILED_RETRYABLE"
+    # Another request's release under the key (parked until another deadline) is not it.
+    other = {**release, "pos": f"a/0/{next(_pos)}", "parked_until": NOW + 1}
+    assert whys(store.apply([(TENANT, other)])) == ["superseded"]
+
+
 def test_a_release_refused_as_superseded_ends_the_request_for_the_resubmission(
     store: AdmissionStore,
 ) -> None:

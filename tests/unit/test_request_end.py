@@ -13,7 +13,7 @@ from processor.approval_flow import EXPIRY_CHECK, ApprovalInput, outcome_decisio
 from processor.config import Settings
 from processor.gates.budget import release_item
 from processor.metrics import Metrics
-from processor.model import Decision, Outcome, SourceRecord
+from processor.model import Decision, Gate, Outcome, SourceRecord
 from processor.state.approvals import OpResult
 from tests.unit.helpers import CONTRACTS_DIR, NOW_MS
 
@@ -98,6 +98,8 @@ def test_a_released_call_names_the_deadline_its_request_parked_it_until() -> Non
          ("REJECTED", "replay_changed")),
         # A verdict of another kind of item at the release's position: never a go-ahead.
         ({"status": "lapsed"}, ("REJECTED", "replay_changed")),
+        ({"ok": False, "why": "given_back", "retry_after_ms": 0},
+         ("DEAD_LETTER", "approval_request_withdrawn")),
     ],
 )  # fmt: skip
 def test_a_released_call_goes_only_on_admissions_go_ahead(
@@ -110,6 +112,38 @@ def test_a_released_call_goes_only_on_admissions_go_ahead(
     d = outcome_decision(_input("decision"), OpResult("released", None, _entry("released")),
                          NOW_MS)  # fmt: skip
     assert d is not None
-    p._admit_releases([d], NOW_MS)
-    codes = [e.code for e in d.rejection.errors] if d.rejection else []
+    decisions = [d]
+    p._admit_releases(decisions, NOW_MS)
+    [d] = decisions
+    codes = [e.code for e in d.rejection.errors] if d.rejection else [d.dlq_reason]
     assert (d.outcome.value, codes[0] if codes else None) == expected, (d.outcome, codes)
+
+
+@pytest.mark.parametrize(
+    ("lapse", "reason"),
+    [("lapsed", None), ("unchanged", None), ("moved_on", "approval_request_superseded"),
+     ("given_back", "approval_request_withdrawn")],
+)  # fmt: skip
+def test_a_call_refused_at_release_keeps_its_refusal_unless_it_was_answered_otherwise(
+    monkeypatch: pytest.MonkeyPatch, lapse: str, reason: str | None
+) -> None:
+    """Released, then refused at its recheck: the refusal answers the proposal, unless the
+    call went ahead meanwhile with approvals attached, or was given back and answered on
+    a replay: then a second answer would contradict the first, and the release lands on
+    the DLQ as a rejection would."""
+    settings = Settings(contracts_dir=CONTRACTS_DIR, policy_file=None, metrics_port=0,
+                        redis_url="redis://127.0.0.1:1/0")  # fmt: skip
+    p = Processor(settings, metrics=Metrics(CollectorRegistry()))
+    monkeypatch.setattr(p.admission, "apply",
+                        lambda items, forget=None: [{"status": lapse} for _ in items])  # fmt: skip
+    refusal = Decision(_input("decision").src, Outcome.REJECTED, Gate.APPROVAL, None)
+    out: list[Decision | None] = [refusal]
+    released = OpResult("released", None, _entry("released"))
+    p._end_requests([], [(0, _input("decision"), released)], out, NOW_MS)
+    if reason is None:
+        assert out[0] is refusal
+    else:
+        assert out[0] is not None and (out[0].outcome, out[0].dlq_reason) == (
+            Outcome.DEAD_LETTER,
+            reason,
+        )
