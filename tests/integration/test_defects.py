@@ -212,9 +212,11 @@ def test_a_parked_call_whose_outputs_fail_after_its_batch_was_split_keeps_no_req
     proc = ProcessorProcess(settings, "defects-5", tmp_path, TOOLSENTRY_METRICS_PORT=str(port),
                             **faults)  # fmt: skip
     proc.start().wait_ready()  # loads the references, then stops
-    publish_references(settings, existing("acme", "charge_customer_card_v2", CHARGE))
-    wait_until_loaded(settings)
-    proc.terminate()
+    try:
+        publish_references(settings, existing("acme", "charge_customer_card_v2", CHARGE))
+        wait_until_loaded(settings)
+    finally:
+        proc.terminate()
     client = ToolsentryClient(settings, "acme", principal_token=token(settings, "acme"))
     # Sent before the processor starts: one partition (one run), one batch, in this order.
     charge = client.propose("charge_customer_card_v2", CHARGE, run_id="run-split",
