@@ -82,12 +82,7 @@ def test_records_published_in_transactions_count_as_loaded(stack_settings: Setti
         loader.stop()
 
     # A loader started again resumes from its position, which is at the end.
-    again = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
-    again.start()
-    try:
-        wait_until_loaded(settings, timeout=30)
-    finally:
-        again.stop()
+    _load(settings, redis)
 
 
 def test_a_record_the_loader_cannot_keep_is_refused_and_the_rest_still_load(
@@ -262,18 +257,23 @@ def test_a_first_load_is_marked_until_it_reaches_the_end_it_started_from(
         return apply(*args, **kw)
 
     monkeypatch.setattr(references, "apply_records", watched)
-    loader = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
-    loader.start()
-    try:
-        wait_until_loaded(settings, timeout=30)
-    finally:
-        loader.stop()
+    _load(settings, redis)
     assert seen and seen[0] is not None and "being loaded" in seen[0], seen
     assert load_state(redis, group, settings.redis_namespace, topic)[1] is None
     held = redis.hgetall(key)
     assert not [k for k in held if k.startswith(b":loading:")]
     # Every partition has a position, the five empty ones included.
     assert len(held) == 6
+
+
+def _load(settings: Settings, redis: Any) -> None:
+    """A loader of its own, until it has loaded the topic; then stopped."""
+    loader = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
+    loader.start()
+    try:
+        wait_until_loaded(settings, timeout=30)
+    finally:
+        loader.stop()
 
 
 def _names(settings: Settings) -> tuple[str, str, str]:
@@ -287,12 +287,7 @@ def _loaded_once(stack_settings: Settings) -> tuple[Settings, Any]:
     settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
     redis = connect(settings.redis_url)
     publish_references(settings, [("acme/order/WO-00046-A", {"state": "processing"})])
-    first = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
-    first.start()
-    try:
-        wait_until_loaded(settings, timeout=30)
-    finally:
-        first.stop()
+    _load(settings, redis)
     return settings, redis
 
 
@@ -433,12 +428,7 @@ def test_a_mark_an_earlier_version_left_behind_is_removed_when_its_partition_is_
     done, _ = load_state(redis, group, ns, topic)
     (where, at) = next((w, o) for w, o in done.items() if o > 0)
     redis.hset(position_key(ns, group), f":loading:{where[0]}/{where[1]}", at)
-    loader = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
-    loader.start()
-    try:
-        wait_until_loaded(settings, timeout=30)
-    finally:
-        loader.stop()
+    _load(settings, redis)
 
 
 def test_reference_records_are_partitioned_as_the_executors_partition(
