@@ -752,6 +752,15 @@ local function withdraw(a, was)
   return 'withdrawn'
 end
 
+-- A release and a lapse share the approval record's position (see app.py, _end_requests):
+-- which one a replay sends depends on the release's recheck, which the world can change in
+-- between. Each reads the other's verdict as the answer it would have given.
+local LAPSE_AS_RELEASE = {
+  lapsed = 'no|replay_changed|0', unchanged = 'no|replay_changed|0',
+  given_back = 'no|given_back|0', moved_on = 'no|superseded|0',
+}
+local RELEASE_AS_LAPSE = {['no|given_back|0'] = 'given_back', ['no|superseded|0'] = 'moved_on'}
+
 for i, a in ipairs(items) do
   local was = earlier[i]
   if was and emptied[a[2]] then was = without_take(was) end
@@ -772,13 +781,17 @@ for i, a in ipairs(items) do
     -- A call admitted here (its take already given back or kept, if it was parked and
     -- its request ended or it went) that is a refused proposal now.
     local now_step = ikey and a[1] == 2 and string.sub(verdict or '', 1, 3) == 'ok|'
-    if a[1] == 4 and not ikey and string.sub(verdict, 1, 3) ~= 'ok|'
-        and string.sub(verdict, 1, 14) ~= 'no|superseded|' then
+    if a[1] == 4 and not ikey and LAPSE_AS_RELEASE[verdict] then
       -- A release at the approval record's position, which was decided the first time as
-      -- the end of its request (refused at its recheck: a lapse gave back what parking
-      -- took, or found it gone). Its call must not go on that: refused as changed, and
-      -- proposed again it is decided afresh.
-      out[i] = 'no|replay_changed|0'
+      -- the end of its request (refused at its recheck). It answers as that end did: a
+      -- call given back or gone ahead without it as such; one whose take the lapse gave
+      -- back must not go on it: refused as changed, and proposed again it is decided
+      -- afresh.
+      out[i] = LAPSE_AS_RELEASE[verdict]
+    elseif a[1] == 7 and not ikey and RELEASE_AS_LAPSE[verdict] then
+      -- The other way round: released the first time, refused at its recheck now. (A
+      -- release that went, 'ok|<attempt>', stays: its take is kept, see README.)
+      out[i] = RELEASE_AS_LAPSE[verdict]
     elseif ikey and not same and (took_ ~= '' or now_step) then
       local resubmitted = false
       if took_ ~= '' then

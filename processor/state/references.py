@@ -302,6 +302,7 @@ def write_positions(
 
 
 _POSITIONS = LuaScript((Path(__file__).with_name("positions.lua")).read_text())
+_MARKS = LuaScript((Path(__file__).with_name("marks.lua")).read_text())
 
 
 def positions(client: RedisClient, group: str, ns: str = "ts") -> dict[tuple[str, int], int]:
@@ -362,15 +363,11 @@ def mark_behind(settings: Settings, client: RedisClient) -> None:
         ends = {p: watermarks(consumer, TopicPartition(topic, p), 10)[1] for p in range(count)}
     finally:
         consumer.close()
-    known = positions(client, s.reference_group_id, s.redis_namespace)
-    marks = {
-        LOADING + _field(topic, p): end
-        for p, end in ends.items()
-        if (topic, p) in known and known[(topic, p)] < end
-    }
-    if marks:
-        key = position_key(s.redis_namespace, s.reference_group_id)
-        client.hset(key, mapping=marks)  # type: ignore[arg-type]
+    args: list[str | int] = []
+    for p, end in ends.items():
+        args += [_field(topic, p), end]
+    key = position_key(s.redis_namespace, s.reference_group_id)
+    run_scripts(client, _MARKS, [([key], args)])
 
 
 _LOADER_ERRORS: tuple[type[Exception], ...] = (KafkaException, *REDIS_ERRORS)
@@ -522,8 +519,10 @@ class ReferenceLoader:
                 ]
                 if records:
                     self._apply(consumer, records)
-                else:
-                    self._advance(consumer)
+                # Also after a batch: a partition may have moved past a transaction's
+                # marker alone, with none of its records in the batch; on a topic that
+                # is never idle, its mark would otherwise wait for its next record.
+                self._advance(consumer)
                 if time.monotonic() >= next_check or self._lost:
                     # (at once after a rewind: what Redis lost there, it may have lost on
                     # the other partitions too)
@@ -589,9 +588,9 @@ class ReferenceLoader:
                 there, *watermarks(consumer, TopicPartition(topic, partition), 10)
             )
         except KafkaException as exc:
-            logger.warning("cannot rewind %s/%s: %s", topic, partition, exc)
-            self._lost = True  # tried again at the next check
-            return
+            # Its end unknown: loading up to where this loader had got, at least.
+            logger.warning("cannot read the end of %s/%s: %s", topic, partition, exc)
+            start, end = there, max(self._stored.get(tp, 0), there)
         self._mark({tp: (start, end)})
         try:
             consumer.seek(TopicPartition(topic, partition, start or OFFSET_BEGINNING))
@@ -604,8 +603,8 @@ class ReferenceLoader:
         self.metrics.reference_rewinds.inc()
 
     def _advance(self, consumer: Consumer) -> None:
-        """Idle: move the stored positions past what the consumer skipped since (the
-        markers of transactions whose records were applied earlier)."""
+        """Move the stored positions past what the consumer skipped since (the markers of
+        transactions whose records were applied earlier); a write only where one moved."""
         try:
             now = self._positions(consumer, self._stored)
         except KafkaException:

@@ -965,6 +965,39 @@ def test_a_release_of_a_park_given_back_on_replay_is_given_back_not_superseded(
     assert whys(store.apply([(TENANT, other)])) == ["superseded"]
 
 
+def test_a_release_and_a_lapse_at_one_position_read_each_others_verdicts(
+    store: AdmissionStore,
+) -> None:
+    """A release and a lapse share the approval record's position, and a replay sends one
+    or the other as the recheck goes: each answers as the other did the first time (a
+    park given back, a key gone ahead), so a proposal answered already is not answered
+    again; and a release answered given back answers the same on its replay."""
+    parked = call(park=True, deadline=NOW + 600_000, group="financial", class_budget=1)
+    assert whys(store.apply([parked])) == [None]
+    c = parked[1]
+    assert whys(store.apply([step(repair=False, pos=c["pos"])])) == [None]  # given back
+    release = {"kind": "release", "pos": f"a/0/{next(_pos)}", "run": "run-1",
+               "ikey": c["ikey"], "hash": c["hash"], "call": c["call"], "deadline": NOW + 70_000,
+               "ttl": 3_600_000, "parked_until": c["deadline"]}  # fmt: skip
+    assert whys(store.apply([(TENANT, release)])) == ["given_back"]
+    assert whys(store.apply([(TENANT, release)])) == ["given_back"]  # its replay
+    assert store.apply([_lapse(parked, release["pos"])]) == [{"status": "given_back"}]
+    # The other order: the lapse first, then the release at its position.
+    pos = f"a/0/{next(_pos)}"
+    assert store.apply([_lapse(parked, pos)]) == [{"status": "given_back"}]
+    assert whys(store.apply([(TENANT, {**release, "pos": pos})])) == ["given_back"]
+    # A key gone ahead: moved on for the lapse, superseded for the release, either way.
+    gone, _ = _resubmitted(store)
+    g = gone[1]
+    went = {**release, "pos": f"a/0/{next(_pos)}", "ikey": g["ikey"], "hash": g["hash"],
+            "call": g["call"], "parked_until": g["deadline"]}  # fmt: skip
+    assert whys(store.apply([(TENANT, went)])) == ["superseded"]
+    assert store.apply([_lapse(gone, went["pos"])]) == [{"status": "moved_on"}]
+    pos = f"a/0/{next(_pos)}"
+    assert store.apply([_lapse(gone, pos)]) == [{"status": "moved_on"}]
+    assert whys(store.apply([(TENANT, {**went, "pos": pos})])) == ["superseded"]
+
+
 def test_a_release_refused_as_superseded_ends_the_request_for_the_resubmission(
     store: AdmissionStore,
 ) -> None:

@@ -28,7 +28,7 @@ from processor.kafka.partitioner import partition_for
 from processor.metrics import Metrics
 from processor.reference_data import publish_references, wait_until_loaded
 from processor.state import references
-from processor.state.connection import connect
+from processor.state.connection import connect, run_scripts
 from processor.state.references import (
     ReferenceLoader,
     ReferencesLoading,
@@ -411,6 +411,51 @@ def test_a_rewind_that_fails_keeps_the_marks_of_the_rewinds_before_it(
     assert held[f":loading:{topic}/0".encode()] == b"12", held
     assert held[f"{topic}/0".encode()] == b"4", held
     assert load_state(redis, group, ns, topic)[1] is not None
+
+
+def test_a_rewind_whose_end_is_unknown_marks_up_to_where_the_loader_had_got(
+    stack_settings: Settings,
+) -> None:
+    """The broker does not answer when a rewind asks a partition's end: the partition is
+    still marked, up to the position this loader had written, which Redis lost."""
+    settings = isolated(stack_settings, f"refs-{uuid.uuid4().hex[:6]}")
+    redis = connect(settings.redis_url)
+    group, ns, topic = _names(settings)
+
+    class Unanswered:
+        sought: list[TopicPartition] = []
+
+        def get_watermark_offsets(self, tp: TopicPartition, timeout: float) -> tuple[int, int]:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "no broker"))
+
+        def seek(self, tp: TopicPartition) -> None:
+            self.sought.append(tp)
+
+    loader = ReferenceLoader(settings, redis, Metrics(CollectorRegistry()))
+    loader._count, loader._stored = 1, {(topic, 0): 500}
+    redis.hset(position_key(ns, group), f"{topic}/0", 300)
+    loader._rewind(Unanswered(), topic, 0, 300)  # type: ignore[arg-type]
+    held = redis.hgetall(position_key(ns, group))
+    assert held == {f"{topic}/0".encode(): b"300", f":loading:{topic}/0".encode(): b"500"}
+    assert [(tp.partition, tp.offset) for tp in Unanswered.sought] == [(0, 300)]
+    assert loader._stored[(topic, 0)] == 300
+
+
+def test_marks_are_set_only_where_the_position_still_stands_behind(
+    stack_settings: Settings,
+) -> None:
+    """What a starting processor marks: a partition that has reached the end read a moment
+    ago (its loader wrote it meanwhile) is left unmarked, or no write would ever clear it."""
+    redis = connect(stack_settings.redis_url)
+    ns, group, topic = f"refs-{uuid.uuid4().hex[:6]}", "g", "tool.reference"
+    key = position_key(ns, group)
+    redis.hset(key, mapping={f"{topic}/0": 40, f"{topic}/1": 90})
+    args = [f"{topic}/0", 90, f"{topic}/1", 90, f"{topic}/2", 90]
+    assert run_scripts(redis, references._MARKS, [([key], args)]) == [1]
+    assert redis.hgetall(key) == {
+        f"{topic}/0".encode(): b"40", f"{topic}/1".encode(): b"90",
+        f":loading:{topic}/0".encode(): b"90",
+    }  # fmt: skip
 
 
 def test_a_mark_an_earlier_version_left_behind_is_removed_when_its_partition_is_placed(
