@@ -39,7 +39,8 @@
 -- payload hash and tool, kf 1 once that compensation failed, v cached answer, p and q
 -- what a parked call took and the position it was parked at, given back if it lapses, pd
 -- the deadline a resubmission's call was parked until, e 1 once that request ended after
--- the resubmission took the key over: a lapse, or a release come too late); a run's
+-- the resubmission took the key over: a lapse, or a release come too late; rp and rq a
+-- released call's p and q, see unrelease); a run's
 -- counters are JSON too. Every record
 -- and run the batch names is read before anything is decided, kept in this script while
 -- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
@@ -545,6 +546,9 @@ local function release(c)
   end
   rec = rec or {h = c.hash, a = 1, r = c.run}
   if rec.q then empty_take(rec.q) end  -- it goes: its take stays taken
+  -- (kept, should this release's position be decided again as its request's end: see
+  -- unrelease)
+  rec.rp, rec.rq = rec.p, rec.q
   rec.s, rec.w, rec.c, rec.d, rec.p, rec.q = 'PENDING', 0, c.call, c.deadline, nil, nil
   put_record(c.ikey, rec, c.ttl)
   -- The attempt the parked call was admitted as: its result must say the same.
@@ -734,6 +738,21 @@ local function lapse(c)
   return {status = 'lapsed'}
 end
 
+-- A release that went the first time, its batch then aborted (the call never ran), and
+-- refused at its recheck on the replay: its request has ended after all, and what parking
+-- took comes back, as the lapse it now is would have given it. "unchanged" where the
+-- record is no longer that release's (written by an earlier version, which kept no take).
+local function unrelease(c)
+  local rec = record_of(c.ikey)
+  if not (rec and rec.h == c.hash and rec.s == 'PENDING' and rec.w == 0 and rec.rp) then
+    return {status = 'unchanged'}
+  end
+  give_back(rec.rq or '', rec.r, rec.n, rec.rp, true)
+  rec.rp, rec.rq = nil, nil
+  keep_record(c.ikey, rec)
+  return {status = 'lapsed'}
+end
+
 -- A position decided this time as nothing admission counts (a proposal whose token has
 -- expired since, say) after a call was admitted there and its transaction aborted: that
 -- call never ran, and gives back what it took, once, as a call decided again as another
@@ -789,9 +808,14 @@ for i, a in ipairs(items) do
       -- afresh.
       out[i] = LAPSE_AS_RELEASE[verdict]
     elseif a[1] == 7 and not ikey and RELEASE_AS_LAPSE[verdict] then
-      -- The other way round: released the first time, refused at its recheck now. (A
-      -- release that went, 'ok|<attempt>', stays: its take is kept, see README.)
+      -- The other way round: released the first time, refused at its recheck now.
       out[i] = RELEASE_AS_LAPSE[verdict]
+    elseif a[1] == 7 and not ikey and string.match(verdict, '^ok|%d+$') then
+      -- Released and gone the first time: undone, once (the position answers as the
+      -- lapse from now on).
+      out[i] = encode(unrelease(unwire(a)))
+      fresh[#fresh + 1] = a[2]
+      fresh[#fresh + 1] = out[i]
     elseif ikey and not same and (took_ ~= '' or now_step) then
       local resubmitted = false
       if took_ ~= '' then

@@ -213,6 +213,7 @@ _RECORD_FIELDS = {
     "a": "attempt", "r": "run", "t": "grant", "x": "result", "k": "compensation",
     "kh": "compensation_hash", "kt": "compensation_tool", "kf": "compensation_failed",
     "v": "cached", "p": "parked_took", "q": "parked_at", "pd": "parked_until", "e": "request_ended",
+    "rp": "released_took", "rq": "released_at",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
 

@@ -998,6 +998,35 @@ def test_a_release_and_a_lapse_at_one_position_read_each_others_verdicts(
     assert whys(store.apply([(TENANT, {**went, "pos": pos})])) == ["superseded"]
 
 
+def test_a_release_that_went_then_is_refused_on_its_replay_gives_back_the_park(
+    store: AdmissionStore,
+) -> None:
+    """Released and routed, then its batch aborted (the call never ran), and on the replay
+    the recheck refuses it: the lapse at the release's position undoes the release once,
+    and what parking took comes back (with a budget of one, the run could otherwise make
+    no other call of the class)."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 1, "cost": 2.0}
+    parked = call(park=True, deadline=NOW + 600_000, **limits)
+    assert whys(store.apply([parked])) == [None]
+    c = parked[1]
+    pos = f"a/0/{next(_pos)}"
+    release = {"kind": "release", "pos": pos, "now": NOW, "run": "run-1", "ikey": c["ikey"],
+               "hash": c["hash"], "call": c["call"], "deadline": NOW + 70_000,
+               "ttl": 3_600_000, "parked_until": c["deadline"]}  # fmt: skip
+    assert store.apply([(TENANT, release)]) == [{"ok": True, "attempt": 1}]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+    assert store.apply([_lapse(parked, pos)]) == [{"status": "lapsed"}]
+    kept = store.run_counters(TENANT, "run-1", NOW)
+    assert "class:financial" not in kept and "cost" not in kept, kept
+    assert store.apply([_lapse(parked, pos)]) == [{"status": "lapsed"}]  # once
+    assert store.run_counters(TENANT, "run-1", NOW) == kept
+    assert whys(store.apply([(TENANT, release)])) == ["replay_changed"]
+    assert "class:financial" not in store.run_counters(TENANT, "run-1", NOW)
+    another = call(**limits)
+    assert whys(store.apply([another])) == [None]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+
+
 def test_a_release_refused_as_superseded_ends_the_request_for_the_resubmission(
     store: AdmissionStore,
 ) -> None:
