@@ -982,23 +982,24 @@ class Processor:
         self._admitted += items
         for n, ((i, item, result), verdict) in enumerate(zip(both, verdicts, strict=True)):
             status = verdict.get("status")
+            ended_here = n < len(ended)  # (else refused at release, and counted as that)
             if status not in ("moved_on", "given_back"):
-                if n < len(ended):
+                if ended_here:
                     out[i] = self._approval_outcome(item, result, now_ms)
             elif item.kind == EXPIRY_CHECK:
                 self._count("approvals", "ignored")
                 out[i] = ignored(item.src, "superseded" if status == "moved_on" else "withdrawn")
-            elif status == "moved_on":
-                if n < len(ended):  # (a refusal at release was counted as one)
-                    self._count("approvals", "refused")
-                detail = f"{item.request_id}: the call went ahead with approvals attached"
-                out[i] = dead_letter(item.src, "approval_request_superseded", detail)
             else:
-                if n < len(ended):
+                if ended_here:
                     self._count("approvals", "refused")
-                detail = (f"{item.request_id}: the call was decided again as something else "
-                          "before its request ended, and never ran")  # fmt: skip
-                out[i] = dead_letter(item.src, "approval_request_withdrawn", detail)
+                if status == "moved_on":
+                    reason = "approval_request_superseded"
+                    detail = f"{item.request_id}: the call went ahead with approvals attached"
+                else:
+                    reason = "approval_request_withdrawn"
+                    detail = (f"{item.request_id}: the call was decided again as something "
+                              "else before its request ended, and never ran")  # fmt: skip
+                out[i] = dead_letter(item.src, reason, detail)
 
     def _count(self, *event: str) -> None:
         """Count an event of the batch being decided, once it commits (see BatchTally)."""

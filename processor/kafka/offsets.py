@@ -28,13 +28,7 @@ def first_offsets(records: list[Message]) -> list[TopicPartition]:
     """Each partition's earliest offset in ``records``: where to rewind to. (A record
     polled before a rebalance may stand ahead of records read after it, from further
     back: a rewind to the first one seen would skip those.)"""
-    first: dict[tuple[str, int], int] = {}
-    for m in records:
-        topic, partition, offset = where(m)
-        seen = first.get((topic, partition))
-        if seen is None or offset < seen:
-            first[(topic, partition)] = offset
-    return [TopicPartition(t, p, o) for (t, p), o in first.items()]
+    return span(records)[0]
 
 
 def span(records: list[Message]) -> tuple[list[TopicPartition], list[TopicPartition]]:

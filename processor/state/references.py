@@ -136,8 +136,7 @@ class ReferenceStore:
         if not by_tenant:
             return {}
         pipe = self.client.pipeline(transaction=False)
-        pipe.hgetall(position_key(self.ns, self.group))
-        pipe.hget(count_key(self.ns, self.group), self.topic)
+        _ask_state(pipe, self.ns, self.group, self.topic)
         for tenant, wanted in by_tenant.items():
             pipe.execute_command("MGET", *[entity_key(self.ns, tenant, e, i) for _, e, i in wanted])
         held, count, *replies = pipe.execute()
@@ -296,8 +295,7 @@ def write_positions(
     reply = run_scripts(client, _POSITIONS, [([position_key(ns, group)], args)], pipe)[-1]
     behind: dict[tuple[str, int], int] = {}
     for field, there in zip(reply[::2], reply[1::2], strict=True):
-        topic, _, partition = field.decode().rpartition("/")
-        behind[(topic, int(partition))] = int(there)
+        behind[_partition_of(field)] = int(there)
     return behind
 
 
@@ -314,20 +312,29 @@ def load_state(
 ) -> tuple[dict[tuple[str, int], int], str | None]:
     """The loaders' positions, and ``unloaded``'s answer: one round trip."""
     pipe = client.pipeline(transaction=False)
-    pipe.hgetall(position_key(ns, group))
-    pipe.hget(count_key(ns, group), topic)
+    _ask_state(pipe, ns, group, topic)
     held, count = pipe.execute()
     return positions_of(held), unloaded(held, count, topic)
+
+
+def _ask_state(pipe: Any, ns: str, group: str, topic: str) -> None:
+    """Queue the reads ``unloaded`` answers from: the position hash, the partition count."""
+    pipe.hgetall(position_key(ns, group))
+    pipe.hget(count_key(ns, group), topic)
 
 
 def positions_of(held: dict[bytes, bytes]) -> dict[tuple[str, int], int]:
     out: dict[tuple[str, int], int] = {}
     for k, v in held.items():
-        if k.startswith(LOADING.encode()):
-            continue
-        topic, _, partition = k.decode().rpartition("/")
-        out[(topic, int(partition))] = int(v)
+        if not k.startswith(LOADING.encode()):
+            out[_partition_of(k)] = int(v)
     return out
+
+
+def _partition_of(field: bytes) -> tuple[str, int]:
+    """(topic, partition) of a position hash field, "<topic>/<partition>"."""
+    topic, _, partition = field.decode().rpartition("/")
+    return topic, int(partition)
 
 
 def plan_partition(here: int | None, low: int, high: int) -> tuple[int, int]:

@@ -110,6 +110,14 @@ class _Producer:
         self.calls.append("abort")
 
 
+def _rig(now_ms: int, **kw: Any) -> tuple[Executor, _Producer, _Consumer, str]:
+    """An executor with no records yet, its clock stopped at ``now_ms``, and its topic."""
+    producer, consumer = _Producer(), _Consumer([])
+    executor = _executor(consumer, producer, **kw)
+    executor.clock = lambda: now_ms / 1000
+    return executor, producer, consumer, executor.topics[0]
+
+
 def _executor(
     consumer: _Consumer,
     producer: _Producer,
@@ -224,10 +232,7 @@ def test_records_that_are_not_calls_are_dead_lettered_in_the_batch_s_transaction
     observation = codec("observation").header + b"\x00"  # another schema: never a call
     corrupt = codec("approved_call").header + b"\xff\xff\xff"
     registry = CollectorRegistry()
-    producer, consumer = _Producer(), _Consumer([])
-    executor = _executor(consumer, producer, registry=registry)
-    executor.clock = lambda: now_ms / 1000
-    topic = executor.topics[0]
+    executor, producer, consumer, topic = _rig(now_ms, registry=registry)
     values = [b"not avro", call, corrupt, observation]
     consumer.records = [_Record(topic, 7 + i, v) for i, v in enumerate(values)]
     assert executor.run_once(0.1) == 4
@@ -255,10 +260,7 @@ def test_a_call_of_an_unknown_schema_holds_its_partition_and_nothing_after_it_ru
     call, now_ms = _approved_call(contracts)
     registry = CollectorRegistry()
     ran: list[Call] = []
-    producer, consumer = _Producer(), _Consumer([])
-    executor = _executor(consumer, producer, ran=ran, registry=registry)
-    executor.clock = lambda: now_ms / 1000
-    topic = executor.topics[0]
+    executor, producer, consumer, topic = _rig(now_ms, ran=ran, registry=registry)
     consumer.records = [
         _Record(topic, 4, call),
         _Record(topic, 5, _newer_call(call)),
@@ -285,10 +287,7 @@ def test_a_call_of_an_unknown_schema_holds_its_partition_and_nothing_after_it_ru
 
 def test_a_held_partition_is_resumed_after_the_hold(contracts: ContractSet) -> None:
     call, now_ms = _approved_call(contracts)
-    producer, consumer = _Producer(), _Consumer([])
-    executor = _executor(consumer, producer)
-    executor.clock = lambda: now_ms / 1000
-    topic = executor.topics[0]
+    executor, producer, consumer, topic = _rig(now_ms)
     consumer.records = [_Record(topic, 5, _newer_call(call))]
     assert executor.run_once(0.1) == 0
     assert consumer.paused == {(topic, 0)} and producer.calls == []
@@ -320,10 +319,7 @@ def test_a_call_that_cannot_be_run_is_answered_as_not_run_and_dead_lettered(
     nameless = _unrunnable(call, call_id="c-nameless", arguments="7", idempotency_key="")
     registry = CollectorRegistry()
     ran: list[Call] = []
-    producer, consumer = _Producer(), _Consumer([])
-    executor = _executor(consumer, producer, ran=ran, registry=registry)
-    executor.clock = lambda: now_ms / 1000
-    topic = executor.topics[0]
+    executor, producer, consumer, topic = _rig(now_ms, ran=ran, registry=registry)
     values = [listed, broken, nameless]
     consumer.records = [_Record(topic, 3 + i, v) for i, v in enumerate(values)]
     assert executor.run_once(0.1) == 3
