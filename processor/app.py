@@ -178,7 +178,8 @@ class _Batch:
 
 
 def stop_on_signals() -> tuple[threading.Event, threading.Event]:
-    """Events set by SIGTERM/SIGINT (stop) and SIGHUP (reload the contracts).
+    """Events set by SIGTERM/SIGINT (stop) and SIGHUP (check the contracts, keys, policy
+    and approvers at once).
 
     Installed first thing, so a signal that arrives while the processor is
     still starting is neither lost nor (for SIGHUP) fatal."""
@@ -189,7 +190,7 @@ def stop_on_signals() -> tuple[threading.Event, threading.Event]:
         stop.set()
 
     def on_hup(signum: int, frame: FrameType | None) -> None:
-        logger.info("SIGHUP: checking the contracts")
+        logger.info("SIGHUP: checking the contracts, keys, policy and approvers")
         reload.set()
 
     signal.signal(signal.SIGTERM, on_stop)
@@ -314,6 +315,8 @@ class Processor:
         trust_files = _trust_files(settings)
         self._trust = Settling(lambda: file_stamps((str(f), f) for f in trust_files))
         self._trust_checked = time.monotonic()
+        self._trust_forced = 0
+        """The watcher's count of forced checks when the trust files were last forced."""
         self.gates = self._load_trust(self.contracts)
         self.redis = connect(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.references = ReferenceStore(
@@ -394,7 +397,11 @@ class Processor:
         changed (rotated keys, a new approver, a tighter policy), as contracts are: only
         between batches, once the change has settled (see ``Settling``), all or nothing,
         the old ones kept if the new ones are unusable. Checked every ``contracts_poll_s``;
-        ``force`` reads at once. True when a new set was taken."""
+        ``force``, or a SIGHUP since the last check, reads at once. True when a new set was
+        taken."""
+        forced = self.watcher.forced
+        if forced != self._trust_forced:
+            self._trust_forced, force = forced, True
         now = time.monotonic()
         if not force and now - self._trust_checked < self.settings.contracts_poll_s:
             return False

@@ -324,7 +324,15 @@ def _unreadable(data: str | None, contract: Contract | None) -> FieldError | Non
             value = orjson.loads(data)
         except orjson.JSONDecodeError:
             return FieldError("data", "the result is not JSON", "result_not_json")
-    validator = contract.once("results.output_validator", _output_validator) if contract else None
+    if contract is None:
+        # The version that routed the call is not in the set that reads its answer (a
+        # reload removed it while the call ran): no output schema can be checked, so the
+        # answer is not shown, as one that fails its schema is not.
+        return FieldError(
+            "data", "no contract version in the current set describes this result",
+            "result_contract_unknown",
+        )  # fmt: skip
+    validator = contract.once("results.output_validator", _output_validator)
     if validator is None or validator.is_valid(value):
         return None
     first = next(iter(validator.errors(value)), None)

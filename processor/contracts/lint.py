@@ -25,7 +25,7 @@ import orjson
 from jsonschema import Draft202012Validator
 
 from processor.codec.avro import SCHEMAS_DIR
-from processor.contracts.registry import CONTRACT_SUFFIXES, read_contract_file
+from processor.contracts.registry import contract_files, read_contract_file
 from processor.contracts.validation import FORMAT_CHECKER
 
 Severity = Literal["error", "warning"]
@@ -621,8 +621,9 @@ def read_documents(directory: Path) -> tuple[list[Document], list[Finding]]:
     if not directory.is_dir():
         return [], [Finding("unreadable", "error", str(directory), "/", "no such directory")]
     documents: list[Document] = []
-    findings: list[Finding] = []
-    for path in sorted(p for p in directory.rglob("*") if p.suffix in CONTRACT_SUFFIXES):
+    files, unlisted = contract_files(directory)
+    findings = [Finding("unreadable", "error", p.file, p.path, p.reason) for p in unlisted]
+    for path in files:
         rel = str(path.relative_to(directory))
         try:
             doc = read_contract_file(path)

@@ -8,6 +8,7 @@ the reason.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -320,16 +321,55 @@ def _comprehension_variables(expression: str) -> set[str]:
     return set(_MACRO_VARIABLE.findall(expression))
 
 
+def contract_files(directory: Path) -> tuple[list[Path], list[Problem]]:
+    """The contract files under ``directory``, sorted, and a problem for each folder that
+    cannot be listed.
+
+    Names that start with a dot are skipped, files and folders alike: editors keep their
+    swap, lock and temporary files there (Emacs's ``.#name.yaml`` lock is a dangling
+    link), and a Kubernetes ConfigMap or Secret volume keeps every file a second time in
+    a hidden ``..<timestamp>`` folder behind its ``..data`` link, which would otherwise
+    be loaded as a duplicate of each contract. A folder that cannot be listed (permission
+    denied, gone half-way, too many open files) is a problem rather than a folder with no
+    contracts in it, so that the set is refused, not loaded without that folder's tools.
+    Linked folders are not followed; linked files are (read through the link).
+    """
+    files: list[Path] = []
+    problems: list[Problem] = []
+    folders = [Path(directory)]
+    while folders:
+        folder = folders.pop()
+        try:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except OSError as exc:
+            rel = str(folder.relative_to(directory))
+            problems.append(Problem(rel, "/", f"folder cannot be listed: {exc.strerror or exc}"))
+            continue
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path = folder / entry.name
+            try:
+                is_folder = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                is_folder = False
+            if is_folder:
+                folders.append(path)
+            elif path.suffix in CONTRACT_SUFFIXES:
+                files.append(path)
+    return sorted(files), problems
+
+
 def load_contracts(directory: Path) -> ContractSet:
     """Load every contract file under ``directory``; raise ``ContractError`` if any is bad."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ContractError([Problem(str(directory), "/", "no such directory")])
     meta = _meta_validator()
-    problems: list[Problem] = []
+    files, problems = contract_files(directory)
     contracts: list[Contract] = []
     digest = hashlib.sha256()
-    files = sorted(p for p in directory.rglob("*") if p.suffix in CONTRACT_SUFFIXES)
     for path in files:
         rel = str(path.relative_to(directory))
         try:
@@ -349,7 +389,7 @@ def load_contracts(directory: Path) -> ContractSet:
         if contract is not None:
             contracts.append(contract)
             digest.update(rel.encode() + b"\0" + orjson.dumps(doc, option=orjson.OPT_SORT_KEYS))
-    if not files:
+    if not files and not problems:
         problems.append(Problem(str(directory), "/", "no contract files"))
     by_name: dict[str, list[Contract]] = {}
     for c in contracts:

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from processor.contracts.registry import (
-    CONTRACT_SUFFIXES,
     ContractError,
     ContractSet,
+    contract_files,
     load_contracts,
 )
 from processor.metrics import Metrics
@@ -32,6 +32,9 @@ replaced by a rename, and the ctime on every write: a copy that keeps its mtime
 (``cp -p``, ``rsync -a``, ``tar``) still changes the stamp."""
 
 MISSING = (-1, -1, -1, -1)
+UNLISTABLE = (-2, -2, -2, -2)
+"""The stamp of a folder that cannot be listed: its files are not known, but the folder
+is, so that it is read (and refused) once, and read again once it can be listed."""
 
 
 def file_stamps(files: Iterable[tuple[str, Path]]) -> Stamp:
@@ -49,10 +52,12 @@ def file_stamps(files: Iterable[tuple[str, Path]]) -> Stamp:
 
 
 def folder_stamp(directory: Path) -> Stamp:
-    """The stamp of every contract file: changes whenever a file does."""
-    files = sorted(p for p in directory.rglob("*") if p.suffix in CONTRACT_SUFFIXES)
+    """The stamp of every contract file ``load_contracts`` would read: changes whenever a
+    file does."""
+    files, unlisted = contract_files(directory)
     stamps = file_stamps((str(p.relative_to(directory)), p) for p in files)
-    return tuple(s for s in stamps if s[1:] != MISSING)  # a file removed while we looked
+    kept = tuple(s for s in stamps if s[1:] != MISSING)  # a file removed while we looked
+    return kept + tuple((p.file + "/", *UNLISTABLE) for p in unlisted)
 
 
 class Settling:
@@ -116,6 +121,10 @@ class ContractWatcher:
         self.requested = requested or threading.Event()
         self._settling = Settling(lambda: folder_stamp(self.directory), stamp)
         self._pending: ContractSet | None = None
+        self.forced = 0
+        """How many forced checks (SIGHUP) the watcher has made: the processor reads its
+        keys, policy and approvers at once after each too, since it is the one signal an
+        operator who revoked a key has to say "now"."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="contract-watch", daemon=True)
@@ -142,6 +151,8 @@ class ContractWatcher:
 
     def check(self, force: bool = False) -> None:
         """Load the folder again once a change has settled (or at once if ``force``)."""
+        if force:
+            self.forced += 1
         stamp = self._settling.due(force)
         if stamp is None:
             return

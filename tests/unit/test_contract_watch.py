@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from processor.contracts import watch
-from processor.contracts.registry import ContractSet, load_contracts
+from processor.contracts.registry import ContractError, ContractSet, load_contracts
 from processor.contracts.watch import ContractWatcher
 from processor.metrics import Metrics
 from processor.model import SideEffectClass
@@ -154,3 +155,88 @@ def test_a_refused_folder_keeps_the_old_set_and_is_not_read_again_until_it_chang
     w.check()
     assert w.take() is None  # the same set as before the broken file: nothing to swap
     assert _reloads(registry, "loaded") == 0
+
+
+def _configmap_version(volume: Path, version: str, timeout_ms: int) -> None:
+    """Publish the two contracts as the kubelet updates a ConfigMap volume: every file in
+    a new hidden timestamped folder, then the ``..data`` link swapped to it by a rename.
+    The visible names are links through ``..data``."""
+    stamped = volume / f"..2024_01_01_{version}"
+    stamped.mkdir()
+    for rel in (CANCEL, "lookup_order/1.0.0.yaml"):
+        text = (CONTRACTS_DIR / rel).read_text()
+        new = text.replace("timeout_ms: 6000", f"timeout_ms: {timeout_ms}")
+        (stamped / rel.replace("/", "-")).write_text(new)
+    (volume / "..data_tmp").symlink_to(stamped.name)
+    os.replace(volume / "..data_tmp", volume / "..data")
+    for rel in (CANCEL, "lookup_order/1.0.0.yaml"):
+        name = volume / rel.replace("/", "-")
+        if not name.is_symlink():
+            name.symlink_to(f"..data/{name.name}")
+
+
+def test_a_configmap_volume_loads_and_its_link_swap_is_taken(tmp_path: Path) -> None:
+    volume = tmp_path / "contracts"
+    volume.mkdir()
+    _configmap_version(volume, "a", 6000)
+    # Each file is there twice, under its own name and in the hidden folder behind ..data.
+    loaded = load_contracts(volume)
+    assert len(loaded) == 2 and loaded.get("cancel_order", "1.0.0").timeout_ms == 6000
+    registry = CollectorRegistry()
+    w = ContractWatcher(volume, loaded, Metrics(registry), poll_s=2.0)
+
+    _configmap_version(volume, "b", 7000)
+    w.check()
+    w.check()
+    swapped = w.take()
+    assert swapped is not None and swapped.get("cancel_order", "1.0.0").timeout_ms == 7000
+    assert _reloads(registry, "refused") == 0
+    shutil.rmtree(volume / "..2024_01_01_a")  # as the kubelet does once the link moved
+    w.check()
+    w.check()
+    assert w.take() is None and _reloads(registry, "refused") == 0
+
+
+def test_an_editors_lock_and_swap_files_are_not_contracts(tmp_path: Path) -> None:
+    w, folder, registry = _watcher(tmp_path)
+    path = folder / CANCEL
+    # Emacs locks a file it edits with a dangling link; vim and others keep hidden copies.
+    (path.parent / ".#1.0.0.yaml").symlink_to("operator@host.4242:1700000000")
+    (path.parent / ".1.0.0.yaml.json").write_text("{not json")
+    path.write_text(path.read_text().replace("timeout_ms: 6000", "timeout_ms: 7000"))
+    w.check()
+    w.check()
+    loaded = w.take()
+    assert loaded is not None and loaded.get("cancel_order", "1.0.0").timeout_ms == 7000
+    assert _reloads(registry, "refused") == 0
+
+
+def test_a_folder_that_cannot_be_listed_refuses_the_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a set without that folder's tools: calls to them would be refused as unknown
+    tools until someone noticed. (os.scandir stands in for permissions, which root, as
+    tests may run, does not feel.)"""
+    w, folder, registry = _watcher(tmp_path)
+    locked = folder / "cancel_order"
+    scandir = os.scandir
+
+    def denied(path: Any) -> Any:
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied)
+    with pytest.raises(ContractError, match="cancel_order: /: folder cannot be listed"):
+        load_contracts(folder)
+    w.check()
+    w.check()
+    assert w.take() is None and _reloads(registry, "refused") == 1
+    w.check()
+    assert _reloads(registry, "refused") == 1  # refused once, not at every poll
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    w.check()
+    w.check()
+    assert w.take() is None  # listed again: the set it decides with already
+    assert _reloads(registry, "refused") == 1 and _reloads(registry, "loaded") == 0

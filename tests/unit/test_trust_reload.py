@@ -154,3 +154,20 @@ def test_a_policy_replaced_with_its_mtime_kept_is_noticed(tmp_path: Path) -> Non
     assert proc.reload_trust() is False
     assert proc.reload_trust() is True
     assert _classes(proc, "other") == ["READ_ONLY"]
+
+
+def test_sighup_takes_a_revoked_key_out_at_once(tmp_path: Path) -> None:
+    """An operator who removes a leaked key and sends SIGHUP must not wait for a poll, nor
+    for the file to hold still: the next batch already refuses its tokens, cached ones too."""
+    proc, keys = _processor(tmp_path)
+    proc.settings = proc.settings.model_copy(update={"contracts_poll_s": 3600.0})
+    leaked = TokenIssuer.from_jwk_file(keys / "issuer.jwk").mint("acme", "u", "a", ["kb:read"])
+    assert isinstance(proc.gates.verifier.verify(leaked), Principal)  # verified and cached
+
+    (keys / "jwks.json").write_text('{"keys": []}\n')
+    assert proc.reload_trust() is False  # not due for an hour
+    proc.watcher.check(force=True)  # what the watcher does when SIGHUP wakes it
+    assert proc.reload_trust() is True
+    refused = proc.gates.verifier.verify(leaked)
+    assert isinstance(refused, FieldError) and refused.code == "token_unknown_key"
+    assert proc.reload_trust() is False  # one SIGHUP, one forced read
