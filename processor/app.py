@@ -882,13 +882,18 @@ class Processor:
                 detail = ("the call was decided again as something else before its "
                           "approvers released it, and never ran")  # fmt: skip
                 decisions[k] = dead_letter(d.source, "approval_request_withdrawn", detail)
+            elif v.get("why") == "moved_on":
+                # This very proposal, sent again with approvals attached, took the key over
+                # and was answered by its own observations: not a second time.
+                detail = "the call went ahead with approvals attached before its release"
+                decisions[k] = dead_letter(d.source, "approval_request_superseded", detail)
             elif v.get("ok") is not True:
-                # Superseded: a resubmission took the key over, and runs. Anything else is
-                # a replay of a position first decided as the request's end (see
-                # admission.lua): changed, and nothing runs.
-                why = "in_flight" if v.get("why") == "superseded" else "replay_changed"
-                apply_verdict(d, {"ok": False, "why": why, "retry_after_ms": 0},
-                              self.gates.policy.budgets, None)  # fmt: skip
+                # Superseded: the key went ahead as another proposal; this one is told so,
+                # as a rejection or an expiry of its request would tell it (see
+                # _end_requests). Anything else is a replay of a position first decided as
+                # the request's end (see admission.lua): changed, and nothing runs.
+                verdict = _SUPERSEDED if v.get("why") == "superseded" else _REPLAY_CHANGED
+                apply_verdict(d, verdict, self.gates.policy.budgets, None)
             elif d.call is not None and v.get("attempt"):
                 d.call.attempt = int(v["attempt"])
         self._admitted += items
@@ -968,13 +973,16 @@ class Processor:
     ) -> None:
         """Rejected or expired requests. The call is told it was declined, or not approved
         in time, and did not run, and what it took when it was parked is given back,
-        unless its key moved on meanwhile: the agent resubmitted it with approvals
-        attached, and that resubmission was admitted (it ran, or runs, and its own
-        observation says so). Then the approver's rejection lands on the DLQ
-        (\"approval_request_superseded\"), and an expiry changes nothing. So it does when
-        the parked call was given back already ("given_back": its batch's transaction
-        aborted and its position was decided again as something else, which answered its
-        proposal): a rejection lands on the DLQ as \"approval_request_withdrawn\".
+        unless its key moved on meanwhile. When the agent resubmitted this very proposal
+        with approvals attached ("moved_on"), that resubmission was admitted (it ran, or
+        runs) and its own observations answer the proposal: the approver's rejection lands
+        on the DLQ (\"approval_request_superseded\"), and an expiry changes nothing. So it
+        does when the parked call was given back already ("given_back": its batch's
+        transaction aborted and its position was decided again as something else, which
+        answered its proposal): a rejection lands on the DLQ as
+        \"approval_request_withdrawn\". When the key went ahead as another proposal
+        ("superseded"), this one has had no final answer: it is told that its call went
+        ahead without this request (as a release of the request would tell it), once.
 
         The calls refused at release (``refused``, answered already with the refusal) give
         back what parking them took in the same round trip: one, only for batches that
@@ -992,7 +1000,13 @@ class Processor:
             ended_here = n < len(ended)  # (else refused at release, and counted as that)
             if status not in ("moved_on", "given_back"):
                 if ended_here:
-                    out[i] = self._approval_outcome(item, result, now_ms)
+                    answer = self._approval_outcome(item, result, now_ms)
+                    if status == "superseded":
+                        # (one answer for every end of a request whose key went ahead as
+                        # another proposal, its release's included: see _admit_releases)
+                        answer = apply_verdict(answer, _SUPERSEDED, self.gates.policy.budgets,
+                                               None)  # fmt: skip
+                    out[i] = answer
             elif item.kind == EXPIRY_CHECK:
                 self._count("approvals", "ignored")
                 out[i] = ignored(item.src, "superseded" if status == "moved_on" else "withdrawn")
@@ -1386,6 +1400,11 @@ def _proposal_op(d: Decision, now_ms: int) -> tuple[str, dict[str, Any]] | None:
         return tenant, op
     return None
 
+
+_SUPERSEDED = {"ok": False, "why": "superseded", "retry_after_ms": 0}
+"""What a parked call's request ends with when its key went ahead as another proposal
+(see Processor._end_requests): the one answer its proposal gets."""
+_REPLAY_CHANGED = {"ok": False, "why": "replay_changed", "retry_after_ms": 0}
 
 _WITHDRAWN = object()
 """Marks a proposal's withdraw item in ``Processor._admit``: its verdict changes nothing."""

@@ -55,6 +55,7 @@ from processor.model import (
 
 if TYPE_CHECKING:
     from processor.pipeline import Gates
+from processor.state.admission import ATTEMPT, FIRST_REQUEST_ID, park_identity
 from processor.state.approvals import OpResult
 
 EXPIRY_CHECK = "expiry_check"
@@ -62,6 +63,10 @@ EXPIRY_CHECK = "expiry_check"
 PARKED_UNTIL = "parked_until"
 """``Decision.extra`` key of a released call: its request's expiry, the deadline it was
 parked until (see release_item)."""
+
+PARKED_AS = "parked_as"
+"""``Decision.extra`` key of a released call: the (first request id, attempt) that name its
+request in its key's record (see state.admission.park_identity)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +162,10 @@ def parked_entry(d: Decision) -> dict[str, Any]:
         "timeout_ms": call.deadline_ms - d.decided_at_ms,
         "needed": packet["approvals_required"],
         "post_action_verification": d.post_action_verification,
+        # The request as its key's record names it (see admission.lua, holds): an end of
+        # this request then ends nothing of a later park of the key.
+        FIRST_REQUEST_ID: d.extra.get(FIRST_REQUEST_ID) or packet["request_id"],
+        ATTEMPT: call.attempt,
     }
     if d.principal is not None:  # what the gates are run against again at release
         entry["scopes"] = sorted(d.principal.scopes)
@@ -286,7 +295,7 @@ def outcome_decision(item: ApprovalInput, result: OpResult, now_ms: int) -> Deci
             Gate.APPROVAL,
             p,
             call=call,
-            extra={PARKED_UNTIL: entry["expires_at"]},
+            extra={PARKED_UNTIL: entry["expires_at"], PARKED_AS: park_identity(entry)},
             post_action_verification=bool(entry.get("post_action_verification")),
             warnings=(
                 f"released by {', '.join(a['id'] for a in approvers)} "

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from processor.approval_flow import PARKED_UNTIL
+from processor.approval_flow import PARKED_AS, PARKED_UNTIL
 from processor.approvals import parse_iso_ms
 from processor.contracts.registry import Contract
 from processor.gates.confirmation import reissue
@@ -152,6 +152,10 @@ def admission_item(
             # the compensation would leave a committed step for an operator.
             exempt=contract.name == HANDOFF_TOOL or is_compensation_key(call.idempotency_key),
         )
+        if d.outcome is Outcome.PARKED and isinstance(d.approval_request, dict):
+            # The request it waits for, as first named (a later attempt's is reissued from
+            # it, see confirmation.reissue): only that request's end ends this park.
+            item["rid"] = str(d.approval_request["request_id"])
         if d.outcome is Outcome.ROUTED and call.approval_ids:
             # Attached approvals, spent by this call when it is admitted (see admission.lua,
             # spent_elsewhere); remembered a day past the latest one's expiry.
@@ -208,6 +212,7 @@ def release_item(d: Decision) -> tuple[str, Item]:
     resubmission of its request did: then that one's request has ended)."""
     p, call = d.proposal, d.call
     assert p is not None and call is not None and p.tenant_id is not None
+    first, attempt = d.extra.get(PARKED_AS) or ("", 0)
     return p.tenant_id, {
         "kind": "release",
         "pos": position(d),
@@ -218,6 +223,8 @@ def release_item(d: Decision) -> tuple[str, Item]:
         "deadline": call.deadline_ms,
         "ttl": SETTLED_TTL_MS,  # waiting for its result, as long as any call's record
         "parked_until": d.extra.get(PARKED_UNTIL) or "",  # its request's expiry
+        "rid": first,  # the request, as its key's record names it
+        "attempt": attempt,
     }
 
 
@@ -299,6 +306,20 @@ _IDEMPOTENCY_REFUSALS: dict[str, tuple[TaxonomyClass, str | None, str, str, str]
         UNREQUESTED_COMPENSATION,
         "Nothing ran. Do not use a 'compensate:' idempotency key: propose the call under a "
         "key of your own, or wait for the compensating call you were told of.",
+    ),
+    # A parked call whose key went ahead without its request: resubmitted with approvals
+    # under another proposal, or taken by a later attempt once the request had lapsed. Its
+    # request's end (approved, declined or expired alike) gives its proposal this answer,
+    # once: the call did not run for it, and another proposal's observation tells what ran.
+    "superseded": (
+        TaxonomyClass.IDEMPOTENCY_CONFLICT,
+        "idempotency_key",
+        "this call's idempotency key went ahead without its approval request: another "
+        "proposal of the call took the key over",
+        "approval_request_superseded",
+        "Nothing ran for this proposal. Do not propose it again: the same call under this "
+        "idempotency key went ahead as another proposal, whose observation says what "
+        "happened (propose it again under the same key to be told the outcome).",
     ),
     "replay_changed": (
         TaxonomyClass.DEPENDENCY_UNAVAILABLE,

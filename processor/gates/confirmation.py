@@ -31,6 +31,7 @@ from processor.model import (
     TaxonomyClass,
 )
 from processor.policy import Policy
+from processor.state.admission import FIRST_REQUEST_ID
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,4 +230,7 @@ def reissue(d: Decision, attempt: int) -> None:
     material = f"{first}/attempt/{attempt}".encode()
     request_id = "req_" + hashlib.sha256(material).hexdigest()[:24]
     d.approval_request = {**packet, "request_id": request_id}
+    # (the idempotency record names the request by the first id and the attempt: see
+    # approval_flow.parked_entry)
+    d.extra[FIRST_REQUEST_ID] = first
     d.rejection = _waiting(packet["tool_name"], packet["approvals_required"], request_id)

@@ -11,7 +11,7 @@
 --          2 step     a proposal an earlier gate refused (it still is a step of its run)
 --          3 result   an executor's result for a routed call
 --          4 release  a parked call its approvers released (with the deadline its request
---                     parked it until)
+--                     parked it until, and the request it names, see holds)
 --          5 void     a call whose record failed alone on a defect after it was admitted
 --                     (answered UNKNOWN_ERROR, never routed)
 --          6 comp_failed  the compensating call the processor proposed under a key was
@@ -28,9 +28,9 @@
 -- or a result's "settled[|grant|<claims>]", "superseded",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
 -- "unknown"; a void's "voided" or "unchanged"; a comp_failed's "marked" or
--- "unchanged"; a lapse's "lapsed", "moved_on", "given_back" or "unchanged"; a withdraw's
--- "withdrawn" or "none". Short strings,
--- not JSON: decoding and encoding are most of a script's cost per item.
+-- "unchanged"; a lapse's "lapsed", "moved_on", "superseded", "given_back" or "unchanged"; a
+-- withdraw's "withdrawn" or "none". Short strings, not JSON: decoding and encoding are
+-- most of a script's cost per item.
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, n tool (records written
 -- before it was kept have none), c call, d deadline,
@@ -40,7 +40,9 @@
 -- what a parked call took and the position it was parked at, given back if it lapses, pd
 -- the deadline a resubmission's call was parked until, e 1 once that request ended after
 -- the resubmission took the key over: a lapse, or a release come too late; rp and rq a
--- released call's p and q, see unrelease); a run's
+-- released call's p and q, see unrelease; i the approval request a parked call waits
+-- for, see holds (records written before it was kept have none); l the requests whose
+-- park a later attempt replaced before their end was seen, see take_unseen); a run's
 -- counters are JSON too. Every record
 -- and run the batch names is read before anything is decided, kept in this script while
 -- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
@@ -74,7 +76,7 @@ local function unwire(a)
     local t = H.tools[a[4]]
     return {kind = 'call', pos = a[2], run = a[3], tool = a[4], group = a[5], sig = a[6],
             ikey = a[7], hash = a[8], call = a[9], deadline = a[10], park = a[11] == 1,
-            grant = a[12], approvals = opt(a[13]), approvals_ttl = a[14],
+            grant = a[12], approvals = opt(a[13]), approvals_ttl = a[14], rid = opt(a[15]),
             cost = t[1], rate = t[2] > 0 and {t[2], t[3]} or nil, ttl = t[4],
             exempt = t[5] == 1,
             class_budget = H.classes[a[5]] or 0, steps = H.steps, repeats = H.repeats,
@@ -94,10 +96,12 @@ local function unwire(a)
   elseif kind == 6 then
     return {kind = 'comp_failed', pos = a[2], comp = a[3]}
   elseif kind == 7 then
-    return {kind = 'lapse', pos = a[2], ikey = a[3], hash = a[4], deadline = a[5]}
+    return {kind = 'lapse', pos = a[2], ikey = a[3], hash = a[4], deadline = a[5],
+            rid = opt(a[6]), attempt = opt(a[7]), call = opt(a[8])}
   end
   return {kind = 'release', pos = a[2], run = a[3], ikey = a[4], hash = a[5], call = a[6],
-          deadline = a[7], ttl = a[8], parked_until = opt(a[9])}
+          deadline = a[7], ttl = a[8], parked_until = opt(a[9]), rid = opt(a[10]),
+          attempt = opt(a[11])}
 end
 
 local function encode(v)
@@ -342,6 +346,73 @@ local function took(c, charged, parked_until)
     .. (c.rate and string.format('%.17g', c.rate[1]) or '') .. ';' .. c.group .. ';' .. approvals
 end
 
+-- A parked call's record names its approval request (i: the id the call was first parked
+-- under, before a later attempt's reissue; with a, the attempt it was parked as, that names
+-- one request), kept while the record is that park's: resubmitted, released, given back;
+-- '' on the record of a call this version admitted unparked, which waits for no request).
+-- Whether `rec` is request c's park; nil when one side predates request ids (a record or
+-- a request of an earlier version): then the deadline the call was parked until tells, as
+-- it did (it cannot tell a park given back from a later park of the key).
+local function holds(rec, c)
+  if rec.i == nil or not c.rid then return nil end
+  return rec.i == c.rid and rec.a == c.attempt
+end
+
+-- Requests whose park a later attempt replaced before their end was seen (l: a list of
+-- {i, a, d, c}, see remember_unseen): a parked call past its deadline and the grace with
+-- its expiry check late, or a resubmission that went ahead and then let its key go. Their
+-- end comes later, and must still answer its proposal (or not, for the resubmission),
+-- where any other request the record no longer holds was answered already (given back).
+-- An entry goes when its request's end is seen; the oldest go past UNSEEN_KEPT, and their
+-- end then reads as given back.
+local UNSEEN_KEPT = 16
+
+local function remember_unseen(into, rec)
+  local list = {}  -- (a copy: `rec` itself may stay, should the new attempt be refused)
+  for k, kept in ipairs(into.l or {}) do list[k] = kept end
+  local seen = {i = rec.i, a = rec.a}
+  if rec.w == 1 then
+    seen.d = rec.d
+  else  -- (a resubmission: its call answered whichever proposal it was)
+    seen.d, seen.c = rec.pd, rec.c
+  end
+  list[#list + 1] = seen
+  while #list > UNSEEN_KEPT do table.remove(list, 1) end
+  into.l = list
+end
+
+-- The entry of request c in rec's unseen list, removed (its end is seen now), or nil.
+-- `expiry`: the request's, which names it where no request id does.
+local function take_unseen(ikey, rec, c, expiry)
+  if not rec.l then return nil end
+  for k, seen in ipairs(rec.l) do
+    local match
+    if seen.i and c.rid then
+      match = seen.i == c.rid and seen.a == c.attempt
+    else
+      match = expiry ~= nil and seen.d == expiry
+    end
+    if match then
+      table.remove(rec.l, k)
+      if #rec.l == 0 then rec.l = nil end
+      keep_record(ikey, rec)
+      return seen
+    end
+  end
+  return nil
+end
+
+-- How the end of request c answers when its call went ahead as a resubmission carrying
+-- approvals (its call id `call`): "moved_on" when that resubmission was c's own proposal
+-- sent again, which its own observations answered; "superseded" when it was another
+-- proposal, so c's proposal has had no final answer yet and gets one now (see app.py,
+-- _end_requests and _admit_releases: a rejection, an expiry and a release all answer it
+-- alike, once).
+local function went_ahead(call, c)
+  if c.call and call ~= c.call then return 'superseded' end
+  return 'moved_on'
+end
+
 -- `fresh`: the replay markers this batch writes (position, marker, ...). `emptied`: the
 -- positions whose take was given back, or became a call that goes, by other means (a
 -- parked call's, when its request ended, or when it was resubmitted or released): their
@@ -387,17 +458,33 @@ local function admit_call(c)
     bump(c.run, 'steps', 1)
     return refuse('approval_reused')
   end
+  local refusal = limits(c, counters, charged)
+  if refusal then
+    -- Refused before anything is given back: a parked call this attempt would have
+    -- replaced keeps its park, and its request's end gives the take back, once. (Given
+    -- back here, the park's record, which a refused attempt does not write, would still
+    -- hold the take, and the end would give it back a second time.) A refusal the
+    -- give-back would have spared (the park's run, or the tenant's day, at its limit) is
+    -- the conservative answer, and lasts until that end.
+    bump(c.run, 'steps', 1)
+    return refusal
+  end
+  local unseen = {l = rec and rec.l or nil}
   if rec and rec.w == 1 and not charged then
     -- A parked call whose request lapsed with its end not decided yet (past its deadline
-    -- and the grace): it never ran, and this new attempt replaces its record.
+    -- and the grace): it never ran, and this new attempt replaces its record. Its
+    -- proposal has had no final answer: its request's end, when it comes, gives it.
     give_back_park(rec)
+    remember_unseen(unseen, rec)
+  elseif rec and rec.pd and rec.e ~= 1 and not charged then
+    -- A resubmission that went ahead and let its key go (failed retryably, or past its
+    -- deadline): its request's end has not come yet either.
+    remember_unseen(unseen, rec)
   end
-  local refusal = limits(c, counters, charged)
   if not charged then
     -- (a parked call resubmitted with its approvals was counted when it was parked, its
     -- step included: it takes nothing again)
     bump(c.run, 'steps', 1)
-    if refusal then return refusal end
     bump(c.run, 'sig:' .. c.sig, 1)
     charge(c)
   end
@@ -410,16 +497,20 @@ local function admit_call(c)
   local parked_until = rec and rec.d
   local took_ = took(c, charged, parked_until)
   local fresh_rec = {s = 'PENDING', h = c.hash, n = c.tool, c = c.call, d = c.deadline,
-                     w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant}
+                     w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant,
+                     l = unseen.l}
   if c.park then
-    -- What a parked call took, given back should its request end without it (see lapse).
-    fresh_rec.p, fresh_rec.q = took_, c.pos
+    -- What a parked call took, given back should its request end without it (see lapse),
+    -- and the request it waits for, which only that request's end may end.
+    fresh_rec.p, fresh_rec.q, fresh_rec.i = took_, c.pos, c.rid
+  elseif not charged then
+    fresh_rec.i = ''  -- (it waits for no request: any request's end finds it not theirs)
   elseif charged then
     -- The parked call goes: no replay of the position it was parked at gives its take
     -- back from now on. Its record keeps the take (and the deadline it was parked until),
     -- should this resubmission be given back and the call wait for approval again.
     if rec.q then empty_take(rec.q) end
-    fresh_rec.p, fresh_rec.q, fresh_rec.pd = rec.p, rec.q, rec.d
+    fresh_rec.p, fresh_rec.q, fresh_rec.pd, fresh_rec.i = rec.p, rec.q, rec.d, rec.i
   end
   put_record(c.ikey, fresh_rec, c.ttl)
   return {ok = true, attempt = next_attempt, took = took_}
@@ -524,13 +615,43 @@ local function comp_failed(c)
 end
 
 -- A parked call released by its approvers. It goes only if its record still waits for
--- approval: a resubmission that carried approvals may have taken the key over already.
--- Then this request has ended without its call going, as a lapse after it would say
--- ("moved_on"): the resubmission it parked (until `parked_until`), should it be given
--- back, waits for nobody.
+-- approval, for this very request: a resubmission that carried approvals may have taken
+-- the key over already, or the park been given back and the key parked again since under
+-- another request. Refused, it answers as a lapse of its request would (see lapse): its
+-- proposal answered already ("given_back", "moved_on": no second answer) or not
+-- ("superseded": the key went ahead without this request; answered so, once). A
+-- resubmission that took the key over from this request, should it be given back, waits
+-- for nobody.
 local function release(c)
   local rec = record_of(c.ikey)
-  if rec and not (rec.s == 'PENDING' and rec.w == 1 and rec.h == c.hash) then
+  local mine
+  if rec and rec.h == c.hash then mine = holds(rec, c) end
+  if mine == false then
+    local seen = take_unseen(c.ikey, rec, c, c.parked_until)
+    if seen and seen.c then return refuse(went_ahead(seen.c, c)) end
+    -- (lapsed unseen: approved only past its expiry and the grace, its key moved on to
+    -- a later attempt, and its proposal has had no answer)
+    if seen then return refuse('superseded') end
+    return refuse('given_back')  -- (see lapse)
+  end
+  if mine then
+    if not (rec.s == 'PENDING' and rec.w == 1) then
+      if rec.pd then
+        if rec.s == 'PENDING' and rec.e ~= 1 then
+          rec.e = 1
+          keep_record(c.ikey, rec)
+        end
+        return refuse(went_ahead(rec.c, c))
+      end
+      if RETRYABLE[rec.s] then return refuse('given_back') end
+      return refuse('moved_on')
+    end
+  elseif rec and rec.h == c.hash and take_unseen(c.ikey, rec, c, c.parked_until) then
+    -- A request of an earlier version, whose park a later attempt replaced before its
+    -- end was seen (see lapse): its key has moved on without it.
+    return refuse('superseded')
+  elseif rec and not (rec.s == 'PENDING' and rec.w == 1 and rec.h == c.hash) then
+    -- A record or a request of an earlier version: the deadline tells.
     if rec.h == c.hash and not rec.pd and c.parked_until and rec.d == c.parked_until
         and RETRYABLE[rec.s] then
       -- The parked call was given back before its approvers released it (see lapse,
@@ -542,9 +663,12 @@ local function release(c)
       rec.e = 1
       keep_record(c.ikey, rec)
     end
+    if rec.h == c.hash and rec.pd and rec.pd == c.parked_until then
+      return refuse(went_ahead(rec.c, c))
+    end
     return refuse('superseded')
   end
-  rec = rec or {h = c.hash, a = 1, r = c.run}
+  rec = rec or {h = c.hash, a = c.attempt or 1, r = c.run, i = c.rid}
   if rec.q then empty_take(rec.q) end  -- it goes: its take stays taken
   -- (kept, should this release's position be decided again as its request's end: see
   -- unrelease)
@@ -713,11 +837,41 @@ end
 -- parked call's own position was decided again as something else (its batch's transaction
 -- aborted) or failed alone on a defect, which gave back what it took, made its record
 -- retryable and answered its proposal: it never went ahead, and nothing comes back twice.
--- Only the attempt parked until `deadline` is given back: a later one, parked afresh, is
--- not.
+-- Only this request's park is given back (the record names its request, see holds): a
+-- later one, parked afresh, is not. A request whose park is no longer the record's was
+-- given back already, or replaced before its end was seen (see take_unseen): its end is
+-- "lapsed" then (its proposal has had no answer; nothing is given back twice), or, for a
+-- resubmission that went ahead, "moved_on" or "superseded" (see went_ahead).
 local function lapse(c)
   local rec = record_of(c.ikey)
   if not rec or rec.h ~= c.hash then return {status = 'unchanged'} end
+  local mine = holds(rec, c)
+  if mine == false then
+    local seen = take_unseen(c.ikey, rec, c, c.deadline)
+    if seen and seen.c then return {status = went_ahead(seen.c, c)} end
+    if seen then return {status = 'lapsed'} end
+    return {status = 'given_back'}
+  elseif mine then
+    if rec.s == 'PENDING' and rec.w == 1 then
+      give_back_park(rec)
+      rec.w = 0
+      keep_record(c.ikey, rec)
+      return {status = 'lapsed'}
+    end
+    if rec.pd then
+      if rec.s == 'PENDING' and rec.e ~= 1 then
+        rec.e = 1  -- given back, it waits for nobody
+        keep_record(c.ikey, rec)
+      end
+      return {status = went_ahead(rec.c, c)}
+    end
+    if RETRYABLE[rec.s] then return {status = 'given_back'} end
+    return {status = 'moved_on'}  -- (released: it went)
+  end
+  -- A record or a request of an earlier version, which name no request: the deadline
+  -- tells, as it did.
+  local seen = take_unseen(c.ikey, rec, c, c.deadline)
+  if seen then return {status = seen.c and went_ahead(seen.c, c) or 'lapsed'} end
   if not (rec.s == 'PENDING' and rec.w == 1) then
     if not rec.pd and rec.d == c.deadline and RETRYABLE[rec.s] then
       return {status = 'given_back'}  -- (see release_record: the park's own record)
@@ -729,7 +883,7 @@ local function lapse(c)
       rec.e = 1  -- given back, it waits for nobody
       keep_record(c.ikey, rec)
     end
-    return {status = 'moved_on'}
+    return {status = rec.pd and went_ahead(rec.c, c) or 'moved_on'}
   end
   if rec.d ~= c.deadline then return {status = 'unchanged'} end
   give_back_park(rec)
@@ -776,9 +930,12 @@ end
 -- between. Each reads the other's verdict as the answer it would have given.
 local LAPSE_AS_RELEASE = {
   lapsed = 'no|replay_changed|0', unchanged = 'no|replay_changed|0',
-  given_back = 'no|given_back|0', moved_on = 'no|superseded|0',
+  given_back = 'no|given_back|0', moved_on = 'no|moved_on|0', superseded = 'no|superseded|0',
 }
-local RELEASE_AS_LAPSE = {['no|given_back|0'] = 'given_back', ['no|superseded|0'] = 'moved_on'}
+local RELEASE_AS_LAPSE = {
+  ['no|given_back|0'] = 'given_back', ['no|moved_on|0'] = 'moved_on',
+  ['no|superseded|0'] = 'superseded',
+}
 
 for i, a in ipairs(items) do
   local was = earlier[i]

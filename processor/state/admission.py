@@ -213,7 +213,7 @@ _RECORD_FIELDS = {
     "a": "attempt", "r": "run", "t": "grant", "x": "result", "k": "compensation",
     "kh": "compensation_hash", "kt": "compensation_tool", "kf": "compensation_failed",
     "v": "cached", "p": "parked_took", "q": "parked_at", "pd": "parked_until", "e": "request_ended",
-    "rp": "released_took", "rq": "released_at",
+    "rp": "released_took", "rq": "released_at", "i": "request", "l": "unseen_ends",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
 
@@ -282,7 +282,7 @@ def _wire(item: Item) -> list[Any]:
         return [1, item["pos"], item["run"], item["tool"], item["group"], item["sig"],
                 item["ikey"], item["hash"], item["call"], item["deadline"],
                 1 if item["park"] else 0, item["grant"], item.get("approvals") or "",
-                item.get("approvals_ttl", 0)]  # fmt: skip
+                item.get("approvals_ttl", 0), item.get("rid") or ""]  # fmt: skip
     if kind == "step":
         return [2, item["pos"], item["run"], item["sig"], 1 if item["repair"] else 0,
                 item.get("ikey", ""), item.get("hash", ""), item.get("comp", ""),
@@ -298,11 +298,14 @@ def _wire(item: Item) -> list[Any]:
     if kind == "comp_failed":
         return [6, item["pos"], item["comp"]]
     if kind == "lapse":
-        return [7, item["pos"], item["ikey"], item["hash"], item["deadline"]]
+        return [7, item["pos"], item["ikey"], item["hash"], item["deadline"],
+                item.get("rid") or "", item.get("attempt") or "",
+                item.get("call") or ""]  # fmt: skip
     if kind == "withdraw":
         return [8, item["pos"], item["run"]]
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
-            item["deadline"], item["ttl"], item.get("parked_until") or ""]  # fmt: skip
+            item["deadline"], item["ttl"], item.get("parked_until") or "",
+            item.get("rid") or "", item.get("attempt") or ""]  # fmt: skip
 
 
 def parse_verdict(raw: bytes | str) -> Verdict:
@@ -360,9 +363,12 @@ def lapse_item(entry: dict[str, Any], pos: str, now_ms: int) -> tuple[str, Item]
     """A parked call whose approval request ended without it going (declined, expired, or
     refused when released), from its request's ``entry``, decided at input position
     ``pos`` at ``now_ms``: what it took when it was parked is given back, once, unless a
-    resubmission carrying approvals took its key over ("moved_on"), or the parked call was
-    given back already, its position decided again as something else ("given_back"; see
-    admission.lua, lapse)."""
+    resubmission carrying approvals took its key over ("moved_on" when it was this very
+    proposal sent again, "superseded" when another), or the parked call was given back
+    already, its position decided again as something else ("given_back"; see
+    admission.lua, lapse). Only this request's park is ended: the key may hold another
+    request's since."""
+    first, attempt = park_identity(entry)
     return str(entry["tenant_id"]), {
         "kind": "lapse",
         # (the approval record's own position: it ends one request or releases one call,
@@ -372,7 +378,28 @@ def lapse_item(entry: dict[str, Any], pos: str, now_ms: int) -> tuple[str, Item]
         "ikey": str(entry["idempotency_key"]),
         "hash": str(entry["payload_hash"]),
         "deadline": entry["expires_at"],
+        "rid": first,
+        "attempt": attempt,
+        "call": str(entry.get("proposal_id") or ""),
     }
+
+
+FIRST_REQUEST_ID = "first_request_id"
+ATTEMPT = "attempt"
+"""Keys of a parked entry (see approval_flow.parked_entry): the request id its call was
+first parked under, and the attempt it was parked as. Together they name the request
+in the idempotency record (admission.lua, holds): the request id itself follows from
+the attempt (confirmation.reissue), which the script decides."""
+
+
+def park_identity(entry: dict[str, Any]) -> tuple[str, int]:
+    """The (first request id, attempt) a parked ``entry`` names; ("", 0) for one parked
+    by an earlier version, which kept neither: its end is matched by its deadline, as it
+    was."""
+    first, attempt = entry.get(FIRST_REQUEST_ID), entry.get(ATTEMPT)
+    if isinstance(first, str) and first and isinstance(attempt, int) and attempt >= 1:
+        return first, attempt
+    return "", 0
 
 
 def withdraw_item(tenant: str, pos: str, run: str, now_ms: int) -> tuple[str, Item]:

@@ -719,10 +719,15 @@ def test_a_parked_call_that_was_the_last_repeat_allowed_is_not_a_loop_of_itself(
     assert whys(store.apply([third])) == ["loop"]
 
 
-def _lapse(parked: tuple[str, Item], pos: str = "") -> tuple[str, Item]:
+def _lapse(parked: tuple[str, Item], pos: str = "", attempt: int = 1) -> tuple[str, Item]:
+    """The end of the request ``parked`` waits for; one parked with a request id (``rid``)
+    names it, as the processor's parked entries do, else only its deadline, as an entry an
+    earlier version parked does."""
     tenant, c = parked
     entry = {"tenant_id": tenant, "idempotency_key": c["ikey"], "payload_hash": c["hash"],
-             "expires_at": c["deadline"]}  # fmt: skip
+             "expires_at": c["deadline"], "proposal_id": c["call"]}  # fmt: skip
+    if c.get("rid"):
+        entry.update({"first_request_id": c["rid"], "attempt": attempt})
     return lapse_item(entry, pos or f"a/0/{next(_pos)}", NOW)
 
 
@@ -807,12 +812,12 @@ def test_a_resubmission_given_back_after_its_request_ended_waits_for_nobody(
     store: AdmissionStore,
 ) -> None:
     """Resubmitted with approvals, the call took its key over; its request then ended
-    ("moved_on"); then the resubmission's position was decided again as nothing. Nobody
-    can approve the call any more: its record does not wait for approval, and what parking
-    it took comes back."""
+    ("superseded": the resubmission was another proposal); then the resubmission's position
+    was decided again as nothing. Nobody can approve the call any more: its record does not
+    wait for approval, and what parking it took comes back."""
     parked, approved = _resubmitted(store)
     key = parked[1]["ikey"]
-    assert store.apply([_lapse(parked)]) == [{"status": "moved_on"}]
+    assert store.apply([_lapse(parked)]) == [{"status": "superseded"}]
     assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
     gone = withdraw_item(TENANT, approved[1]["pos"], "run-1", NOW + 61_000)
     assert store.apply([gone]) == [{"status": "withdrawn"}]
@@ -880,8 +885,9 @@ def test_a_parked_call_that_went_is_not_given_back_by_a_replay_of_its_park(
 def test_an_older_request_ended_late_leaves_a_newer_park_alone(store: AdmissionStore) -> None:
     """The first park lapsed unseen (its expiry check late); the key was parked again,
     which gives the first park's take back, and resubmitted. The first request's end, come
-    at last, concerns nothing now: a give-back of the resubmission still waits for the
-    second request's approvers."""
+    at last, answers its proposal ("lapsed": it has had no final answer) and gives nothing
+    back twice; a give-back of the resubmission still waits for the second request's
+    approvers."""
     limits = {"sig": "charge", "group": "financial", "class_budget": 2, "cost": 2.0}
     first = call(park=True, deadline=NOW + 60_000, **limits)
     key = first[1]["ikey"]
@@ -891,7 +897,8 @@ def test_an_older_request_ended_late_leaves_a_newer_park_alone(store: AdmissionS
     assert store.run_counters(TENANT, "run-1", NOW)["cost"] == 2.0  # the first's came back
     approved = call(ikey=key, now=NOW + 63_000, **limits)
     assert store.apply([approved]) == [{"ok": True, "attempt": 2}]
-    assert store.apply([_lapse(first)]) == [{"status": "unchanged"}]
+    assert store.apply([_lapse(first)]) == [{"status": "lapsed"}]
+    assert store.run_counters(TENANT, "run-1", NOW)["cost"] == 2.0
     voided = void_item(approved[1])
     assert voided is not None
     assert store.apply([(TENANT, voided)]) == [{"status": "voided"}]
@@ -905,10 +912,12 @@ def test_a_request_that_ends_after_its_call_went_ahead_gives_nothing_back(
     store: AdmissionStore,
 ) -> None:
     """Resubmitted with its approvals, the parked call took its key over and runs: the
-    request's later end is "moved_on", and what the call took stays taken."""
+    request's later end is "superseded" (the resubmission was another proposal, so the
+    parked one is told so: see app.py, _end_requests), and what the call took stays
+    taken."""
     parked, _ = _resubmitted(store)
     key = parked[1]["ikey"]
-    assert store.apply([_lapse(parked)]) == [{"status": "moved_on"}]
+    assert store.apply([_lapse(parked)]) == [{"status": "superseded"}]
     assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
     other = call(hash="h2", ikey=key, park=True, deadline=NOW + 600_000)
     assert store.apply([_lapse(other)]) == [{"status": "unchanged"}]  # another payload
@@ -965,6 +974,126 @@ def test_a_release_of_a_park_given_back_on_replay_is_given_back_not_superseded(
     assert whys(store.apply([(TENANT, other)])) == ["superseded"]
 
 
+def _release(parked: tuple[str, Item], attempt: int = 1, **kw: Any) -> tuple[str, Item]:
+    """Its approvers' release of the request ``parked`` waits for (see _lapse)."""
+    tenant, c = parked
+    item = {"kind": "release", "pos": f"a/0/{next(_pos)}", "now": NOW, "run": c["run"],
+            "ikey": c["ikey"], "hash": c["hash"], "call": c["call"], "deadline": NOW + 70_000,
+            "ttl": 3_600_000, "parked_until": c["deadline"], "rid": c.get("rid", ""),
+            "attempt": attempt}  # fmt: skip
+    item.update(kw)
+    return tenant, item
+
+
+@pytest.mark.parametrize("end", ["release", "lapse"])
+@pytest.mark.parametrize("given_back", ["changed", "withdraw"])
+@pytest.mark.parametrize("same_proposal", [True, False])
+def test_the_end_of_a_request_given_back_leaves_a_later_park_of_its_key_alone(
+    store: AdmissionStore, end: str, given_back: str, same_proposal: bool
+) -> None:
+    """Parked (request R1), then given back: its batch aborted and its position was decided
+    again as something else, which answered its proposal. Its key is parked again (R2: the
+    same proposal sent again, asking afresh under a reissued id, or another proposal). R1's
+    end (a release, a rejection, its expiry) finds its park given back: it answers nothing
+    a second time, and R2's park waits on, for R2 alone."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 2, "cost": 2.0}
+    first = call(park=True, rid="req_first", deadline=NOW + 600_000, **limits)
+    assert whys(store.apply([first])) == [None]
+    pos, key = first[1]["pos"], first[1]["ikey"]
+    if given_back == "changed":
+        assert whys(store.apply([step(repair=False, pos=pos)])) == [None]
+    else:
+        assert store.apply([withdraw_item(TENANT, pos, "run-1", NOW)]) == [{"status": "withdrawn"}]
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+    again = {"call": first[1]["call"], "rid": "req_first"} if same_proposal else {"rid": "req_2"}
+    second = call(park=True, ikey=key, now=NOW + 1000, deadline=NOW + 601_000, **limits, **again)
+    assert store.apply([second]) == [{"ok": True, "attempt": 2}]
+    taken = store.run_counters(TENANT, "run-1", NOW)
+    if end == "release":
+        assert whys(store.apply([_release(first)])) == ["given_back"]
+    else:  # (rejected or expired)
+        assert store.apply([_lapse(first)]) == [{"status": "given_back"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["awaiting"], record["attempt"]) == ("PENDING", "1", "2")
+    assert store.run_counters(TENANT, "run-1", NOW) == taken
+    # R2's own end ends R2's park, once.
+    assert store.apply([_lapse(second, attempt=2)]) == [{"status": "lapsed"}]
+    assert "class:financial" not in store.run_counters(TENANT, "run-1", NOW)
+
+
+@pytest.mark.parametrize("next_attempt", ["parked", "routed"])
+def test_a_request_that_lapsed_unseen_still_answers_its_proposal_when_it_ends(
+    store: AdmissionStore, next_attempt: str
+) -> None:
+    """Parked (R1); its expiry check is late, and past its deadline and the grace another
+    attempt takes the key: parked afresh (R2), or routed for another run with approvals
+    attached. That attempt gave R1's take back, but R1's proposal was told only that it
+    waits: R1's end, when it comes, is its final answer ("lapsed"), once, and gives
+    nothing back twice; R2 waits on."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 2, "cost": 2.0}
+    first = call(park=True, rid="req_first", deadline=NOW + 60_000, **limits)
+    assert whys(store.apply([first])) == [None]
+    key = first[1]["ikey"]
+    if next_attempt == "parked":
+        later = call(park=True, ikey=key, rid="req_2", now=NOW + 62_000,
+                     deadline=NOW + 662_000, **limits)  # fmt: skip
+    else:
+        later = call(ikey=key, run="run-2", now=NOW + 62_000, approvals=["appr-1"],
+                     approvals_ttl=3_600_000, **limits)  # fmt: skip
+    assert store.apply([later]) == [{"ok": True, "attempt": 2}]
+    kept = store.run_counters(TENANT, "run-1", NOW)
+    # R1's take came back when the key moved on (what run-1 holds now is R2's).
+    assert kept.get("cost") == (2.0 if next_attempt == "parked" else None)
+    end = _lapse(first)
+    assert store.apply([end]) == [{"status": "lapsed"}]
+    assert store.apply([end]) == [{"status": "lapsed"}]  # its replay
+    assert store.run_counters(TENANT, "run-1", NOW) == kept
+    record = store.record(TENANT, key, NOW)
+    assert record["awaiting"] == ("1" if next_attempt == "parked" else "0")
+    assert "unseen_ends" not in record  # (R1's end is seen: nothing of it is kept)
+    if next_attempt == "parked":
+        assert store.apply([_lapse(later, attempt=2)]) == [{"status": "lapsed"}]
+
+
+def test_an_attempt_refused_past_a_lapsed_park_leaves_its_take_to_the_requests_end(
+    store: AdmissionStore,
+) -> None:
+    """Parked (R1), its expiry check late; past its deadline and the grace another run's
+    attempt under the key is refused (that run is out of its class budget). R1's take is
+    given back once, by R1's end: the refused attempt writes no record, so a give-back of
+    its own would have left the park's take in Redis for the end to give back again, out
+    of what the run's other calls took."""
+    limits = {"group": "financial", "class_budget": 5, "cost": 2.0}
+    kept = call(sig="kept", **limits)  # another call of run-1, which stays counted
+    first = call(park=True, rid="req_first", sig="parked", deadline=NOW + 60_000, **limits)
+    assert whys(store.apply([kept, first])) == [None, None]
+    key = first[1]["ikey"]
+    later = call(ikey=key, run="run-2", now=NOW + 62_000, **{**limits, "class_budget": 0})
+    assert whys(store.apply([later])) == ["class_budget"]
+    assert store.apply([_lapse(first)]) == [{"status": "lapsed"}]
+    counters = store.run_counters(TENANT, "run-1", NOW)
+    assert (counters.get("class:financial"), counters.get("cost")) == (1, 2.0)
+
+
+def test_a_request_whose_resubmission_went_ahead_and_let_its_key_go_is_still_superseded(
+    store: AdmissionStore,
+) -> None:
+    """Parked (R1), resubmitted with approvals by another proposal, which ran and failed
+    retryably; the key then went to a later attempt before R1 ended. R1's end still knows
+    that its key went ahead as another proposal: its own proposal is told so, once."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 2}
+    parked = call(park=True, rid="req_first", deadline=NOW + 600_000, **limits)
+    assert whys(store.apply([parked])) == [None]
+    key = parked[1]["ikey"]
+    approved = call(ikey=key, now=NOW + 60_000, **limits)
+    assert store.apply([approved]) == [{"ok": True, "attempt": 1}]
+    assert store.apply([result(approved, state="FAILED_RETRYABLE")]) == [{"status": "settled"}]
+    later = call(ikey=key, now=NOW + 90_000, **limits)
+    assert store.apply([later]) == [{"ok": True, "attempt": 2}]
+    assert whys(store.apply([_release(parked)])) == ["superseded"]
+    assert store.apply([_lapse(parked)]) == [{"status": "given_back"}]  # (ended once only)
+
+
 def test_a_release_and_a_lapse_at_one_position_read_each_others_verdicts(
     store: AdmissionStore,
 ) -> None:
@@ -986,16 +1115,29 @@ def test_a_release_and_a_lapse_at_one_position_read_each_others_verdicts(
     pos = f"a/0/{next(_pos)}"
     assert store.apply([_lapse(parked, pos)]) == [{"status": "given_back"}]
     assert whys(store.apply([(TENANT, {**release, "pos": pos})])) == ["given_back"]
-    # A key gone ahead: moved on for the lapse, superseded for the release, either way.
+    # A key gone ahead as another proposal: superseded for either, either way.
     gone, _ = _resubmitted(store)
     g = gone[1]
     went = {**release, "pos": f"a/0/{next(_pos)}", "ikey": g["ikey"], "hash": g["hash"],
             "call": g["call"], "parked_until": g["deadline"]}  # fmt: skip
     assert whys(store.apply([(TENANT, went)])) == ["superseded"]
-    assert store.apply([_lapse(gone, went["pos"])]) == [{"status": "moved_on"}]
+    assert store.apply([_lapse(gone, went["pos"])]) == [{"status": "superseded"}]
     pos = f"a/0/{next(_pos)}"
-    assert store.apply([_lapse(gone, pos)]) == [{"status": "moved_on"}]
+    assert store.apply([_lapse(gone, pos)]) == [{"status": "superseded"}]
     assert whys(store.apply([(TENANT, {**went, "pos": pos})])) == ["superseded"]
+    # Gone ahead as this very proposal sent again: moved on for either, either way.
+    own = call(park=True, deadline=NOW + 600_000)
+    assert whys(store.apply([own])) == [None]
+    o = own[1]
+    again = call(ikey=o["ikey"], call=o["call"], now=NOW + 1000)
+    assert whys(store.apply([again])) == [None]
+    went = {**went, "pos": f"a/0/{next(_pos)}", "ikey": o["ikey"], "call": o["call"],
+            "parked_until": o["deadline"]}  # fmt: skip
+    assert whys(store.apply([(TENANT, went)])) == ["moved_on"]
+    assert store.apply([_lapse(own, went["pos"])]) == [{"status": "moved_on"}]
+    pos = f"a/0/{next(_pos)}"
+    assert store.apply([_lapse(own, pos)]) == [{"status": "moved_on"}]
+    assert whys(store.apply([(TENANT, {**went, "pos": pos})])) == ["moved_on"]
 
 
 def test_a_release_that_went_then_is_refused_on_its_replay_gives_back_the_park(

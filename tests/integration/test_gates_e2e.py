@@ -1106,7 +1106,9 @@ def test_a_rejection_after_the_call_went_ahead_with_attached_approvals_is_not_a_
 ) -> None:
     """Parked, then sent again in its run with ops-1's approval attached: the resubmission
     takes the key over and runs. ops-2's later rejection of the request must not tell the
-    agent the call was declined and did not run: it lands on the DLQ."""
+    agent the call was declined and did not run; but the parked proposal, told it would
+    hear either way, has had no final answer: it is told that its call went ahead as
+    another proposal (as a release of the request would tell it), once."""
     parked = world.park("agent", "cancel_order", cancel())
     resubmitted = world.propose(
         "agent", "cancel_order", parked.arguments, run_id=parked.run_id,
@@ -1117,12 +1119,17 @@ def test_a_rejection_after_the_call_went_ahead_with_attached_approvals_is_not_a_
     rejection = world.publish(
         world.sign_for(parked, "ops-2", decision="rejected", reason="too late"), parked.run_id
     )
+    final = world.final(parked.proposal_id)
+    refused(final, "IDEMPOTENCY_CONFLICT", "idempotency",
+            ["approval_rejected", "approval_request_superseded"])  # fmt: skip
     marker = world.publish(world.sign_for(parked, "viewer"), parked.run_id)
     assert world.dead_letters([rejection, marker], until=[marker]) == {
-        rejection: "approval_request_superseded",
         marker: "approver_not_allowed",
     }
-    assert [o["decision"] for o in world.history(parked.proposal_id)] == ["PENDING_APPROVAL"]
+    assert [o["decision"] for o in world.history(parked.proposal_id)] == [
+        "PENDING_APPROVAL",
+        "REJECTED",
+    ]
     calls = world.calls_for([parked.proposal_id, resubmitted], "HIGH_RISK_EXTERNAL")
     assert calls[parked.proposal_id] == [] and len(calls[resubmitted]) == 1
 

@@ -9,12 +9,20 @@ from typing import Any
 import orjson
 import pytest
 
+from processor.approval_flow import ApprovalInput, outcome_decision, parked_entry
 from processor.contracts.registry import ContractSet
-from processor.gates.budget import admission_item, apply_verdict, cached_answer, runtime_of
+from processor.gates.budget import (
+    admission_item,
+    apply_verdict,
+    cached_answer,
+    release_item,
+    runtime_of,
+)
 from processor.gates.semantic import RefEntry
-from processor.model import Decision, Gate, Outcome, TaxonomyClass
+from processor.model import Decision, Gate, Outcome, SourceRecord, TaxonomyClass
 from processor.policy import Budgets, PolicyError, parse_policy
-from processor.state.admission import SETTLED_TTL_MS
+from processor.state.admission import SETTLED_TTL_MS, lapse_item
+from processor.state.approvals import OpResult
 from tests.unit.helpers import NOW_MS, decide_envelope, envelope, existing_references
 
 BUDGETS = Budgets(financial_tools=frozenset({"refund_order"}))
@@ -294,3 +302,32 @@ def test_a_state_refusal_routes_nothing_but_keeps_its_key(contracts: ContractSet
     assert d.idempotency == (routed.call.idempotency_key, routed.call.payload_hash)
     _, item = admission_item(d, None, BUDGETS, NOW_MS) or ("", {})
     assert (item["kind"], item["ikey"], item["hash"]) == ("step", *d.idempotency)
+
+
+@pytest.mark.parametrize("attempt", [1, 3])
+def test_a_parked_call_and_its_requests_end_name_the_same_request(
+    contracts: ContractSet, attempt: int
+) -> None:
+    """The key's record names the request a parked call waits for by the id it was first
+    parked under and its attempt (a later attempt's id is reissued from both, after
+    admission decides the attempt): its parked entry, and so its request's end and its
+    release, name it alike, whatever attempt it is."""
+    d = _decide(contracts, "refund_order")
+    assert d.outcome is Outcome.PARKED and d.approval_request is not None
+    first = d.approval_request["request_id"]
+    _, item = admission_item(d, _contract(contracts, d), BUDGETS, NOW_MS) or ("", {})
+    assert item["rid"] == first
+    apply_verdict(d, {"ok": True, "attempt": attempt}, BUDGETS, _contract(contracts, d))
+    assert (d.approval_request["request_id"] == first) is (attempt == 1)
+    entry = {**parked_entry(d), "state": "released", "approvers": []}
+    _, lapse = lapse_item(entry, "tool.approvals/0/1", NOW_MS)
+    assert (lapse["rid"], lapse["attempt"]) == (first, attempt)
+    src = SourceRecord("tool.approvals", 0, 1, b"r", b"{}", NOW_MS)
+    released = outcome_decision(ApprovalInput(src, "decision", "tenant-1", "x", {}),
+                                OpResult("released", None, entry), NOW_MS)  # fmt: skip
+    assert released is not None
+    _, release = release_item(released)
+    assert (release["rid"], release["attempt"]) == (first, attempt)
+    # Parked by an earlier version, which kept neither: matched by its deadline, as it was.
+    old = {k: v for k, v in entry.items() if k not in ("first_request_id", "attempt")}
+    assert lapse_item(old, "tool.approvals/0/2", NOW_MS)[1]["rid"] == ""

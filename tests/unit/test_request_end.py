@@ -92,8 +92,12 @@ def test_a_released_call_names_the_deadline_its_request_parked_it_until() -> Non
     ("verdict", "expected"),
     [
         ({"ok": True, "attempt": 1}, ("ROUTED", None)),
+        # The key went ahead as another proposal: this one is told so (see _end_requests).
         ({"ok": False, "why": "superseded", "retry_after_ms": 0},
-         ("REJECTED", "idempotency_in_flight")),
+         ("REJECTED", "approval_request_superseded")),
+        # It went ahead as this very proposal, sent again: answered by that, not twice.
+        ({"ok": False, "why": "moved_on", "retry_after_ms": 0},
+         ("DEAD_LETTER", "approval_request_superseded")),
         ({"ok": False, "why": "replay_changed", "retry_after_ms": 0},
          ("REJECTED", "replay_changed")),
         # A verdict of another kind of item at the release's position: never a go-ahead.
