@@ -19,7 +19,9 @@ written in one database transaction, keyed by the idempotency key.
 
 The executor decides only what needs no tool knowledge: a call past its
 deadline is not run (``TIMED_OUT``), a tool without a handler and a handler
-that raises fail closed (``FAILED``, not retryable). A record that is not an
+that raises fail closed (``FAILED``, not retryable, nothing committed: a handler that
+has committed a step must return ``Failed`` with ``committed_steps`` rather than raise,
+or the call is never compensated). A record that is not an
 approved call goes to the executors' dead-letter topic (``tool.calls.dlq``) with
 the reason in its headers, in the transaction that commits its offset, so one bad
 record never stops the group and none is lost. A record that is an approved call
@@ -167,7 +169,8 @@ class Succeeded:
 class Failed:
     code: str
     message: str
-    """Read by people and, after the processor checks it, by the model: never secrets."""
+    """Read by people and by the model (the processor bounds it, and withholds it when its
+    secret scan flags it): never put secrets in it."""
     retryable: bool = False
     taxonomy_class: str | None = None
     committed_steps: tuple[str, ...] = ()
@@ -537,7 +540,10 @@ class Executor:
             answer, outcome = _salvaged(call, answer, exc), FAILED
             out = self._output(call, answer, outcome, started)
         limit = self.max_result_bytes
-        references = [(k, v) for k, v in out.references if v is None or len(v) <= limit]
+        # A record's key counts against the broker's limit as its value does: a reference
+        # whose entity id alone is too large (a tombstone included) would be refused at
+        # every delivery of the batch, which would never commit.
+        references = [(k, v) for k, v in out.references if len(k) + len(v or b"") <= limit]
         if len(out.value) <= limit and len(references) == len(out.references):
             return out
         logger.error(

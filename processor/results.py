@@ -41,6 +41,7 @@ from processor.gates.budget import (
     is_compensation_key,
     runtime_of,
 )
+from processor.gates.policy_scan import find_secrets
 from processor.identity import Verifier
 from processor.model import (
     RESPONSE_VECTORS,
@@ -62,8 +63,25 @@ RESUMABLE = frozenset({"idempotent_write", "retryable_post_pivot"})
 """Contract semantics whose steps a retry under the same idempotency key finishes without
 repeating: a failure after some of them is a PARTIAL_SUCCESS, not a compensation."""
 _T = TaxonomyClass
-_FAILURE_VALUES = frozenset(c.value for c in _T) - {_T.SUCCESS.value, _T.PARTIAL_SUCCESS.value}
+_COMPENSATION_CLASSES = frozenset({_T.COMPENSATION_REQUIRED.value, _T.COMPENSATION_FAILED.value})
+"""Classes only the processor concludes, from a result's committed steps (or a compensating
+call's outcome): an executor that names one without committed steps is not taken at its
+word, since COMPENSATION_REQUIRED would have a compensating call proposed for a call that
+committed nothing."""
+_FAILURE_VALUES = (
+    frozenset(c.value for c in _T)
+    - {_T.SUCCESS.value, _T.PARTIAL_SUCCESS.value}
+    - _COMPENSATION_CLASSES
+)
 """Classes an executor may give its own failure."""
+EXECUTOR_MESSAGE_MAX = 512
+EXECUTOR_CODE_MAX = 128
+"""The most of an executor's error message and code the model is shown (and Redis caches
+for retries): an observation must always fit in a record, and an error code is a name,
+not a text."""
+WITHHELD = "withheld: it looks like it holds a credential"
+"""What the model reads in place of an executor's error text that the policy gate's
+secret scan flags (a connection string or a token in an exception's message)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +158,15 @@ def parse_result(src: SourceRecord, contracts: ContractSet) -> ResultInput | str
         r = decode_result(src.value or b"")
     except Exception as exc:
         return f"undecodable result: {type(exc).__name__}"
+    if r["call_id"] != r["proposal_id"]:
+        # The processor routes every call under its proposal's id, and the observation
+        # goes to the proposal the result names, while Redis checks only the call id: a
+        # result whose two ids differ would answer another proposal than the one it settles.
+        return "the result's proposal_id is not its call_id"
+    if int(r["attempt"]) < 1:
+        # Attempts start at 1; admission reads an attempt below that as "not given" and
+        # would let the result settle whatever attempt its key is on now.
+        return f"the result's attempt is {r['attempt']}; attempts start at 1"
     contract = contracts.get(r["tool_name"], r["tool_version"])
     state, rejection, final = _classify(r, contract)
     p = Proposal(
@@ -197,8 +224,11 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
     # be unchecked executor text in the model's context. Dropping it, rather than checking
     # it as JSON, is the safer choice: a failure is told by its code, message and class.
     final = Final(False, None, attempt=attempt)
-    detail = FieldError(None, r.get("error_message") or "the call failed", r.get("error_code")
-                        or "failed")  # fmt: skip
+    detail = FieldError(
+        None,
+        _executor_text(r.get("error_message"), EXECUTOR_MESSAGE_MAX) or "the call failed",
+        _executor_text(r.get("error_code"), EXECUTOR_CODE_MAX) or "failed",
+    )
     if compensating:
         # Failed, refused by its tool or never started before its deadline: either way
         # the earlier step stays committed, and nobody proposes the compensation again.
@@ -217,15 +247,18 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         return "EXPIRED", Rejection(_T.TIMEOUT, Gate.RESULT, (err,), action), final
     steps = list(r.get("committed_steps") or [])
     if steps:
-        done = ", ".join(steps)
+        # The steps' names are the executor's text: listed among the errors, where the
+        # model reads them as data, not in the next action it is told to take.
+        done = _executor_text(", ".join(steps), EXECUTOR_MESSAGE_MAX)
         err = FieldError(None, f"committed before the failure: {done}", "partially_committed")
         if contract and contract.raw["transactional"]["semantics"] in RESUMABLE:
             # Steps of a tool that a retry finishes without repeating them: they stand,
             # and the call is resumed rather than compensated.
             action = (
-                f"{tool} committed {done}, then failed: those steps stand and must not be "
-                "repeated. Retry the same call with the same idempotency key to finish the "
-                "rest, then check the outcome with the lookup tool."
+                f"{tool} committed some steps (listed in the errors), then failed: those "
+                "steps stand and must not be repeated. Retry the same call with the same "
+                "idempotency key to finish the rest, then check the outcome with the lookup "
+                "tool."
             )
             rej = Rejection(_T.PARTIAL_SUCCESS, Gate.RESULT, (detail, err), action)
             return "FAILED_RETRYABLE", rej, final
@@ -234,7 +267,7 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
         if comp and compensation_arguments(r) is not None:
             pid = compensation_proposal_id(r["idempotency_key"])
             action = (
-                f"{tool} failed after committing {done}. The compensating call {comp} has "
+                f"{tool} failed after committing some steps. The compensating call {comp} has "
                 f"been proposed for you as {pid}; do not retry this call. Wait for its result."
             )
         else:
@@ -244,12 +277,24 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
                                       f"{COMPENSATION_ARGUMENTS_MAX_BYTES} bytes",
                                       "compensation_arguments_invalid"),)  # fmt: skip
             action = (
-                f"{tool} failed after committing {done}, and no compensation can be run "
+                f"{tool} failed after committing some steps, and no compensation can be run "
                 "automatically. Do not retry; call handoff_to_human so an operator reverses it."
             )
         rej = Rejection(_T.COMPENSATION_REQUIRED, Gate.RESULT, errors, action)
         return "FAILED_FINAL", rej, final
     claimed = r.get("taxonomy_class")
+    if claimed in _COMPENSATION_CLASSES:
+        # Something must be undone, says the executor, but it names nothing committed:
+        # nothing can be proposed to undo it, and a retry might repeat what did commit.
+        err = FieldError("committed_steps", f"the executor reported {claimed} without "
+                         "naming a committed step", "compensation_without_steps")  # fmt: skip
+        action = (
+            f"{tool} failed, and its executor says something must be undone without saying "
+            "what. Do not retry it; tell the user an operator will check it, and call "
+            "handoff_to_human."
+        )
+        rej = Rejection(_T.UNKNOWN_ERROR, Gate.RESULT, (detail, err), action, (HANDOFF_TOOL,))
+        return "FAILED_FINAL", rej, final
     if claimed == _T.UNKNOWN_ERROR.value and r.get("error_code") == CALL_INVALID:
         # The executor's word for "the call record could not be read; nothing ran": a fault
         # of the platform (another writer on the execution topic, versions that do not
@@ -268,8 +313,8 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
     ):
         # The executor's word for "it ran, but its answer cannot be carried".
         action = (
-            f"{tool} ran, but its result cannot be shown ({detail.message}). Do not call it "
-            "again; check the outcome with the lookup tool, or call handoff_to_human."
+            f"{tool} ran, but its result cannot be shown. Do not call it again; check the "
+            "outcome with the lookup tool, or call handoff_to_human."
         )
         return "FAILED_FINAL", _handoff(_T.OBSERVATION_NORMALIZATION_FAIL, detail, action), final
     if claimed in _FAILURE_VALUES:
@@ -289,12 +334,25 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
     else:
         action = f"{tool} failed and will fail again as it is. Do not retry it unchanged."
     if claimed in _FAILURE_VALUES:
-        action = f"{tool} refused the call: {detail.message}. " + _NEXT.get(cls, action)
+        # The executor's message is the tool's (or its upstream's) text: the model reads it
+        # among the errors, as data, never in the instruction it is told to act on.
+        action = f"{tool} refused the call ({cls.value}). " + _NEXT.get(cls, action)
     return (
         ("FAILED_RETRYABLE" if retry else "FAILED_FINAL"),
         Rejection(cls, Gate.RESULT, (detail,), action),
         final,
     )
+
+
+def _executor_text(text: str | None, limit: int) -> str | None:
+    """An executor's error text as the model may read it: at most ``limit`` characters,
+    and withheld whole when the secret scan the policy gate runs on arguments flags it
+    (scanned before it is cut, so no half of a credential slips past)."""
+    if not text:
+        return text
+    if find_secrets(text, limit=1):
+        return WITHHELD
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
 def _handoff(cls: _T, error: FieldError, action: str) -> Rejection:

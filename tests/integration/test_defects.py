@@ -46,7 +46,7 @@ def _result(tenant: str, message: str) -> bytes:
     """An executor's result for a call nobody routed."""
     return encode_result(
         {
-            "result_id": uuid.uuid4().hex, "call_id": "call-x", "proposal_id": "prop-x",
+            "result_id": uuid.uuid4().hex, "call_id": "call-x", "proposal_id": "call-x",
             "run_id": "run-x", "tenant_id": tenant, "trace_id": "0af7651916cd43dd8448eb211c80319c",
             "tool_name": "search_kb", "tool_version": "1.0.0", "side_effect_class": "READ_ONLY",
             "idempotency_key": "k-x", "payload_hash": "sha256:00", "attempt": 1,

@@ -251,7 +251,9 @@ def test_a_resumable_tool_failing_after_a_step_is_a_partial_success_finished_by_
     assert partial["status"]["code"] == 207 and partial["status"]["retryable"] is True
     codes = [e["code"] for e in partial["result_payload"]["errors"]]
     assert codes == ["notify_failed", "partially_committed"]
-    assert "ticket_created" in partial["next_action"]
+    # The steps are named among the errors (the executor's text), not in the next action.
+    assert "ticket_created" in partial["result_payload"]["errors"][1]["message"]
+    assert "listed in the errors" in partial["next_action"]
     assert "same idempotency key" in partial["next_action"]
     assert bench.store.record(TENANT, key)["state"] == "FAILED_RETRYABLE"
     # Nothing was proposed to undo it: the step stands.

@@ -22,7 +22,7 @@ from tests.unit.helpers import record
 
 def _call(tool: str = "refund_order", version: str = "1.0.0") -> Call:
     return Call(
-        call_id="c-1", proposal_id="p-1", run_id="r-1", tenant_id="acme", trace_id="t" * 32,
+        call_id="c-1", proposal_id="c-1", run_id="r-1", tenant_id="acme", trace_id="t" * 32,
         tool_name=tool, tool_version=version, side_effect_class="CRITICAL_MUTATION",
         arguments={}, payload_hash="sha256:00", idempotency_key="k-1",
         deadline_ms=int(time.time() * 1000) + 60_000, attempt=1, approval_ids=(),
@@ -198,3 +198,16 @@ def test_a_success_whose_answer_cannot_be_serialised_says_the_call_ran(
     assert item.state == "FAILED_FINAL"
     assert "ran" in rej.next_action and "Do not call it again" in rej.next_action
     assert rej.allowed_tools == ("handoff_to_human",)
+
+
+def test_a_reference_whose_key_alone_is_too_large_is_left_out() -> None:
+    """The broker counts a record's key as it counts its value: a tombstone of an entity
+    whose id is over the limit, published with the result, would fail every delivery of
+    its batch, so the batch would never commit and its partition would stop."""
+    ex = Executor(Settings(), {}, executor_id="unit")
+    small = ReferenceUpdate("order", "WO-1", "cancelled")
+    huge = ReferenceUpdate("order", "W" * 2_000_000, None)
+    out = ex._published(_call(), Succeeded({"ok": True}, (small, huge)), SUCCEEDED, 0)
+    assert decode_result(out.value)["error_code"] == "result_too_large"
+    assert out.references == [(small.key("acme"), small.value())]
+    assert all(len(k) + len(v or b"") <= ex.max_result_bytes for k, v in out.references)
