@@ -63,6 +63,7 @@ from processor.approval_flow import (
     recheck_release,
     refused_release,
     release_keys,
+    revoked_votes,
     verify_decision,
 )
 from processor.approvals import load_approvers
@@ -1063,6 +1064,8 @@ class Processor:
             "pos": pos,
             "now": now_ms,
             "ttl": retain_ms(verified.expires_ms, now_ms),
+            # Earlier votes whose approvers may no longer approve: they stop counting.
+            "drop": revoked_votes(entry, self.gates.approvers),
         }
         return item.tenant_id, op
 

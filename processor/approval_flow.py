@@ -136,6 +136,29 @@ def verify_decision(
     )
 
 
+def revoked_votes(entry: dict[str, Any], approvers: dict[str, Approver]) -> list[str]:
+    """The approvers whose votes already counted on ``entry``'s request no longer may: gone
+    from the approvers file since they voted, or no longer allowed to approve this class
+    of call for this tenant. A vote counts when the request is released, not only when it
+    was cast: an operator who removes a compromised approver expects a call that approver
+    half-released to need someone else's vote, not to go on the next one."""
+    cls = SideEffectClass(entry["side_effect_class"])
+    tenant = entry["tenant_id"]
+    requester = Principal(
+        tenant, entry["requested_by_user"], entry["requested_by_agent"], frozenset(), "public"
+    )
+    out = []
+    for vote in entry.get("approvers") or []:
+        approver = approvers.get(vote.get("id"))
+        if (
+            approver is None
+            or not approver.may_approve(cls, tenant)
+            or approver.is_requester(requester)
+        ):
+            out.append(str(vote.get("id")))
+    return out
+
+
 def entry_proposal(entry: dict[str, Any]) -> Proposal:
     return Proposal(
         proposal_id=entry["proposal_id"],

@@ -125,6 +125,21 @@ for i, op in ipairs(ops) do
       finish(op.rid, 'expired', op.pos, op.now)
       out[i] = answer('expired', op.rid)
     else
+      if op.drop and #op.drop > 0 then
+        -- Votes of approvers the processor no longer trusts (removed, or no longer
+        -- allowed this class or tenant): they stop counting before this one is counted.
+        -- Dropped again on a replay of this op, which changes nothing the second time.
+        local gone, kept = {}, {}
+        for _, id in ipairs(op.drop) do gone[id] = true end
+        for _, a in ipairs(e.approvers) do
+          if not gone[a.id] then kept[#kept + 1] = a end
+        end
+        if #kept ~= #e.approvers then
+          e.approvers = kept
+          redis.call('HSET', park_key(op.rid), 'approvers',
+                     #kept > 0 and cjson.encode(kept) or '[]')
+        end
+      end
       local seen, other = false, false
       for _, a in ipairs(e.approvers) do
         if a.id == op.approver then

@@ -12,7 +12,9 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from processor import b64url
+from processor.approval_flow import revoked_votes
 from processor.approvals import (
+    Approver,
     ApproverError,
     Binding,
     VerifiedApproval,
@@ -24,6 +26,7 @@ from processor.approvals import (
 )
 from processor.model import FieldError, Principal, SideEffectClass
 from processor.policy import PolicyError, load_policy, parse_policy
+from tests.unit.helpers import APPROVER_KEYS
 
 KEY = ed25519.Ed25519PrivateKey.generate()
 PUBLIC = b64url.encode(KEY.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
@@ -250,3 +253,25 @@ def test_the_lifetime_bound_is_policy() -> None:
 def test_unusable_confirmation_settings_are_refused(confirmation: Any) -> None:
     with pytest.raises(PolicyError, match="confirmation"):
         parse_policy({"confirmation": confirmation})
+
+
+def test_revoked_votes_are_those_of_approvers_who_may_no_longer_approve_the_call() -> None:
+    """Gone from the file, no longer allowed the class or the tenant, or now one of the
+    requester's own identities: each vote stops counting; a trusted approver's stays."""
+    key = APPROVER_KEYS["ops-1"].public_key()
+    every = frozenset(SideEffectClass)
+    approvers = {
+        "kept": Approver("kept", key, every, frozenset({"acme"})),
+        "narrowed": Approver(
+            "narrowed", key, frozenset({SideEffectClass.READ_ONLY}), frozenset("*")
+        ),
+        "moved": Approver("moved", key, every, frozenset({"globex"})),
+        "self": Approver("self", key, every, frozenset("*"), frozenset({"u-1"})),
+    }
+    entry = {
+        "tenant_id": "acme", "side_effect_class": "CRITICAL_MUTATION",
+        "requested_by_user": "u-1", "requested_by_agent": "a-1",
+        "approvers": [{"id": n} for n in ("kept", "gone", "narrowed", "moved", "self")],
+    }  # fmt: skip
+    assert revoked_votes(entry, approvers) == ["gone", "narrowed", "moved", "self"]
+    assert revoked_votes({**entry, "approvers": []}, approvers) == []

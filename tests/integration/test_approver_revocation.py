@@ -1,0 +1,111 @@
+"""An approver taken out of the approvers file stops counting on requests they voted on
+already, through the processor's own path (``Processor._approval_op``, the approval
+store's script) against a real redis-server and a real Redis Cluster."""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from processor.app import Processor
+from processor.approval_flow import ApprovalInput
+from processor.approvals import load_private_key, sign_for_request
+from processor.config import IdentitySettings, Settings
+from processor.keys import init_keys
+from processor.metrics import Metrics
+from processor.model import SourceRecord
+from processor.state.approvals import OpResult
+from tests.unit.helpers import CONTRACTS_DIR, ROOT
+
+pytestmark = pytest.mark.integration
+
+TENANT = "acme"
+_offsets = iter(range(10**9))
+
+
+def _processor(tmp_path: Path, redis_url: str) -> Processor:
+    keys = init_keys(tmp_path / "keys", approvers=("ops-1", "ops-2", "ops-3"))
+    policy = tmp_path / "policy.yaml"
+    shutil.copy(ROOT / "policy" / "policy.yaml", policy)
+    settings = Settings(
+        contracts_dir=CONTRACTS_DIR,
+        identity=IdentitySettings(jwks_file=keys.jwks),
+        approvers_file=keys.approvers,
+        policy_file=policy,
+        contracts_poll_s=0.0,
+        metrics_port=0,
+        redis_url=redis_url,
+        redis_namespace=f"revoke-{uuid.uuid4().hex[:8]}",
+    )
+    return Processor(settings, metrics=Metrics(CollectorRegistry()))
+
+
+def _park(p: Processor, now_ms: int) -> dict[str, Any]:
+    """A critical mutation parked for two approvers, as the approval store keeps it."""
+    rid = f"req_{uuid.uuid4().hex[:24]}"
+    entry = {
+        "tenant_id": TENANT, "request_id": rid, "proposal_id": f"p-{rid}", "run_id": "run-1",
+        "trace_id": uuid.uuid4().hex, "traceparent": None, "tool_name": "transfer_funds",
+        "tool_version": "1.0.0", "side_effect_class": "CRITICAL_MUTATION",
+        "idempotency_key": f"ik-{rid}", "payload_hash": "sha256:" + "ab" * 32,
+        "arguments": "{}", "requested_by_user": "user-1", "requested_by_agent": "agent-1",
+        "expires_at": now_ms + 600_000, "timeout_ms": 8000, "needed": 2,
+    }  # fmt: skip
+    op = {"op": "park", "rid": rid, "entry": entry, "expires_at": entry["expires_at"]}
+    assert p.approval_store.apply([(TENANT, op)]) == [OpResult("parked")]
+    return entry
+
+
+def _vote(p: Processor, entry: dict[str, Any], approver: str, now_ms: int) -> OpResult:
+    """``approver``'s signed approval of ``entry``, decided as a record of tool.approvals."""
+    keys = Path(str(p.settings.approvers_file)).parent
+    signed = sign_for_request(load_private_key(keys / f"approver-{approver}.jwk"), approver,
+                              entry, now_ms)  # fmt: skip
+    src = SourceRecord("tool.approvals", 0, next(_offsets), b"run-1", b"{}", now_ms)
+    item = ApprovalInput(src, "decision", TENANT, entry["request_id"], signed)
+    entries = p.approval_store.entries([(TENANT, entry["request_id"])])
+    out: list[Any] = [None]
+    op = p._approval_op(item, entries, out, 0, now_ms)
+    assert op is not None, out[0]
+    [result] = p.approval_store.apply([op])
+    return result
+
+
+def test_a_vote_of_an_approver_removed_since_no_longer_counts(
+    tmp_path: Path, redis_backend: str
+) -> None:
+    """ops-1 approves, then is taken out of the approvers file (a compromised key, say).
+    ops-2's approval is then the only one that counts: the call waits for a second
+    approver still trusted, and goes on ops-3's."""
+    p = _processor(tmp_path, redis_backend)
+    now = int(time.time() * 1000)
+    entry = _park(p, now)
+    assert _vote(p, entry, "ops-1", now).status == "pending"
+
+    init_keys(tmp_path / "keys", approvers=("ops-2", "ops-3"))  # ops-1 removed
+    assert p.reload_trust(force=True)
+    assert "ops-1" not in p.gates.approvers
+
+    second = _vote(p, entry, "ops-2", now + 1)
+    assert second.status == "pending"
+    assert [a["id"] for a in second.entry["approvers"]] == ["ops-2"]  # type: ignore[index]
+    third = _vote(p, entry, "ops-3", now + 2)
+    assert third.status == "released"
+    assert [a["id"] for a in third.entry["approvers"]] == ["ops-2", "ops-3"]  # type: ignore[index]
+
+
+def test_votes_of_approvers_still_trusted_count_as_before(
+    tmp_path: Path, redis_backend: str
+) -> None:
+    p = _processor(tmp_path, redis_backend)
+    now = int(time.time() * 1000)
+    entry = _park(p, now)
+    assert _vote(p, entry, "ops-1", now).status == "pending"
+    assert p.reload_trust(force=True)  # re-read, unchanged
+    assert _vote(p, entry, "ops-2", now + 1).status == "released"
