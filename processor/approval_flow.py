@@ -28,6 +28,7 @@ from processor.config import Settings
 from processor.contracts.registry import Contract
 from processor.gates.policy import check_policy
 from processor.gates.resolve import resolve_tool
+from processor.gates.schema import check_arguments
 from processor.gates.semantic import (
     FOREIGN,
     RefAnswers,
@@ -226,6 +227,12 @@ def recheck_release(
     if isinstance(subject, Rejection):
         return subject
     p, contract = subject
+    # The version may have been edited in place since (reloaded under the same number with
+    # another schema): arguments it no longer accepts are refused as a fresh proposal's
+    # would be, and before the rules, which read only arguments the schema has checked.
+    malformed = check_arguments(p.arguments, contract)
+    if malformed is not None:
+        return malformed
     tenant = entry["tenant_id"]
     scopes, clearance = entry.get("scopes"), entry.get("clearance")
     resolved = resolve_references(p, contract, tenant, answers)

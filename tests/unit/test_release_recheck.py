@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import orjson
+
 from processor.approval_flow import parked_entry, recheck_release, release_keys
 from processor.contracts.registry import ContractSet
 from processor.gates.semantic import RefEntry
@@ -65,3 +67,17 @@ def test_an_entry_parked_by_an_earlier_version_is_still_checked(contracts: Contr
     shipped = {k: RefEntry(v.tenant_id, "shipped", v.owner, {}) for k, v in answers.items() if v}
     refusal = recheck_release(old, gates(contracts), shipped, NOW_MS)
     assert refusal is not None and refusal.taxonomy is TaxonomyClass.STALE_STATE
+
+
+def test_arguments_a_version_edited_in_place_no_longer_accepts_are_refused(
+    contracts: ContractSet,
+) -> None:
+    """The version was reloaded under the same number with a stricter schema while the
+    call waited (here: arguments it no longer accepts): refused as a fresh proposal's would
+    be, before any rule reads them."""
+    entry, answers = _parked(contracts)
+    args = {**orjson.loads(entry["arguments"]), "reason_code": "no_longer_listed"}
+    refusal = recheck_release({**entry, "arguments": orjson.dumps(args).decode()},
+                              gates(contracts), answers, NOW_MS)  # fmt: skip
+    assert refusal is not None and refusal.gate.value == "schema"
+    assert refusal.taxonomy is TaxonomyClass.OUT_OF_BOUNDS
