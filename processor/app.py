@@ -855,6 +855,15 @@ class Processor:
                 detail = "no idempotency record for the result's key"
                 out[i] = dead_letter(x.src, "result_unknown_call", detail, Gate.RESULT)
                 continue
+            if status in _RESULTS_REFUSED:
+                # A result that is not its call's (another tool, payload or run than the
+                # call's record holds), or one for a call that never ran (parked, or its
+                # approval request ended without it going): settling it would show a
+                # model an answer, or propose a compensation, for something that did not
+                # happen as it says. The record is left as it was; the DLQ keeps it.
+                reason, detail = _RESULTS_REFUSED[status]
+                out[i] = dead_letter(x.src, reason, detail, Gate.RESULT)
+                continue
             if extra and status == "settled":
                 propose_compensation(x, extra, v, verifier)
             elif extra and status == "stale":
@@ -1408,6 +1417,15 @@ _SUPERSEDED = {"ok": False, "why": "superseded", "retry_after_ms": 0}
 """What a parked call's request ends with when its key went ahead as another proposal
 (see Processor._end_requests): the one answer its proposal gets."""
 _REPLAY_CHANGED = {"ok": False, "why": "replay_changed", "retry_after_ms": 0}
+
+_RESULTS_REFUSED = {
+    "mismatch": (
+        "result_mismatch",
+        "the result's tool, payload hash or run is not its call's",
+    ),
+    "unrouted": ("result_unrouted_call", "the result's call was never routed"),
+}
+"""Admission's verdicts on results that settle nothing and go to the DLQ: (reason, detail)."""
 
 _WITHDRAWN = object()
 """Marks a proposal's withdraw item in ``Processor._admit``: its verdict changes nothing."""

@@ -154,7 +154,8 @@ class Metrics:
         self.results = PCounter(
             "toolsentry_results_total",
             "Executors' results by the state they settled (COMPLETED, FAILED_RETRYABLE, "
-            "FAILED_FINAL, EXPIRED) and what they settled (settled, duplicate, stale, unknown).",
+            "FAILED_FINAL, EXPIRED) and what they settled (settled, duplicate, superseded, "
+            "stale, unknown, mismatch, unrouted).",
             ["state", "status"],
             registry=registry,
         )

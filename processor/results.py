@@ -458,6 +458,12 @@ def settle_item(
         "ikey": key,
         "call": r["call_id"],
         "attempt": int(r["attempt"]),
+        # What the result says it is, held to the call's record (see admission.lua, settle):
+        # the tool picks the output schema its data was checked against, the run where its
+        # observation goes.
+        "tool": r["tool_name"],
+        "hash": r["payload_hash"],
+        "run": r["run_id"],
         "result_id": r["result_id"],
         "state": item.state,
         "cached": cached_blob(item.decision),

@@ -9,7 +9,8 @@
 --          1 call     a proposal every earlier gate accepted (routed or parked), with
 --                     the approvals it carries, which it spends when admitted
 --          2 step     a proposal an earlier gate refused (it still is a step of its run)
---          3 result   an executor's result for a routed call
+--          3 result   an executor's result for a routed call, with the tool, payload hash
+--                     and run it claims (checked against the call's record, see settle)
 --          4 release  a parked call its approvers released (with the deadline its request
 --                     parked it until, and the request it names, see holds)
 --          5 void     a call whose record failed alone on a defect after it was admitted
@@ -27,7 +28,8 @@
 -- "hit|<state>|#<length of call>|<call>|<cached answer>" (a call id may hold a '|'),
 -- or a result's "settled[|grant|<claims>]", "superseded",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
--- "unknown"; a void's "voided" or "unchanged"; a comp_failed's "marked" or
+-- "unknown", "mismatch" (its tool, payload or run is not its call's), "unrouted" (its
+-- call was never routed); a void's "voided" or "unchanged"; a comp_failed's "marked" or
 -- "unchanged"; a lapse's "lapsed", "moved_on", "superseded", "given_back" or "unchanged"; a
 -- withdraw's "withdrawn" or "none". Short strings, not JSON: decoding and encoding are
 -- most of a script's cost per item.
@@ -42,7 +44,9 @@
 -- the resubmission took the key over: a lapse, or a release come too late; rp and rq a
 -- released call's p and q, see unrelease; i the approval request a parked call waits
 -- for, see holds (records written before it was kept have none); l the requests whose
--- park a later attempt replaced before their end was seen, see take_unseen); a run's
+-- park a later attempt replaced before their end was seen, see take_unseen; u 1 once the
+-- call c is known never to have been routed though it waits for no approval, see settle;
+-- o the ids of results answered for the calls it held before, see settle); a run's
 -- counters are JSON too. Every record
 -- and run the batch names is read before anything is decided, kept in this script while
 -- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
@@ -90,7 +94,8 @@ local function unwire(a)
     return {kind = 'result', pos = a[2], ikey = a[3], call = a[4], result_id = a[5],
             state = a[6], cached = a[7], ttl = a[8], compensation_key = opt(a[9]),
             compensates = opt(a[10]), compensation_hash = opt(a[11]),
-            compensation_tool = opt(a[12]), unsigned = opt(a[13]), attempt = tonumber(a[14]) or 0}
+            compensation_tool = opt(a[12]), unsigned = opt(a[13]), attempt = tonumber(a[14]) or 0,
+            tool = opt(a[15]), hash = opt(a[16]), run = opt(a[17])}
   elseif kind == 5 then
     return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6]}
   elseif kind == 6 then
@@ -420,6 +425,20 @@ end
 local emptied, fresh = {}, {}
 local empty_take, give_back_park  -- (defined below, with the markers they read)
 
+-- How many answered results' ids a record keeps for the calls it held before (o): a
+-- result of one of them is stale, and answered once (see settle). Copies come close
+-- together, and the list is written with the record every time.
+local STALE_KEPT = 8
+
+-- `answered` (a record's o, or nil) with result id `id`, the oldest past STALE_KEPT gone.
+local function remember_answered(answered, id)
+  local list = {}
+  for k, kept in ipairs(answered or {}) do list[k] = kept end
+  list[#list + 1] = id
+  while #list > STALE_KEPT do table.remove(list, 1) end
+  return list
+end
+
 local function admit_call(c)
   local counters = run_of(c.run)
   if unrequested(c.ikey, c.hash, c.tool) then
@@ -496,9 +515,13 @@ local function admit_call(c)
   local next_attempt = charged and math.max(attempt, 1) or attempt + 1
   local parked_until = rec and rec.d
   local took_ = took(c, charged, parked_until)
+  -- The results answered so far stay answered: the call this one replaces, and those
+  -- before it, are stale from now on, and a copy of their result is not answered again.
+  local answered = rec and rec.o or nil
+  if rec and rec.x then answered = remember_answered(answered, rec.x) end
   local fresh_rec = {s = 'PENDING', h = c.hash, n = c.tool, c = c.call, d = c.deadline,
                      w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant,
-                     l = unseen.l}
+                     l = unseen.l, o = answered}
   if c.park then
     -- What a parked call took, given back should its request end without it (see lapse),
     -- and the request it waits for, which only that request's end may end.
@@ -557,6 +580,16 @@ end
 local function settle(c)
   local rec = record_of(c.ikey)
   if not rec then return {status = 'unknown'} end
+  -- A result is its call's only if it names the call's tool, payload and run: the
+  -- executor's word picks the output schema its data is checked against, the run its
+  -- answer goes to, and whether a compensation is proposed in the caller's name. A key
+  -- keeps its tool and payload whatever call holds it (admit_call refuses any other), so
+  -- a stale result is held to them too; its run is its own call's, which the record no
+  -- longer names. (A record written before tools were kept names none.)
+  if (rec.n and rec.n ~= c.tool) or rec.h ~= c.hash
+      or (rec.c == c.call and rec.r and rec.r ~= c.run) then
+    return {status = 'mismatch'}
+  end
   if rec.x == c.result_id then return {status = 'duplicate'} end
   -- The call id alone is not enough: a proposal sent again under its own id after its
   -- key became retryable is a new attempt of the same call id. The result of the attempt
@@ -567,9 +600,22 @@ local function settle(c)
   -- Another result of this very attempt (another result id: an executor that ran it again
   -- and named its result afresh) settled it first: a copy, answered once.
   if rec.c == c.call and rec.s ~= 'PENDING' then return {status = 'duplicate'} end
+  -- A call that was never routed: parked and waiting for its approvers, or one whose
+  -- request ended without it going (u). Nothing ran, so nothing it says settles the
+  -- record or asks for a compensation.
+  if rec.c == c.call and (rec.w == 1 or rec.u == 1) then return {status = 'unrouted'} end
   -- Stale: the key moved on to another call (retried under another id once its deadline
-  -- passed); this result answers nothing the record waits for.
-  if rec.c ~= c.call then return {status = 'stale', state = rec.s} end
+  -- passed); this result answers nothing the record waits for. Its proposal is answered
+  -- once: a copy of it (redelivered, or twice in one batch) finds its id kept. Kept on
+  -- the first decision only: a replay of its position reads the verdict it got.
+  if rec.c ~= c.call then
+    for _, id in ipairs(rec.o or {}) do
+      if id == c.result_id then return {status = 'duplicate'} end
+    end
+    rec.o = remember_answered(rec.o, c.result_id)
+    keep_record(c.ikey, rec)
+    return {status = 'stale', state = rec.s}
+  end
   local grant = rec.t
   rec.s, rec.x, rec.v, rec.w, rec.t = c.state, c.result_id, c.cached, 0, nil
   local verdict = {status = 'settled'}
@@ -674,6 +720,7 @@ local function release(c)
   -- unrelease)
   rec.rp, rec.rq = rec.p, rec.q
   rec.s, rec.w, rec.c, rec.d, rec.p, rec.q = 'PENDING', 0, c.call, c.deadline, nil, nil
+  rec.u = nil  -- (routed now)
   put_record(c.ikey, rec, c.ttl)
   -- The attempt the parked call was admitted as: its result must say the same.
   return {ok = true, attempt = rec.a or 1}
@@ -779,7 +826,7 @@ local function release_record(ikey, attempt, hash, call, resubmitted, parked_unt
       -- "superseded"): nobody can approve it now. It waits for nothing, and what parking
       -- it took comes back.
       give_back_park(rec)
-      rec.w, rec.e = 0, nil
+      rec.w, rec.e, rec.u = 0, nil, 1  -- (and its call never ran: see settle)
     else
       rec.w = 1
     end
@@ -854,7 +901,7 @@ local function lapse(c)
   elseif mine then
     if rec.s == 'PENDING' and rec.w == 1 then
       give_back_park(rec)
-      rec.w = 0
+      rec.w, rec.u = 0, 1  -- (it waits for nobody, and never ran: see settle)
       keep_record(c.ikey, rec)
       return {status = 'lapsed'}
     end
@@ -887,7 +934,7 @@ local function lapse(c)
   end
   if rec.d ~= c.deadline then return {status = 'unchanged'} end
   give_back_park(rec)
-  rec.w = 0
+  rec.w, rec.u = 0, 1
   keep_record(c.ikey, rec)
   return {status = 'lapsed'}
 end
@@ -902,7 +949,7 @@ local function unrelease(c)
     return {status = 'unchanged'}
   end
   give_back(rec.rq or '', rec.r, rec.n, rec.rp, true)
-  rec.rp, rec.rq = nil, nil
+  rec.rp, rec.rq, rec.u = nil, nil, 1  -- (the released call never ran: see settle)
   keep_record(c.ikey, rec)
   return {status = 'lapsed'}
 end

@@ -214,6 +214,7 @@ _RECORD_FIELDS = {
     "kh": "compensation_hash", "kt": "compensation_tool", "kf": "compensation_failed",
     "v": "cached", "p": "parked_took", "q": "parked_at", "pd": "parked_until", "e": "request_ended",
     "rp": "released_took", "rq": "released_at", "i": "request", "l": "unseen_ends",
+    "u": "unrouted", "o": "stale_results",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
 
@@ -292,7 +293,8 @@ def _wire(item: Item) -> list[Any]:
                 item["cached"], item["ttl"], item["compensation_key"] or "",
                 item["compensates"] or "", item.get("compensation_hash") or "",
                 item.get("compensation_tool") or "", item.get("cached_unsigned") or "",
-                item.get("attempt", 0)]  # fmt: skip
+                item.get("attempt", 0), item.get("tool") or "", item.get("hash") or "",
+                item.get("run") or ""]  # fmt: skip
     if kind == "void":
         return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"]]
     if kind == "comp_failed":

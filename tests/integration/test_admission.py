@@ -76,7 +76,7 @@ def result(
 ) -> tuple[str, Item]:
     tenant, c = of
     item = {"kind": "result", "pos": f"r/0/{next(_pos)}", "now": NOW, "ikey": c["ikey"],
-            "call": c["call"],
+            "call": c["call"], "tool": c["tool"], "hash": c["hash"], "run": c["run"],
             "result_id": result_id or uuid.uuid4().hex, "state": state,
             "cached": orjson.dumps({"class": "SUCCESS", "data": '{"n":1}'}).decode(),
             "ttl": 3_600_000, "compensation_key": None, "compensation_hash": None,
@@ -523,6 +523,136 @@ def test_a_late_result_of_an_earlier_attempt_under_the_same_call_id_settles_noth
     assert store.apply([result(first, attempt=1)]) == [{"status": "superseded"}]
     assert store.record(TENANT, key, NOW)["state"] == "PENDING"
     assert store.apply([result(retry, attempt=2)]) == [{"status": "settled"}]
+
+
+GRANT = '{"sub":"u-1","agent_id":"a-1","scope":"orders:refund","clearance":"internal"}'
+
+
+def _partly_committed(of: tuple[str, Item], **kw: Any) -> tuple[str, Item]:
+    """A result of ``of`` that failed after a committed step, asking for a compensation."""
+    key = of[1]["ikey"]
+    return result(of, state="FAILED_FINAL", compensation_key="compensate:" + key,
+                  compensation_hash="h-undo", compensation_tool="refund_order", **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("claim", "value"),
+    [("tool", "charge_customer_card_v2"), ("hash", "h-other"), ("run", "run-other"),
+     ("hash", "")],
+)  # fmt: skip
+def test_a_result_that_is_not_its_calls_settles_nothing(
+    store: AdmissionStore, claim: str, value: str
+) -> None:
+    """A result settles its call only if it names the call's tool, payload and run: the
+    tool it claims picks the output schema its data is checked against, the run where its
+    answer goes, and with committed steps it would have a compensation proposed in the
+    caller's name."""
+    original = call(grant=GRANT, run="run-a")
+    key = original[1]["ikey"]
+    store.apply([original])
+    claimed = _partly_committed(original, result_id="res-1", **{claim: value})
+    assert store.apply([claimed]) == [{"status": "mismatch"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["grant"]) == ("PENDING", GRANT)
+    assert "compensation" not in record
+    # The call's own result settles it, though it has the result id the other one named.
+    own = _partly_committed(original, result_id="res-1")
+    assert store.apply([own]) == [{"status": "settled", "grant": GRANT}]
+    assert store.record(TENANT, key, NOW)["compensation_tool"] == "refund_order"
+
+
+def test_a_stale_result_is_held_to_its_keys_tool_and_payload(store: AdmissionStore) -> None:
+    """Every call a key holds has its tool and payload (another is refused), so a stale
+    result is held to them; its run is its own call's, which the record no longer names."""
+    first = call(run="run-a")
+    key = first[1]["ikey"]
+    store.apply([first])
+    store.apply([call(ikey=key, run="run-b", now=NOW + 9000)])
+    assert store.apply([result(first, tool="lookup_order")]) == [{"status": "mismatch"}]
+    assert store.apply([result(first, hash="h2")]) == [{"status": "mismatch"}]
+    assert store.apply([result(first)]) == [{"status": "stale", "state": "PENDING"}]
+
+
+def test_a_record_written_before_tools_were_kept_is_settled_by_its_own_result(
+    store: AdmissionStore,
+) -> None:
+    first = call()
+    key = first[1]["ikey"]
+    store.apply([first])
+    [bucket] = [
+        k for k in store.client.scan_iter(f"{store._base(TENANT)}:idem:*")
+        if store.client.hexists(k, key)
+    ]  # fmt: skip
+    rec = orjson.loads(store.client.hget(bucket, key) or b"")
+    del rec["n"]
+    store.client.hset(bucket, key, orjson.dumps(rec))
+    assert store.apply([result(first, hash="h2")]) == [{"status": "mismatch"}]
+    assert store.apply([result(first, tool="lookup_order")]) == [{"status": "settled"}]
+
+
+@pytest.mark.parametrize("how", ["parked", "lapsed", "resubmission_given_back"])
+def test_a_result_for_a_call_that_was_never_routed_settles_nothing(
+    store: AdmissionStore, how: str
+) -> None:
+    """A parked call waits for its approvers; one whose request ended without it, or a
+    resubmission carrying approvals that never went (its position decided again as
+    something else, its request ended meanwhile), never ran. A result for it completes
+    nothing, and proposes no compensation; the call, released, is settled by its own."""
+    parked = call(park=True, grant=GRANT, deadline=NOW + 600_000, rid="req-1")
+    key = parked[1]["ikey"]
+    store.apply([parked])
+    if how == "lapsed":
+        assert store.apply([_lapse(parked)]) == [{"status": "lapsed"}]
+    elif how == "resubmission_given_back":
+        resubmitted = call(ikey=key, grant=GRANT)
+        assert whys(store.apply([resubmitted])) == [None]
+        assert store.apply([_lapse(parked)]) == [{"status": "superseded"}]
+        # Its batch aborted, and its position is a refused proposal now: it never ran.
+        again = step(repair=False, pos=resubmitted[1]["pos"], run="run-1")
+        assert whys(store.apply([again])) == [None]
+        parked = resubmitted
+    record = store.record(TENANT, key, NOW)
+    assert record["state"] == "PENDING"
+    assert store.apply([_partly_committed(parked)]) == [{"status": "unrouted"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["grant"]) == ("PENDING", GRANT)
+    assert "compensation" not in record
+    if how == "parked":
+        assert store.apply([_release(parked)]) == [{"ok": True, "attempt": 1}]
+        assert store.apply([result(parked)]) == [{"status": "settled"}]
+
+
+def test_a_stale_result_is_answered_once(store: AdmissionStore) -> None:
+    """A result of a call whose key moved on to another call answers its own proposal,
+    once: a copy (twice in one batch, or redelivered) is a duplicate; the batch replayed
+    after an aborted transaction gets the verdicts it got. So is a copy of a result that
+    settled the key before it moved on."""
+    first = call()
+    key = first[1]["ikey"]
+    store.apply([first])
+    second = call(ikey=key, now=NOW + 9000)
+    store.apply([second])
+    late = result(first, state="FAILED_FINAL", result_id="res-first")
+    copy = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}"})
+    batch = [late, copy]
+    stale = {"status": "stale", "state": "PENDING"}
+    assert store.apply(batch) == [stale, {"status": "duplicate"}]
+    assert store.apply(batch) == [stale, {"status": "duplicate"}]  # replayed: the same
+    redelivered = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([redelivered]) == [{"status": "duplicate"}]
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
+    # The second call's result settles the key, which then moves on to a third call: a
+    # copy of either result is answered by now.
+    assert store.apply([result(second, state="EXPIRED", result_id="res-second")]) == [
+        {"status": "settled"}
+    ]
+    store.apply([call(ikey=key, now=NOW + 9000)])
+    copies = [result(first, result_id="res-first"), result(second, result_id="res-second")]
+    assert store.apply(copies) == [{"status": "duplicate"}] * 2
+    # A record keeps the last few: an old copy past them is answered as stale again.
+    others = [result(first, result_id=f"res-{n}") for n in range(8)]
+    assert store.apply(others) == [stale] * 8
+    assert store.apply([result(first, result_id="res-first")]) == [stale]
 
 
 def test_a_call_whose_record_failed_alone_does_not_hold_its_key(store: AdmissionStore) -> None:

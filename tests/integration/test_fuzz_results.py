@@ -108,6 +108,7 @@ def _result(rng: random.Random, call: dict[str, Any] | None) -> dict[str, Any]:
             "tool_version",
             "side_effect_class",
             "idempotency_key",
+            "payload_hash",
             "attempt",
         ):
             datum[field] = call[field]  # fmt: skip

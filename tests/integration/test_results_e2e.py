@@ -626,3 +626,148 @@ def test_a_call_its_executor_cannot_read_is_answered_at_once(
         routed = [c for c in mine.exec_calls("READ_ONLY") if c["idempotency_key"] == key]
         assert [c["attempt"] for c in routed] == [1, 1]
         assert mine.calls == []
+
+
+def _result_for(call: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A ToolResult for the approved ``call`` as an executor reports a success, with
+    ``fields`` in place of what it would say."""
+    datum = {
+        "result_id": uuid.uuid4().hex, "call_id": call["call_id"],
+        "proposal_id": call["proposal_id"], "run_id": call["run_id"],
+        "tenant_id": call["tenant_id"], "trace_id": call["trace_id"],
+        "tool_name": call["tool_name"], "tool_version": call["tool_version"],
+        "side_effect_class": call["side_effect_class"],
+        "idempotency_key": call["idempotency_key"], "payload_hash": call["payload_hash"],
+        "attempt": call["attempt"], "outcome": "SUCCEEDED", "retryable": False,
+        "error_code": None, "error_message": None, "taxonomy_class": None,
+        "committed_steps": [], "data": '{"orders": [], "match_count": 0, "next_action": null}',
+        "compensation_arguments": None, "started_at": 1, "finished_at": 2,
+        "executor_id": "exec-elsewhere", "contract_set": None,
+    }  # fmt: skip
+    return {**datum, **fields}
+
+
+def _charged_then_failed(call: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """What a charge's executor reports when the card was charged and the receipt failed."""
+    undo = orjson.dumps({**REFUND, "order_id": "WO-55501-A"}).decode()
+    return _result_for(call, outcome="FAILED", error_code="receipt_failed",
+                       error_message="charged, but the receipt could not be stored",
+                       committed_steps=["card_charged"], data=None,
+                       compensation_arguments=undo, **fields)  # fmt: skip
+
+
+def _dead_letters(settings: Settings, run: str, results: list[dict[str, Any]]) -> list[str]:
+    """Put ``results`` on tool.results (keyed by ``run``) and wait for their dead letters:
+    each one's reason, in order."""
+    values = [encode_result(r) for r in results]
+    producer = Producer(settings.client_config(**{"enable.idempotence": True}))
+    for value in values:
+        producer.produce(settings.topics.results, value, run.encode())
+    assert producer.flush(30) == 0
+    deadline = time.monotonic() + 60
+    while True:
+        reasons = {
+            m.value(): (dict(m.headers() or [])["toolsentry.error.reason"] or b"").decode()
+            for m in read_all(settings, settings.topics.dlq, idle=1)
+        }
+        if all(v in reasons for v in values):
+            return [reasons[v] for v in values]
+        assert time.monotonic() < deadline, "not dead-lettered"
+
+
+def _finals(settings: Settings, pid: str) -> list[str]:
+    """The final observations (COMPLETED, FAILED) committed for proposal ``pid``."""
+    obs = [codec("observation").decode(m.value()) for m in read_all(
+        settings, settings.topics.observations, idle=1)]  # fmt: skip
+    return [o["decision"] for o in obs
+            if o["proposal_id"] == pid and o["decision"] in ("COMPLETED", "FAILED")]  # fmt: skip
+
+
+def test_a_result_that_is_not_its_calls_is_dead_lettered_and_answers_nothing(bench: Bench) -> None:
+    """A result for a routed lookup that claims to be a charge which failed after charging
+    the card (another tool, so another output schema, and a compensation to propose), or
+    another run, or another payload: none of it is its call's, so none settles it."""
+    key, run = f"k-{uuid.uuid4().hex}", f"run-{uuid.uuid4().hex[:10]}"
+    pid = bench.propose("lookup_order", {"order_id": "WO-55502-A"}, idempotency_key=key,
+                        run_id=run)  # fmt: skip
+    bench.routed(pid)
+    [call] = [c for c in bench.exec_calls("READ_ONLY") if c["idempotency_key"] == key]
+    claims = [
+        _charged_then_failed(call, tool_name="charge_customer_card_v2", tool_version="2.1.0",
+                             side_effect_class="CRITICAL_MUTATION"),
+        _result_for(call, run_id=f"run-{uuid.uuid4().hex[:10]}"),
+        _result_for(call, payload_hash="sha256:" + "0" * 64),
+    ]  # fmt: skip
+    assert _dead_letters(bench.settings, run, claims) == ["result_mismatch"] * 3
+    assert bench.store.record(TENANT, key)["state"] == "PENDING"
+    assert bench.client.history(compensation_proposal_id(key)) == []
+
+    # Its executor's own result settles it (a timeout, should its deadline have passed
+    # meanwhile), and is its one answer.
+    done = bench.result(pid)
+    assert _finals(bench.settings, pid) == [done["decision"]]
+    assert bench.store.record(TENANT, key)["state"] in ("COMPLETED", "EXPIRED")
+
+
+def test_a_result_for_a_call_waiting_for_its_approvers_is_dead_lettered(bench: Bench) -> None:
+    """A parked charge never ran: a result that says it charged the card and failed after
+    settles nothing and has no refund proposed in the caller's name."""
+    key, run = f"k-{uuid.uuid4().hex}", f"run-{uuid.uuid4().hex[:10]}"
+    args = {**CHARGE, "order_id": "WO-55511-A"}
+    publish_references(bench.settings, existing(TENANT, "charge_customer_card_v2", args))
+    wait_until_loaded(bench.settings)
+    pid = bench.propose("charge_customer_card_v2", args, idempotency_key=key, run_id=run)
+    parked = bench.client.wait(pid, 60)
+    assert parked["decision"] == "PENDING_APPROVAL", parked["result_payload"]["errors"]
+    record = bench.store.record(TENANT, key)
+    call = {
+        "call_id": pid, "proposal_id": pid, "run_id": run, "tenant_id": TENANT,
+        "trace_id": "0af7651916cd43dd8448eb211c80319c", "tool_name": "charge_customer_card_v2",
+        "tool_version": parked["tool_identity"]["version"],
+        "side_effect_class": "CRITICAL_MUTATION", "idempotency_key": key,
+        "payload_hash": record["hash"], "attempt": 1,
+    }  # fmt: skip
+    assert _dead_letters(bench.settings, run, [_charged_then_failed(call)]) == [
+        "result_unrouted_call"
+    ]
+    record = bench.store.record(TENANT, key)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "1")
+    assert "compensation" not in record
+    assert _finals(bench.settings, pid) == []
+    assert bench.client.history(compensation_proposal_id(key)) == []
+
+
+def test_a_result_copied_after_its_key_moved_on_is_not_answered_again(bench: Bench) -> None:
+    """A call timed out and its key was taken by a retry (another proposal); its result,
+    delivered again twice after that, is a copy: its proposal has had its one answer."""
+    key, run = f"k-{uuid.uuid4().hex}", f"run-{uuid.uuid4().hex[:10]}"
+    args = {"order_id": "WO-55502-A"}
+    first = bench.propose("lookup_order", args, idempotency_key=key, run_id=run)
+    bench.routed(first)
+    bench.executor.clock = lambda: time.time() + 3600  # past the call's deadline
+    try:
+        deadline = time.monotonic() + 60
+        while not any(o["decision"] == "FAILED" for o in bench.client.history(first)):
+            assert time.monotonic() < deadline, bench.client.history(first)
+            bench.executor.run_once(0.3)
+    finally:
+        bench.executor.clock = time.time
+    retry = bench.propose("lookup_order", args, idempotency_key=key, run_id=run)
+    bench.routed(retry)
+    assert bench.result(retry)["decision"] == "COMPLETED"
+
+    [timed_out] = [
+        decode_result(m.value()) for m in read_all(bench.settings, bench.settings.topics.results,
+                                                   idle=1)
+        if m.value() and first.encode() in m.value()
+    ]  # fmt: skip
+    # Its copies, then a result nobody routed, which tells when they have been decided.
+    nobody = {**timed_out, "result_id": uuid.uuid4().hex, "idempotency_key": f"k-{uuid.uuid4()}"}
+    values = [encode_result(timed_out), encode_result(timed_out)]
+    producer = Producer(bench.settings.client_config(**{"enable.idempotence": True}))
+    for value in values:
+        producer.produce(bench.settings.topics.results, value, run.encode())
+    assert producer.flush(30) == 0
+    assert _dead_letters(bench.settings, run, [nobody]) == ["result_unknown_call"]
+    assert _finals(bench.settings, first) == ["FAILED"]
+    assert _finals(bench.settings, retry) == ["COMPLETED"]
