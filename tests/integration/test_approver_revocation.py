@@ -4,24 +4,20 @@ store's script) against a real redis-server and a real Redis Cluster."""
 
 from __future__ import annotations
 
-import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from processor.app import Processor
 from processor.approval_flow import ApprovalInput
 from processor.approvals import load_private_key, sign_for_request
-from processor.config import IdentitySettings, Settings
 from processor.keys import init_keys
-from processor.metrics import Metrics
 from processor.model import SourceRecord
 from processor.state.approvals import OpResult
-from tests.unit.helpers import CONTRACTS_DIR, ROOT
+from tests.unit.helpers import keyed_processor
 
 pytestmark = pytest.mark.integration
 
@@ -30,20 +26,9 @@ _offsets = iter(range(10**9))
 
 
 def _processor(tmp_path: Path, redis_url: str) -> Processor:
-    keys = init_keys(tmp_path / "keys", approvers=("ops-1", "ops-2", "ops-3"))
-    policy = tmp_path / "policy.yaml"
-    shutil.copy(ROOT / "policy" / "policy.yaml", policy)
-    settings = Settings(
-        contracts_dir=CONTRACTS_DIR,
-        identity=IdentitySettings(jwks_file=keys.jwks),
-        approvers_file=keys.approvers,
-        policy_file=policy,
-        contracts_poll_s=0.0,
-        metrics_port=0,
-        redis_url=redis_url,
-        redis_namespace=f"revoke-{uuid.uuid4().hex[:8]}",
-    )
-    return Processor(settings, metrics=Metrics(CollectorRegistry()))
+    p, _ = keyed_processor(tmp_path, ("ops-1", "ops-2", "ops-3"), redis_url=redis_url,
+                           redis_namespace=f"revoke-{uuid.uuid4().hex[:8]}")  # fmt: skip
+    return p
 
 
 def _park(p: Processor, now_ms: int) -> dict[str, Any]:

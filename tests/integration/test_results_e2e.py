@@ -265,20 +265,25 @@ def test_a_resumable_tool_failing_after_a_step_is_a_partial_success_finished_by_
     assert bench.store.record(TENANT, key)["state"] == "COMPLETED"
 
 
+def _time_out(bench: Bench, proposal_id: str) -> None:
+    """Run the executor with its clock an hour ahead, so that it sees the routed call
+    ``proposal_id`` past its deadline, until the call's TIMEOUT is observed."""
+    bench.executor.clock = lambda: time.time() + 3600
+    try:
+        deadline = time.monotonic() + 60
+        while not any(o["decision"] == "FAILED" for o in bench.client.history(proposal_id)):
+            assert time.monotonic() < deadline, bench.client.history(proposal_id)
+            bench.executor.run_once(0.3)
+    finally:
+        bench.executor.clock = time.time
+
+
 def test_a_call_past_its_deadline_times_out_and_may_run_again(bench: Bench) -> None:
     key = f"k-{uuid.uuid4().hex}"
     args = {"order_id": "WO-55502-A"}
     first = bench.propose("lookup_order", args, idempotency_key=key)
     bench.routed(first)
-    # With its clock an hour ahead, the executor sees the call past its deadline.
-    bench.executor.clock = lambda: time.time() + 3600
-    try:
-        deadline = time.monotonic() + 60
-        while not any(o["decision"] == "FAILED" for o in bench.client.history(first)):
-            assert time.monotonic() < deadline, bench.client.history(first)
-            bench.executor.run_once(0.3)
-    finally:
-        bench.executor.clock = time.time
+    _time_out(bench, first)
     timed_out = bench.client.wait_result(first)
     assert timed_out["status"]["taxonomy_class"] == "TIMEOUT"
     assert "nothing ran" in timed_out["next_action"]
@@ -744,14 +749,7 @@ def test_a_result_copied_after_its_key_moved_on_is_not_answered_again(bench: Ben
     args = {"order_id": "WO-55502-A"}
     first = bench.propose("lookup_order", args, idempotency_key=key, run_id=run)
     bench.routed(first)
-    bench.executor.clock = lambda: time.time() + 3600  # past the call's deadline
-    try:
-        deadline = time.monotonic() + 60
-        while not any(o["decision"] == "FAILED" for o in bench.client.history(first)):
-            assert time.monotonic() < deadline, bench.client.history(first)
-            bench.executor.run_once(0.3)
-    finally:
-        bench.executor.clock = time.time
+    _time_out(bench, first)
     retry = bench.propose("lookup_order", args, idempotency_key=key, run_id=run)
     bench.routed(retry)
     assert bench.result(retry)["decision"] == "COMPLETED"

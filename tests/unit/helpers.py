@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import orjson
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from prometheus_client import CollectorRegistry
 
+from processor.app import Processor
 from processor.approvals import Approver, sign_approval
+from processor.config import IdentitySettings, Settings
 from processor.contracts.registry import ContractSet
 from processor.gates.parse import Limits
 from processor.gates.semantic import RefAnswers, RefEntry, RefKey
+from processor.keys import DEFAULT_APPROVERS, init_keys
+from processor.metrics import Metrics
 from processor.model import Decision, SideEffectClass, SourceRecord
 from processor.pipeline import Gates, decide
 
@@ -159,3 +165,25 @@ def decide_arguments(
     contracts: ContractSet, tool: str, arguments: dict[str, Any], **fields: Any
 ) -> Decision:
     return decide_envelope(envelope(tool, arguments=arguments, **fields), contracts)
+
+
+def keyed_processor(
+    tmp_path: Path, approvers: tuple[str, ...] = DEFAULT_APPROVERS, **settings: Any
+) -> tuple[Processor, Path]:
+    """A processor with keys of its own (``init_keys`` in ``tmp_path``/keys: the issuer and
+    ``approvers``) and a copy of the shipped policy, its files read again at every
+    ``reload_trust()`` call; ``settings`` override the rest. It touches no broker or Redis
+    until it runs. Returns it and its keys' folder."""
+    keys = init_keys(tmp_path / "keys", approvers=approvers)
+    policy = tmp_path / "policy.yaml"
+    shutil.copy(ROOT / "policy" / "policy.yaml", policy)
+    config = Settings(
+        contracts_dir=CONTRACTS_DIR,
+        identity=IdentitySettings(jwks_file=keys.jwks),
+        approvers_file=keys.approvers,
+        policy_file=policy,
+        contracts_poll_s=0.0,
+        metrics_port=0,
+        **settings,
+    )
+    return Processor(config, metrics=Metrics(CollectorRegistry())), tmp_path / "keys"

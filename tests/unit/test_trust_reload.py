@@ -9,32 +9,13 @@ import os
 import shutil
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
-
 from processor.app import Processor
-from processor.config import IdentitySettings, Settings
 from processor.contracts.registry import ContractSet
 from processor.identity import TokenIssuer
 from processor.keys import init_keys
-from processor.metrics import Metrics
 from processor.model import FieldError, Principal
 from processor.pipeline import Gates
-from tests.unit.helpers import CONTRACTS_DIR, ROOT
-
-
-def _processor(tmp_path: Path) -> tuple[Processor, Path]:
-    keys = init_keys(tmp_path / "keys")
-    policy = tmp_path / "policy.yaml"
-    shutil.copy(ROOT / "policy" / "policy.yaml", policy)
-    settings = Settings(
-        contracts_dir=CONTRACTS_DIR,
-        identity=IdentitySettings(jwks_file=keys.jwks),
-        approvers_file=keys.approvers,
-        policy_file=policy,
-        contracts_poll_s=0.0,
-        metrics_port=0,
-    )
-    return Processor(settings, metrics=Metrics(CollectorRegistry())), tmp_path / "keys"
+from tests.unit.helpers import keyed_processor
 
 
 def _reloads(proc: Processor, result: str) -> float:
@@ -53,7 +34,7 @@ def _touch_later(path: Path) -> None:
 
 
 def test_a_rotated_issuer_key_is_taken_between_batches(tmp_path: Path) -> None:
-    proc, keys = _processor(tmp_path)
+    proc, keys = keyed_processor(tmp_path)
     old = TokenIssuer.from_jwk_file(keys / "issuer.jwk").mint("acme", "u", "a", ["kb:read"])
     assert isinstance(proc.gates.verifier.verify(old), Principal)
     assert proc.reload_trust() is False  # nothing changed
@@ -70,7 +51,7 @@ def test_a_rotated_issuer_key_is_taken_between_batches(tmp_path: Path) -> None:
 
 
 def test_an_unusable_file_keeps_the_old_keys_policy_and_approvers(tmp_path: Path) -> None:
-    proc, keys = _processor(tmp_path)
+    proc, keys = keyed_processor(tmp_path)
     before = proc.gates
     (keys / "approvers.yaml").write_text("approvers: [{id: x, public_key: not-base64!}]\n")
     _touch_later(keys / "approvers.yaml")
@@ -100,7 +81,7 @@ def _classes(proc: Processor, tenant: str) -> list[str]:
 
 
 def test_a_policy_caught_mid_write_is_taken_only_once_it_holds_still(tmp_path: Path) -> None:
-    proc, _ = _processor(tmp_path)
+    proc, _ = keyed_processor(tmp_path)
     policy = tmp_path / "policy.yaml"
     new = _restricted(policy.read_text())
     # Cut after "tenants:", the file still parses: every class for every tenant.
@@ -115,7 +96,7 @@ def test_a_policy_caught_mid_write_is_taken_only_once_it_holds_still(tmp_path: P
 
 
 def test_files_changing_while_being_read_are_read_again(tmp_path: Path) -> None:
-    proc, _ = _processor(tmp_path)
+    proc, _ = keyed_processor(tmp_path)
     policy = tmp_path / "policy.yaml"
     shipped = policy.read_text()
     load = proc._load_trust
@@ -144,7 +125,7 @@ def test_files_changing_while_being_read_are_read_again(tmp_path: Path) -> None:
 
 
 def test_a_policy_replaced_with_its_mtime_kept_is_noticed(tmp_path: Path) -> None:
-    proc, _ = _processor(tmp_path)
+    proc, _ = keyed_processor(tmp_path)
     policy = tmp_path / "policy.yaml"
     st = policy.stat()
     tmp = tmp_path / "policy.yaml.new"  # as cp -p, rsync -a or tar leave it
@@ -159,7 +140,7 @@ def test_a_policy_replaced_with_its_mtime_kept_is_noticed(tmp_path: Path) -> Non
 def test_sighup_takes_a_revoked_key_out_at_once(tmp_path: Path) -> None:
     """An operator who removes a leaked key and sends SIGHUP must not wait for a poll, nor
     for the file to hold still: the next batch already refuses its tokens, cached ones too."""
-    proc, keys = _processor(tmp_path)
+    proc, keys = keyed_processor(tmp_path)
     proc.settings = proc.settings.model_copy(update={"contracts_poll_s": 3600.0})
     leaked = TokenIssuer.from_jwk_file(keys / "issuer.jwk").mint("acme", "u", "a", ["kb:read"])
     assert isinstance(proc.gates.verifier.verify(leaked), Principal)  # verified and cached
