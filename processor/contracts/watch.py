@@ -19,6 +19,7 @@ from pathlib import Path
 from processor.contracts.registry import (
     ContractError,
     ContractSet,
+    Problem,
     contract_files,
     load_contracts,
 )
@@ -160,6 +161,12 @@ class ContractWatcher:
             loaded: ContractSet | ContractError = load_contracts(self.directory)
         except ContractError as exc:
             loaded = exc
+        except Exception as exc:
+            # A defect met on some file rather than a problem found in it: refused as a bad
+            # set is (counted, and not read again until the files change), instead of
+            # escaping to the watch loop, which retried it at every poll and counted nothing.
+            logger.exception("contract reload failed on an unexpected error")
+            loaded = ContractError([Problem("", "/", f"unexpected {type(exc).__name__}: {exc}")])
         if not self._settling.held(stamp):
             if force:
                 self.metrics.contract_reloads.labels("refused").inc()

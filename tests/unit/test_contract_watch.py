@@ -240,3 +240,29 @@ def test_a_folder_that_cannot_be_listed_refuses_the_set(
     w.check()
     assert w.take() is None  # listed again: the set it decides with already
     assert _reloads(registry, "refused") == 1 and _reloads(registry, "loaded") == 0
+
+
+def test_an_unexpected_error_while_loading_refuses_the_set_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A defect met on some file (not a problem the loader names): the set is refused and
+    counted, once, and the old set stays; once the files change and load, they are taken."""
+    w, folder, registry = _watcher(tmp_path)
+    path = folder / CANCEL
+
+    def broken(directory: Path) -> ContractSet:
+        raise RuntimeError("a loader defect")
+
+    monkeypatch.setattr("processor.contracts.watch.load_contracts", broken)
+    path.write_text(path.read_text().replace("timeout_ms: 6000", "timeout_ms: 7000"))
+    w.check()
+    w.check()  # (raised out of check before, and nothing was counted)
+    w.check()
+    assert w.take() is None and _reloads(registry, "refused") == 1
+
+    monkeypatch.setattr("processor.contracts.watch.load_contracts", load_contracts)
+    path.write_text(path.read_text().replace("timeout_ms: 7000", "timeout_ms: 8000"))
+    w.check()
+    w.check()
+    loaded = w.take()
+    assert loaded is not None and loaded.get("cancel_order", "1.0.0").timeout_ms == 8000
