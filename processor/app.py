@@ -886,17 +886,12 @@ class Processor:
             return
         items = [release_item(d) for _, d in released]
         for (k, d), v in zip(released, self.admission.apply(items), strict=True):
-            if v.get("why") == "given_back":
-                # Given back before its release (see _end_requests): its proposal was
-                # answered on that replay, and nothing runs.
-                detail = ("the call was decided again as something else before its "
-                          "approvers released it, and never ran")  # fmt: skip
-                decisions[k] = dead_letter(d.source, "approval_request_withdrawn", detail)
-            elif v.get("why") == "moved_on":
-                # This very proposal, sent again with approvals attached, took the key over
-                # and was answered by its own observations: not a second time.
-                detail = "the call went ahead with approvals attached before its release"
-                decisions[k] = dead_letter(d.source, "approval_request_superseded", detail)
+            if v.get("why") in _ANSWERED_ALREADY:
+                # Given back before its release (its proposal was answered on that replay),
+                # or this very proposal, sent again with approvals attached, took the key
+                # over and was answered by its own observations: not a second time, and
+                # nothing runs (see _end_requests).
+                decisions[k] = dead_letter(d.source, *_ANSWERED_ALREADY[v["why"]])
             elif v.get("ok") is not True:
                 # Superseded: the key went ahead as another proposal; this one is told so,
                 # as a rejection or an expiry of its request would tell it (see
@@ -1023,14 +1018,8 @@ class Processor:
             else:
                 if ended_here:
                     self._count("approvals", "refused")
-                if status == "moved_on":
-                    reason = "approval_request_superseded"
-                    detail = f"{item.request_id}: the call went ahead with approvals attached"
-                else:
-                    reason = "approval_request_withdrawn"
-                    detail = (f"{item.request_id}: the call was decided again as something "
-                              "else before its request ended, and never ran")  # fmt: skip
-                out[i] = dead_letter(item.src, reason, detail)
+                reason, detail = _ANSWERED_ALREADY[status]
+                out[i] = dead_letter(item.src, reason, f"{item.request_id}: {detail}")
 
     def _count(self, *event: str) -> None:
         """Count an event of the batch being decided, once it commits (see BatchTally)."""
@@ -1412,6 +1401,16 @@ def _proposal_op(d: Decision, now_ms: int) -> tuple[str, dict[str, Any]] | None:
         return tenant, op
     return None
 
+
+_ANSWERED_ALREADY = {
+    "moved_on": ("approval_request_superseded", "the call went ahead with approvals attached"),
+    "given_back": (
+        "approval_request_withdrawn",
+        "the call was decided again as something else before its request ended, and never ran",
+    ),
+}
+"""How an approval request's end (a rejection, a release) whose proposal was answered
+already lands on the DLQ, by admission's verdict: (reason, detail)."""
 
 _SUPERSEDED = {"ok": False, "why": "superseded", "retry_after_ms": 0}
 """What a parked call's request ends with when its key went ahead as another proposal

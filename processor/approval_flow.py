@@ -125,16 +125,15 @@ def verify_decision(
         entry["requested_by_user"],
         entry["requested_by_agent"],
     )
-    requester = Principal(
-        entry["tenant_id"],
-        entry["requested_by_user"],
-        entry["requested_by_agent"],
-        frozenset(),
-        "public",
-    )
     return verify_approval(
-        item.approval, approvers, binding, requester, now_ms, max_lifetime_s=max_lifetime_s
+        item.approval, approvers, binding, _requester(entry), now_ms, max_lifetime_s=max_lifetime_s
     )
+
+
+def _requester(entry: dict[str, Any]) -> Principal:
+    """Who proposed the parked call: nobody of theirs may approve it."""
+    user, agent = entry["requested_by_user"], entry["requested_by_agent"]
+    return Principal(entry["tenant_id"], user, agent, frozenset(), "public")
 
 
 def revoked_votes(entry: dict[str, Any], approvers: dict[str, Approver]) -> list[str]:
@@ -145,9 +144,7 @@ def revoked_votes(entry: dict[str, Any], approvers: dict[str, Approver]) -> list
     half-released to need someone else's vote, not to go on the next one."""
     cls = SideEffectClass(entry["side_effect_class"])
     tenant = entry["tenant_id"]
-    requester = Principal(
-        tenant, entry["requested_by_user"], entry["requested_by_agent"], frozenset(), "public"
-    )
+    requester = _requester(entry)
     out = []
     for vote in entry.get("approvers") or []:
         approver = approvers.get(vote.get("id"))

@@ -216,7 +216,7 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             "shown. Do not call it again; check the outcome with the lookup tool, or call "
             "handoff_to_human."
         )
-        rej = _handoff(_T.OBSERVATION_NORMALIZATION_FAIL, problem, action)
+        rej = _handoff(_T.OBSERVATION_NORMALIZATION_FAIL, action, problem)
         return "FAILED_FINAL", rej, Final(False, None, attempt=attempt)
     # A failure's data goes nowhere. The result schema says it is null when the call fails,
     # and no contract describes it (output_schema is what a success returns), so there is
@@ -237,7 +237,7 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             "committed. Do not retry; tell the user an operator will reconcile it and call "
             "handoff_to_human."
         )
-        return "FAILED_FINAL", _handoff(_T.COMPENSATION_FAILED, detail, action), final
+        return "FAILED_FINAL", _handoff(_T.COMPENSATION_FAILED, action, detail), final
     if r["outcome"] == "TIMED_OUT":
         action = (
             f"{tool} was not started before its deadline; nothing ran. Propose it again "
@@ -293,8 +293,7 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             "what. Do not retry it; tell the user an operator will check it, and call "
             "handoff_to_human."
         )
-        rej = Rejection(_T.UNKNOWN_ERROR, Gate.RESULT, (detail, err), action, (HANDOFF_TOOL,))
-        return "FAILED_FINAL", rej, final
+        return "FAILED_FINAL", _handoff(_T.UNKNOWN_ERROR, action, detail, err), final
     if claimed == _T.UNKNOWN_ERROR.value and r.get("error_code") == CALL_INVALID:
         # The executor's word for "the call record could not be read; nothing ran": a fault
         # of the platform (another writer on the execution topic, versions that do not
@@ -306,7 +305,7 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             "a fault of the platform, not of your arguments. Do not retry it; tell the user "
             "it could not be done, and call handoff_to_human."
         )
-        return "FAILED_FINAL", _handoff(_T.UNKNOWN_ERROR, detail, action), final
+        return "FAILED_FINAL", _handoff(_T.UNKNOWN_ERROR, action, detail), final
     if claimed == _T.OBSERVATION_NORMALIZATION_FAIL.value and r.get("error_code") in (
         RESULT_TOO_LARGE,
         RESULT_UNPUBLISHABLE,
@@ -316,7 +315,7 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             f"{tool} ran, but its result cannot be shown. Do not call it again; check the "
             "outcome with the lookup tool, or call handoff_to_human."
         )
-        return "FAILED_FINAL", _handoff(_T.OBSERVATION_NORMALIZATION_FAIL, detail, action), final
+        return "FAILED_FINAL", _handoff(_T.OBSERVATION_NORMALIZATION_FAIL, action, detail), final
     if claimed in _FAILURE_VALUES:
         # The class the executor names is what the model reads (its status says whether a
         # retry helps), so the record follows it: a retry is admitted exactly when the
@@ -355,9 +354,9 @@ def _executor_text(text: str | None, limit: int) -> str | None:
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
-def _handoff(cls: _T, error: FieldError, action: str) -> Rejection:
+def _handoff(cls: _T, action: str, *errors: FieldError) -> Rejection:
     """A result only an operator can take further: the model may only hand off."""
-    return Rejection(cls, Gate.RESULT, (error,), action, ("handoff_to_human",))
+    return Rejection(cls, Gate.RESULT, errors, action, (HANDOFF_TOOL,))
 
 
 def _output_validator(contract: Contract) -> ArgumentValidator | None:

@@ -372,18 +372,24 @@ end
 -- end then reads as given back.
 local UNSEEN_KEPT = 16
 
+-- `list` (or nil) with `item` at its end and the oldest past `most` gone: a copy, since
+-- the record `list` comes from may stay as it is (a new attempt refused after all).
+local function appended(list, item, most)
+  local out = {}
+  for k, kept in ipairs(list or {}) do out[k] = kept end
+  out[#out + 1] = item
+  while #out > most do table.remove(out, 1) end
+  return out
+end
+
 local function remember_unseen(into, rec)
-  local list = {}  -- (a copy: `rec` itself may stay, should the new attempt be refused)
-  for k, kept in ipairs(into.l or {}) do list[k] = kept end
   local seen = {i = rec.i, a = rec.a}
   if rec.w == 1 then
     seen.d = rec.d
   else  -- (a resubmission: its call answered whichever proposal it was)
     seen.d, seen.c = rec.pd, rec.c
   end
-  list[#list + 1] = seen
-  while #list > UNSEEN_KEPT do table.remove(list, 1) end
-  into.l = list
+  into.l = appended(into.l, seen, UNSEEN_KEPT)
 end
 
 -- The entry of request c in rec's unseen list, removed (its end is seen now), or nil.
@@ -391,12 +397,8 @@ end
 local function take_unseen(ikey, rec, c, expiry)
   if not rec.l then return nil end
   for k, seen in ipairs(rec.l) do
-    local match
-    if seen.i and c.rid then
-      match = seen.i == c.rid and seen.a == c.attempt
-    else
-      match = expiry ~= nil and seen.d == expiry
-    end
+    local match = holds(seen, c)
+    if match == nil then match = expiry ~= nil and seen.d == expiry end
     if match then
       table.remove(rec.l, k)
       if #rec.l == 0 then rec.l = nil end
@@ -418,6 +420,30 @@ local function went_ahead(call, c)
   return 'moved_on'
 end
 
+-- How the end of request c answers (its lapse, or its release refused) where the record
+-- names requests (`mine`, see holds): nil while the record is c's park, still waiting;
+-- else "given_back", "lapsed" (its park replaced before its end was seen, see
+-- take_unseen), "moved_on" or "superseded" (see went_ahead; a resubmission given back
+-- after it waits for nobody now), or "moved_on" for a park released already (it went).
+-- `expiry`: the request's, which names it where no request id does.
+local function gone_from(rec, c, mine, expiry)
+  if not mine then
+    local seen = take_unseen(c.ikey, rec, c, expiry)
+    if seen and seen.c then return went_ahead(seen.c, c) end
+    return seen and 'lapsed' or 'given_back'
+  end
+  if rec.s == 'PENDING' and rec.w == 1 then return nil end
+  if rec.pd then
+    if rec.s == 'PENDING' and rec.e ~= 1 then
+      rec.e = 1
+      keep_record(c.ikey, rec)
+    end
+    return went_ahead(rec.c, c)
+  end
+  if RETRYABLE[rec.s] then return 'given_back' end
+  return 'moved_on'
+end
+
 -- `fresh`: the replay markers this batch writes (position, marker, ...). `emptied`: the
 -- positions whose take was given back, or became a call that goes, by other means (a
 -- parked call's, when its request ended, or when it was resubmitted or released): their
@@ -429,15 +455,6 @@ local empty_take, give_back_park  -- (defined below, with the markers they read)
 -- result of one of them is stale, and answered once (see settle). Copies come close
 -- together, and the list is written with the record every time.
 local STALE_KEPT = 8
-
--- `answered` (a record's o, or nil) with result id `id`, the oldest past STALE_KEPT gone.
-local function remember_answered(answered, id)
-  local list = {}
-  for k, kept in ipairs(answered or {}) do list[k] = kept end
-  list[#list + 1] = id
-  while #list > STALE_KEPT do table.remove(list, 1) end
-  return list
-end
 
 local function admit_call(c)
   local counters = run_of(c.run)
@@ -518,7 +535,7 @@ local function admit_call(c)
   -- The results answered so far stay answered: the call this one replaces, and those
   -- before it, are stale from now on, and a copy of their result is not answered again.
   local answered = rec and rec.o or nil
-  if rec and rec.x then answered = remember_answered(answered, rec.x) end
+  if rec and rec.x then answered = appended(answered, rec.x, STALE_KEPT) end
   local fresh_rec = {s = 'PENDING', h = c.hash, n = c.tool, c = c.call, d = c.deadline,
                      w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant,
                      l = unseen.l, o = answered}
@@ -612,7 +629,7 @@ local function settle(c)
     for _, id in ipairs(rec.o or {}) do
       if id == c.result_id then return {status = 'duplicate'} end
     end
-    rec.o = remember_answered(rec.o, c.result_id)
+    rec.o = appended(rec.o, c.result_id, STALE_KEPT)
     keep_record(c.ikey, rec)
     return {status = 'stale', state = rec.s}
   end
@@ -672,26 +689,11 @@ local function release(c)
   local rec = record_of(c.ikey)
   local mine
   if rec and rec.h == c.hash then mine = holds(rec, c) end
-  if mine == false then
-    local seen = take_unseen(c.ikey, rec, c, c.parked_until)
-    if seen and seen.c then return refuse(went_ahead(seen.c, c)) end
+  if mine ~= nil then
+    local gone = gone_from(rec, c, mine, c.parked_until)
     -- (lapsed unseen: approved only past its expiry and the grace, its key moved on to
-    -- a later attempt, and its proposal has had no answer)
-    if seen then return refuse('superseded') end
-    return refuse('given_back')  -- (see lapse)
-  end
-  if mine then
-    if not (rec.s == 'PENDING' and rec.w == 1) then
-      if rec.pd then
-        if rec.s == 'PENDING' and rec.e ~= 1 then
-          rec.e = 1
-          keep_record(c.ikey, rec)
-        end
-        return refuse(went_ahead(rec.c, c))
-      end
-      if RETRYABLE[rec.s] then return refuse('given_back') end
-      return refuse('moved_on')
-    end
+    -- a later attempt, and its proposal has had no answer: superseded)
+    if gone then return refuse(gone == 'lapsed' and 'superseded' or gone) end
   elseif rec and rec.h == c.hash and take_unseen(c.ikey, rec, c, c.parked_until) then
     -- A request of an earlier version, whose park a later attempt replaced before its
     -- end was seen (see lapse): its key has moved on without it.
@@ -889,31 +891,23 @@ end
 -- given back already, or replaced before its end was seen (see take_unseen): its end is
 -- "lapsed" then (its proposal has had no answer; nothing is given back twice), or, for a
 -- resubmission that went ahead, "moved_on" or "superseded" (see went_ahead).
+-- The park `rec` holds ends without its call going: what parking took comes back, and the
+-- record waits for nobody (and its call never ran: see settle).
+local function end_park(ikey, rec)
+  give_back_park(rec)
+  rec.w, rec.u = 0, 1
+  keep_record(ikey, rec)
+  return {status = 'lapsed'}
+end
+
 local function lapse(c)
   local rec = record_of(c.ikey)
   if not rec or rec.h ~= c.hash then return {status = 'unchanged'} end
   local mine = holds(rec, c)
-  if mine == false then
-    local seen = take_unseen(c.ikey, rec, c, c.deadline)
-    if seen and seen.c then return {status = went_ahead(seen.c, c)} end
-    if seen then return {status = 'lapsed'} end
-    return {status = 'given_back'}
-  elseif mine then
-    if rec.s == 'PENDING' and rec.w == 1 then
-      give_back_park(rec)
-      rec.w, rec.u = 0, 1  -- (it waits for nobody, and never ran: see settle)
-      keep_record(c.ikey, rec)
-      return {status = 'lapsed'}
-    end
-    if rec.pd then
-      if rec.s == 'PENDING' and rec.e ~= 1 then
-        rec.e = 1  -- given back, it waits for nobody
-        keep_record(c.ikey, rec)
-      end
-      return {status = went_ahead(rec.c, c)}
-    end
-    if RETRYABLE[rec.s] then return {status = 'given_back'} end
-    return {status = 'moved_on'}  -- (released: it went)
+  if mine ~= nil then
+    local gone = gone_from(rec, c, mine, c.deadline)
+    if gone then return {status = gone} end
+    return end_park(c.ikey, rec)
   end
   -- A record or a request of an earlier version, which name no request: the deadline
   -- tells, as it did.
@@ -933,10 +927,7 @@ local function lapse(c)
     return {status = rec.pd and went_ahead(rec.c, c) or 'moved_on'}
   end
   if rec.d ~= c.deadline then return {status = 'unchanged'} end
-  give_back_park(rec)
-  rec.w, rec.u = 0, 1
-  keep_record(c.ikey, rec)
-  return {status = 'lapsed'}
+  return end_park(c.ikey, rec)
 end
 
 -- A release that went the first time, its batch then aborted (the call never ran), and
