@@ -16,12 +16,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-import cel
 import orjson
 import yaml_rs
 from jsonschema import SchemaError
 
 from processor.codec.avro import SCHEMAS_DIR
+from processor.contracts import cel_engine
 from processor.contracts.validation import ArgumentValidator, SchemaRecursion, check_schema
 from processor.model import Lifecycle, SideEffectClass
 
@@ -272,7 +272,7 @@ def _semantics(
     for i, rule in enumerate(section.get("rules", [])):
         where = f"/semantics/rules/{i}/expression"
         try:
-            program = cel.compile(rule["expression"])
+            program = cel_engine.compile_expression(rule["expression"])
         except ValueError as exc:
             problems.append(Problem(rel, where, f"CEL does not compile: {exc}"))
             continue
