@@ -639,8 +639,9 @@ def executor_run(
     metrics_port: Annotated[int, typer.Option(help="Prometheus port; 0 disables.")] = 0,
     config: ConfigOpt = None,
 ) -> None:
-    """Run the reference support executor until SIGTERM/SIGINT (the batch in hand is
-    finished and committed first)."""
+    """Run the reference support executor until SIGTERM/SIGINT (the call in hand is
+    finished and committed first; the calls not started yet are left to the next owner
+    of their partitions)."""
     import signal
 
     from prometheus_client import REGISTRY

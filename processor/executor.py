@@ -33,7 +33,12 @@ agent hears of it at once instead of after the call's deadline. A call written w
 approved-call schema this executor does not know (a newer processor's, during an
 upgrade) is neither run nor skipped: its partition waits at it, paused, and is read
 again every ``HOLD_S`` seconds, until an executor that knows the schema owns it.
-Signals are the caller's business: call ``stop()`` from a signal handler.
+Signals are the caller's business: call ``stop()`` from a signal handler. A stop
+starts no more calls: the call in hand finishes, the batch is committed up to it, and
+the records after it are left, uncommitted, to the partitions' next owner. Finishing
+the batch, as the processor does, would hold the shutdown for the run time of every
+call left in it, past an orchestrator's grace period, whose kill could then land in
+the middle of a call.
 
 A call delivered again may have run the first time: its handler answered, then
 the transaction aborted (or the group moved the partition, or the process
@@ -337,7 +342,9 @@ class Executor:
     # -- lifecycle -------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Finish the batch in hand, commit it, return from ``run()``. Signal-safe."""
+        """Start no more calls: the one in hand finishes, the records of the batch handled
+        so far are committed (their results with their offsets), the rest are left to the
+        partitions' next owner, and ``run()`` returns. Signal-safe."""
         self._stop.set()
 
     def run(self) -> None:
@@ -359,8 +366,8 @@ class Executor:
     def run_once(self, timeout_s: float) -> int:
         """Consume one batch (waiting up to ``timeout_s`` for its first record), execute
         it, commit. Returns how many records the committed batch consumed, dead-lettered
-        ones included and held ones not; 0 when nothing came or the transaction was
-        aborted."""
+        ones included and held ones not (nor those left by a stop); 0 when nothing came or
+        the transaction was aborted."""
         consumer, producer = self._clients()
         self._resume_held(consumer)
         first = consumer.poll(timeout_s)
@@ -383,11 +390,16 @@ class Executor:
         # A held call and whatever follows it on its partition wait: not run, not committed.
         read = [(m, r) for m, r in read if not _behind(m, held)]
         records = [m for m, _ in read]
-        if not records:
-            return 0
         outputs: list[_Output] = []
         dead: list[DeadLetter] = []
-        for m, r in read:
+        for done, (m, r) in enumerate(read):
+            if self._stop.is_set():
+                # A stop starts no more calls (see the module docstring): the batch ends at
+                # the first record not handled. A batch keeps each partition's order, so each
+                # partition is committed up to its last record handled, and its next owner
+                # starts at its first record left (this executor handles no more).
+                records = records[:done]
+                break
             if isinstance(r, Call):
                 outputs.append(self._execute(r))
                 continue
@@ -395,6 +407,8 @@ class Executor:
             answer = self._not_run(r)
             if answer is not None:
                 outputs.append(answer)
+        if not records:
+            return 0
         try:
             producer.begin_transaction()
             producer.send_offsets_to_transaction(

@@ -7,6 +7,7 @@ import hashlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -530,6 +531,51 @@ def test_an_aborted_batch_is_answered_again_without_running_its_handlers(
     r = results(s, 1)[call["call_id"]]
     assert r["outcome"] == "SUCCEEDED"
     assert orjson.loads(r["data"])["match_count"] == 1
+
+
+def test_a_stopped_executor_leaves_the_calls_it_had_not_started_to_the_next_one(
+    stack_settings: Settings,
+) -> None:
+    """stop() (SIGTERM) while a batch runs: the call in hand finishes and is published with
+    the one before it, the rest of the batch is not started, and the executor that takes
+    the partition over runs those, in order: every call runs once, none is lost."""
+    s = isolated(stack_settings, f"exec-stop-{uuid.uuid4().hex[:6]}")
+    group = f"executor-{uuid.uuid4().hex[:8]}"
+    run_id = f"run-{uuid.uuid4().hex[:8]}"  # one key: the calls share a partition
+    calls = [
+        {**approved_call("lookup_order", {"order_id": f"WO-1234{i}-A"}), "run_id": run_id}
+        for i in range(6)
+    ]
+    send_calls(s, calls)
+    ran: list[tuple[str, str]] = []
+
+    def lookup(by: str) -> Handler:
+        def handler(c: Call) -> Succeeded:
+            ran.append((by, c.call_id))
+            if len(ran) == 2:
+                first.stop()  # the signal arrives while the second call runs
+            return Succeeded({"order_id": c.arguments["order_id"]})
+
+        return handler
+
+    first = executor(s, {"lookup_order": lookup("first")}, group_id=group)
+    thread = threading.Thread(target=first.run, name="first-executor")
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        first.stop()
+        thread.join(30)
+        pytest.fail("the first executor never ran two calls")
+    ids = [c["call_id"] for c in calls]
+    assert ran == [("first", i) for i in ids[:2]]
+    second = executor(s, {"lookup_order": lookup("second")}, group_id=group)
+    try:
+        drain(second, len(calls) - 2)
+    finally:
+        second.close()
+    assert ran[2:] == [("second", i) for i in ids[2:]]
+    out = results(s, len(calls))
+    assert {i: r["outcome"] for i, r in out.items()} == dict.fromkeys(ids, "SUCCEEDED")
 
 
 def test_executors_for_different_classes_on_one_host_have_ids_of_their_own(

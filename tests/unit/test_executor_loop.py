@@ -163,6 +163,51 @@ def test_a_batch_read_while_its_partitions_moved_is_rewound_not_run(
     assert producer.calls == ["begin", "offsets", "produce", "produce", "commit"]
 
 
+def test_a_stop_starts_no_more_calls_and_commits_those_that_finished(
+    contracts: ContractSet,
+) -> None:
+    """A SIGTERM while a batch runs: the call in hand finishes and is committed with the
+    calls before it; the calls after it are neither run nor committed, but left to their
+    partitions' next owner. Run, each would hold the shutdown for its handler's run time,
+    past an orchestrator's grace period and its SIGKILL, which could land mid-call."""
+    call, now_ms = _approved_call(contracts)
+    executor, producer, consumer, topic = _rig(now_ms)
+    ran: list[str] = []
+
+    def lookup(c: Call) -> Succeeded:
+        ran.append(c.call_id)
+        if len(ran) == 2:
+            executor.stop()  # the signal arrives while this call runs
+        return Succeeded({"state": "processing"})
+
+    executor.handlers["lookup_order"] = lookup
+    batch = [(0, 4), (1, 20), (0, 5), (1, 21)]
+    consumer.records = [
+        _Record(topic, offset, _call_id(call, f"c-{partition}-{offset}"), partition)
+        for partition, offset in batch
+    ]
+    assert executor.run_once(0.1) == 2
+    assert ran == ["c-0-4", "c-1-20"]
+    assert producer.calls == ["begin", "offsets", "produce", "produce", "commit"]
+    assert [decode_result(p["value"])["call_id"] for p in producer.produced] == ran
+    # Each partition up to its last finished call: the next owner starts at the first left.
+    assert producer.offsets == [(topic, 0, 5), (topic, 1, 21)]
+
+    consumer.records = consumer.records[2:]
+    assert executor.run_once(0.1) == 0  # stopped: nothing is started any more
+    assert len(ran) == 2 and producer.calls.count("begin") == 1
+
+
+def test_a_stop_asked_for_while_a_batch_is_read_runs_none_of_it(contracts: ContractSet) -> None:
+    call, now_ms = _approved_call(contracts)
+    ran: list[Call] = []
+    executor, producer, consumer, topic = _rig(now_ms, ran=ran)
+    consumer.records = [_Record(topic, 4, call), _Record(topic, 5, call)]
+    consumer.moved = executor.stop  # inside poll(), as a signal would come
+    assert executor.run_once(0.1) == 0
+    assert ran == [] and producer.calls == []  # nothing run, published or committed
+
+
 def _retriable() -> KafkaError:
     return KafkaError(KafkaError._TIMED_OUT, "commit timed out", retriable=True)
 
@@ -300,6 +345,11 @@ def test_a_held_partition_is_resumed_after_the_hold(contracts: ContractSet) -> N
     executor._held[(topic, 0)] = 0.0
     executor._on_revoke(consumer, [TopicPartition(topic, 0)])  # type: ignore[arg-type]
     assert executor._held == {}  # its next owner reads it afresh
+
+
+def _call_id(value: bytes, call_id: str) -> bytes:
+    """The same call under another call id."""
+    return codec("approved_call").encode({**decode_approved_call(value), "call_id": call_id})
 
 
 def _unrunnable(value: bytes, **fields: Any) -> bytes:
