@@ -74,8 +74,8 @@ from processor.codec.records import (
     encode_observation,
 )
 from processor.config import Settings
-from processor.contracts.registry import ContractSet, load_contracts
-from processor.contracts.watch import ContractWatcher, Settling, file_stamps, folder_stamp
+from processor.contracts.registry import ContractSet
+from processor.contracts.watch import ContractWatcher, Settling, file_stamps, load_settled
 from processor.gates.budget import admission_item, apply_verdict, release_item
 from processor.gates.parse import Limits
 from processor.identity import Verifier
@@ -294,8 +294,12 @@ class Processor:
         reload_requested: threading.Event | None = None,
     ) -> None:
         self.settings = settings
-        contracts_stamp = None if contracts else folder_stamp(Path(settings.contracts_dir))
-        self.contracts = contracts or load_contracts(settings.contracts_dir)
+        contracts_stamp = None
+        if contracts is None:
+            contracts, contracts_stamp = load_settled(
+                settings.contracts_dir, settings.contracts_poll_s
+            )
+        self.contracts = contracts
         self.metrics = metrics or Metrics()
         self.limits = Limits(
             settings.max_record_bytes, settings.max_arguments_bytes, settings.max_arguments_depth

@@ -6,13 +6,16 @@ reload request, e.g. SIGHUP). A changed folder is loaded whole by
 held still while it was read (see ``Settling``); a refused set is logged and
 counted and the processor keeps deciding with the set it has. The processor's
 loop takes a loaded set between batches, so no proposal is ever decided by
-half of one set and half of another.
+half of one set and half of another. The processor's first read, at start, is
+held to the same (``load_settled``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -36,6 +39,15 @@ MISSING = (-1, -1, -1, -1)
 UNLISTABLE = (-2, -2, -2, -2)
 """The stamp of a folder that cannot be listed: its files are not known, but the folder
 is, so that it is read (and refused) once, and read again once it can be listed."""
+UNREAD: Stamp = (("", *MISSING),)
+"""What is taken before the first read: no folder's stamp (no file's name is empty), so
+the first read waits for the files to hold still as a change does."""
+FIRST_READ_POLLS = 15
+"""How many polls the first read waits, at most, for the files to hold still (30 s at
+the default ``contracts_poll_s``). A deploy is done writing within a few; files still
+changing after that are written by something that does not stop, and the processor
+refuses to start rather than decide with whatever it caught of them (its orchestrator
+starts it again, as after any refused start)."""
 
 
 def file_stamps(files: Iterable[tuple[str, Path]]) -> Stamp:
@@ -101,6 +113,82 @@ class Settling:
             return False
         self.taken, self._changed = before, None
         return True
+
+
+def quiet_for(directory: Path, seconds: float, stamp: Stamp, now_s: float) -> bool:
+    """Whether nothing under ``directory`` has changed for ``seconds`` before ``now_s``:
+    no file of ``stamp`` was written or replaced since (its mtime and ctime), and no
+    folder had a name added, removed or renamed (its ctime). A time ahead of ``now_s``
+    (a clock that disagrees with the file server's) is a recent change."""
+    since = int((now_s - seconds) * 1e9)
+    if any(s[1:] == UNLISTABLE or max(s[3], s[4]) > since for s in stamp):
+        return False
+    folders = [Path(directory)]
+    while folders:
+        folder = folders.pop()
+        try:
+            if folder.stat().st_ctime_ns > since:
+                return False
+            with os.scandir(folder) as it:
+                folders.extend(
+                    folder / e.name
+                    for e in it
+                    if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+                )
+        except OSError:
+            return False
+    return True
+
+
+def load_settled(
+    directory: Path,
+    poll_s: float,
+    wait: Callable[[float], object] = time.sleep,
+    clock: Callable[[], float] = time.time,
+) -> tuple[ContractSet, Stamp]:
+    """The processor's first read of the folder, held to what a reload is (see
+    ``Settling``): read once the files have stayed the same for a whole poll, and taken
+    only if they held while they were read, otherwise read again. Without it, a
+    processor started while a deploy writes the folder could decide with half of the
+    new set: a version's file there and the one that goes with it not yet, a file cut
+    short where it still parses. Files that have not changed for a poll already (the
+    usual start) are read at once; otherwise the read waits for a poll in which nothing
+    changes. Returns the set and the stamp it was read at (where the watcher starts
+    from). Raises what loading raises for files that held still (a refused set:
+    ``ContractError``), and ``ContractError`` if they have not held still within
+    ``FIRST_READ_POLLS`` polls; ``wait(poll_s)`` is one poll."""
+    directory = Path(directory)
+    settling = Settling(lambda: folder_stamp(directory), UNREAD)
+    now = folder_stamp(directory)
+    stamp = settling.due(force=quiet_for(directory, poll_s, now, clock()))
+    polls = 0
+    while True:
+        if stamp is not None:
+            try:
+                loaded: ContractSet | Exception = load_contracts(directory)
+            except Exception as exc:
+                # Refused, or a defect met on some file: what that means is known only of
+                # files that held still (a file cut short fails to parse as often as not).
+                loaded = exc
+            if settling.held(stamp):
+                if isinstance(loaded, Exception):
+                    raise loaded
+                return loaded, stamp
+            logger.info("contract files changed while being read; reading them again")
+        if polls == FIRST_READ_POLLS:
+            raise ContractError(
+                [
+                    Problem(
+                        str(directory),
+                        "/",
+                        f"the files did not hold still for a poll ({poll_s:g} s) within "
+                        f"{FIRST_READ_POLLS} polls: still being written",
+                    )
+                ]
+            )
+        wait(poll_s)
+        polls += 1
+        stamp = settling.due()
 
 
 class ContractWatcher:

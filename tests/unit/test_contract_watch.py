@@ -1,18 +1,23 @@
 """Hot reload of the contract folder: a change is loaded once it has settled and only if
 it held still while it was read; a copy that keeps its mtime is still noticed. The
-watcher's poll is driven by calling ``check`` directly, so nothing here sleeps."""
+processor's first read, at start, is held to the same. The watcher's poll is driven by
+calling ``check`` directly, and the first read's by the ``wait`` it is given (or a poll
+of 0 s), so nothing here sleeps."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from processor.contracts import watch
+from processor.app import Processor
+from processor.config import Settings
+from processor.contracts import registry, watch
 from processor.contracts.registry import ContractError, ContractSet, load_contracts
 from processor.contracts.watch import ContractWatcher
 from processor.metrics import Metrics
@@ -20,13 +25,20 @@ from processor.model import SideEffectClass
 from tests.unit.helpers import CONTRACTS_DIR
 
 CANCEL = "cancel_order/1.0.0.yaml"
+LOOKUP = "lookup_order/1.0.0.yaml"
+
+
+def _folder(tmp_path: Path) -> Path:
+    """A contracts folder with cancel_order and lookup_order 1.0.0."""
+    folder = tmp_path / "contracts"
+    for rel in (CANCEL, LOOKUP):
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(CONTRACTS_DIR / rel, folder / rel)
+    return folder
 
 
 def _watcher(tmp_path: Path) -> tuple[ContractWatcher, Path, CollectorRegistry]:
-    folder = tmp_path / "contracts"
-    for rel in (CANCEL, "lookup_order/1.0.0.yaml"):
-        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(CONTRACTS_DIR / rel, folder / rel)
+    folder = _folder(tmp_path)
     registry = CollectorRegistry()
     w = ContractWatcher(folder, load_contracts(folder), Metrics(registry), poll_s=2.0)
     return w, folder, registry
@@ -163,13 +175,13 @@ def _configmap_version(volume: Path, version: str, timeout_ms: int) -> None:
     The visible names are links through ``..data``."""
     stamped = volume / f"..2024_01_01_{version}"
     stamped.mkdir()
-    for rel in (CANCEL, "lookup_order/1.0.0.yaml"):
+    for rel in (CANCEL, LOOKUP):
         text = (CONTRACTS_DIR / rel).read_text()
         new = text.replace("timeout_ms: 6000", f"timeout_ms: {timeout_ms}")
         (stamped / rel.replace("/", "-")).write_text(new)
     (volume / "..data_tmp").symlink_to(stamped.name)
     os.replace(volume / "..data_tmp", volume / "..data")
-    for rel in (CANCEL, "lookup_order/1.0.0.yaml"):
+    for rel in (CANCEL, LOOKUP):
         name = volume / rel.replace("/", "-")
         if not name.is_symlink():
             name.symlink_to(f"..data/{name.name}")
@@ -266,3 +278,147 @@ def test_an_unexpected_error_while_loading_refuses_the_set_once(
     w.check()
     loaded = w.take()
     assert loaded is not None and loaded.get("cancel_order", "1.0.0").timeout_ms == 8000
+
+
+def _new_version(folder: Path, rel: str) -> None:
+    """Write version 1.1.0 of the tool of ``rel`` (1.0.0), as a deploy does."""
+    text = (folder / rel).read_text().replace("version: 1.0.0", "version: 1.1.0", 1)
+    (folder / rel).with_name("1.1.0.yaml").write_text(text)
+
+
+def test_a_processor_started_while_a_deploy_writes_the_folder_takes_the_whole_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deploy of two versions that go together has written one when the processor
+    starts, and writes the other while the processor reads the folder. The first read
+    is held to what a reload is: read again, whole, rather than taken with one version
+    and not the other. (``contracts_poll_s`` 0: each poll is one more read, no sleep.)"""
+    folder = _folder(tmp_path)
+    _new_version(folder, CANCEL)
+    deploy = [lambda: _new_version(folder, LOOKUP)]
+    read = registry.read_contract_file
+
+    def read_while_deployed(path: Path) -> Any:
+        if deploy:
+            deploy.pop()()
+        return read(path)
+
+    monkeypatch.setattr(registry, "read_contract_file", read_while_deployed)
+    settings = Settings(contracts_dir=folder, policy_file=None, metrics_port=0,
+                        redis_url="redis://127.0.0.1:1/0", contracts_poll_s=0.0)  # fmt: skip
+    proc = Processor(settings, metrics=Metrics(CollectorRegistry()))
+    assert [c.version for c in proc.contracts.versions("cancel_order")] == ["1.1.0", "1.0.0"]
+    assert [c.version for c in proc.contracts.versions("lookup_order")] == ["1.1.0", "1.0.0"]
+
+
+def test_the_first_read_waits_for_the_files_to_hold_still_for_a_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deploy between two files when the processor starts: read only once nothing has
+    changed for a whole poll, as a reload is, and then once."""
+    folder = _folder(tmp_path)
+    deploy = [lambda: _new_version(folder, CANCEL), lambda: _new_version(folder, LOOKUP)]
+    polls: list[float] = []
+
+    def poll(seconds: float) -> None:
+        polls.append(seconds)
+        if deploy:
+            deploy.pop(0)()
+
+    loads: list[Path] = []
+
+    def load(directory: Path) -> ContractSet:
+        loads.append(directory)
+        return load_contracts(directory)
+
+    monkeypatch.setattr(watch, "load_contracts", load)
+    loaded, stamp = watch.load_settled(folder, 2.0, poll)
+    assert polls == [2.0] * 3 and loads == [folder]
+    assert len(loaded) == 4 and loaded.get("lookup_order", "1.1.0") is not None
+    assert stamp == watch.folder_stamp(folder)
+
+
+def test_a_file_cut_short_at_start_is_read_again_once_written_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a read of files that changed under it found wrong says nothing of the files:
+    the processor does not refuse to start on a file a writer had not finished."""
+    folder = _folder(tmp_path)
+    path = folder / CANCEL
+    full = path.read_text()
+    path.write_text(full[: full.index("\naffordance:")] + "\naffordance: {model_desc")
+    with pytest.raises(ContractError):
+        load_contracts(folder)  # refused, read as it is
+
+    def load_while_written(directory: Path) -> ContractSet:
+        try:
+            return load_contracts(directory)
+        finally:
+            if path.read_text() != full:
+                path.write_text(full)
+
+    monkeypatch.setattr(watch, "load_contracts", load_while_written)
+    loaded, _ = watch.load_settled(folder, 0.0)
+    assert _references(loaded) == ["order_id"]
+
+
+def test_a_refused_set_that_holds_still_refuses_the_start(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    (folder / "broken.yaml").write_text("identity: [not, a, contract\n")
+    polls: list[float] = []
+    with pytest.raises(ContractError, match=r"broken\.yaml: /: cannot be parsed"):
+        watch.load_settled(folder, 2.0, polls.append)
+    assert polls == [2.0]
+
+
+def test_files_that_never_hold_still_refuse_the_start_after_a_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a start that waits for ever, nor one with whatever was caught of the files."""
+    folder = _folder(tmp_path)
+    path = folder / CANCEL
+
+    def write() -> None:
+        with path.open("a") as f:  # a line more each time: a stamp of its own
+            f.write("# still being written\n")
+
+    polls: list[float] = []
+
+    def poll(seconds: float) -> None:
+        polls.append(seconds)
+        if len(polls) % 2:
+            write()  # changed from one poll to the next
+
+    def load(directory: Path) -> ContractSet:
+        loaded = load_contracts(directory)
+        write()  # held still for a poll, then changed while read
+        return loaded
+
+    monkeypatch.setattr(watch, "load_contracts", load)
+    with pytest.raises(ContractError, match="did not hold still"):
+        watch.load_settled(folder, 2.0, poll)
+    assert polls == [2.0] * watch.FIRST_READ_POLLS
+
+
+def test_files_that_have_not_changed_for_a_poll_are_read_at_once(tmp_path: Path) -> None:
+    """The usual start: the folder was deployed before the processor started, and is
+    read without waiting a poll."""
+    folder = _folder(tmp_path)
+    polls: list[float] = []
+    later = time.time() + 5.0
+    loaded, stamp = watch.load_settled(folder, 2.0, polls.append, clock=lambda: later)
+    assert polls == [] and len(loaded) == 2 and stamp == watch.folder_stamp(folder)
+
+
+def test_a_file_removed_within_the_last_poll_is_waited_out(tmp_path: Path) -> None:
+    """A removal leaves no file to look at: its folder's change time tells it (a deploy
+    that removes a version before it writes its successor)."""
+    folder = _folder(tmp_path)
+    time.sleep(0.05)  # the files age past the 30 ms looked at below; the removal does not
+    (folder / LOOKUP).unlink()
+    stamp = watch.folder_stamp(folder)
+    assert all(max(s[3], s[4]) < time.time_ns() - 30_000_000 for s in stamp)
+    assert not watch.quiet_for(folder, 0.03, stamp, time.time())
+    polls: list[float] = []
+    loaded, _ = watch.load_settled(folder, 2.0, polls.append, clock=lambda: time.time() + 1.0)
+    assert polls == [2.0] and len(loaded) == 1
