@@ -75,7 +75,17 @@ from processor.codec.records import (
 )
 from processor.config import Settings
 from processor.contracts.registry import ContractSet
-from processor.contracts.watch import ContractWatcher, Settling, file_stamps, load_settled
+from processor.contracts.watch import (
+    FIRST_READ_POLLS,
+    ContractWatcher,
+    Settling,
+    Stamp,
+    StillChanging,
+    file_stamps,
+    load_settled,
+    quiet_for,
+    read_settled,
+)
 from processor.gates.budget import admission_item, apply_verdict, release_item
 from processor.gates.parse import Limits
 from processor.identity import Verifier
@@ -318,11 +328,28 @@ class Processor:
             reload_requested, contracts_stamp,
         )  # fmt: skip
         trust_files = _trust_files(settings)
-        self._trust = Settling(lambda: file_stamps((str(f), f) for f in trust_files))
+
+        def trust_stamp() -> Stamp:
+            return file_stamps((str(f), f) for f in trust_files)
+
+        poll_s = settings.contracts_poll_s
+        # Held to what a reload is, as the contracts are: a processor started while a key
+        # rotation or a policy change is written does not run with half of it.
+        self.gates, trust_taken = read_settled(
+            trust_stamp,
+            lambda: self._load_trust(self.contracts),
+            poll_s,
+            lambda stamp: quiet_for(poll_s, stamp, time.time()),
+            time.sleep,
+            lambda: StillChanging(
+                f"the keys, policy or approvers files did not hold still for a poll "
+                f"({poll_s:g} s) within {FIRST_READ_POLLS} polls: still being written"
+            ),
+        )
+        self._trust = Settling(trust_stamp, trust_taken)
         self._trust_checked = time.monotonic()
         self._trust_forced = 0
         """The watcher's count of forced checks when the trust files were last forced."""
-        self.gates = self._load_trust(self.contracts)
         self.redis = connect(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.references = ReferenceStore(
             self.redis, settings.redis_namespace, settings.reference_group_id,

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from processor.contracts.registry import (
     ContractError,
@@ -29,6 +30,8 @@ from processor.contracts.registry import (
 from processor.metrics import Metrics
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 Stamp = tuple[tuple[str, int, int, int, int], ...]
 """(name, inode, size, mtime, ctime) of each file. The inode changes when a file is
@@ -115,15 +118,16 @@ class Settling:
         return True
 
 
-def quiet_for(directory: Path, seconds: float, stamp: Stamp, now_s: float) -> bool:
-    """Whether nothing under ``directory`` has changed for ``seconds`` before ``now_s``:
-    no file of ``stamp`` was written or replaced since (its mtime and ctime), and no
-    folder had a name added, removed or renamed (its ctime). A time ahead of ``now_s``
-    (a clock that disagrees with the file server's) is a recent change."""
+def quiet_for(seconds: float, stamp: Stamp, now_s: float, directory: Path | None = None) -> bool:
+    """Whether nothing has changed for ``seconds`` before ``now_s``: no file of ``stamp``
+    was written or replaced since (its mtime and ctime), and no folder under
+    ``directory`` had a name added, removed or renamed (its ctime). A file that is
+    missing or a folder that cannot be listed is not quiet, nor is a time ahead of
+    ``now_s`` (a clock that disagrees with the file server's)."""
     since = int((now_s - seconds) * 1e9)
-    if any(s[1:] == UNLISTABLE or max(s[3], s[4]) > since for s in stamp):
+    if any(s[1] < 0 or max(s[3], s[4]) > since for s in stamp):
         return False
-    folders = [Path(directory)]
+    folders = [Path(directory)] if directory is not None else []
     while folders:
         folder = folders.pop()
         try:
@@ -140,55 +144,76 @@ def quiet_for(directory: Path, seconds: float, stamp: Stamp, now_s: float) -> bo
     return True
 
 
+class StillChanging(OSError):
+    """Files that did not hold still for a poll within ``FIRST_READ_POLLS`` polls."""
+
+
+def read_settled(
+    stamp: Callable[[], Stamp],
+    load: Callable[[], T],
+    poll_s: float,
+    quiet: Callable[[Stamp], bool],
+    wait: Callable[[float], object],
+    give_up: Callable[[], Exception],
+) -> tuple[T, Stamp]:
+    """A process's first read of files it reloads later, held to what a reload is (see
+    ``Settling``): read once the files have stayed the same for a whole poll, and taken
+    only if they held while they were read, otherwise read again. Without it, a process
+    started while a deploy writes them could run with half of the new files: a version's
+    file there and the one that goes with it not yet, a file cut short where it still
+    parses. Files that have not changed for a poll already (``quiet``, the usual start)
+    are read at once. Returns what ``load`` returned and the stamp it was read at (where
+    reloads start from). Raises what ``load`` raised for files that held still, and
+    ``give_up()`` if they have not held still within ``FIRST_READ_POLLS`` polls;
+    ``wait(poll_s)`` is one poll."""
+    settling = Settling(stamp, UNREAD)
+    due = settling.due(force=quiet(stamp()))
+    polls = 0
+    while True:
+        if due is not None:
+            try:
+                loaded: T | Exception = load()
+            except Exception as exc:
+                # What a read found wrong is known only of files that held still (a file
+                # cut short fails to parse as often as not).
+                loaded = exc
+            if settling.held(due):
+                if isinstance(loaded, Exception):
+                    raise loaded
+                return loaded, due
+            logger.info("files changed while being read; reading them again")
+        if polls == FIRST_READ_POLLS:
+            raise give_up()
+        wait(poll_s)
+        polls += 1
+        due = settling.due()
+
+
 def load_settled(
     directory: Path,
     poll_s: float,
     wait: Callable[[float], object] = time.sleep,
     clock: Callable[[], float] = time.time,
 ) -> tuple[ContractSet, Stamp]:
-    """The processor's first read of the folder, held to what a reload is (see
-    ``Settling``): read once the files have stayed the same for a whole poll, and taken
-    only if they held while they were read, otherwise read again. Without it, a
-    processor started while a deploy writes the folder could decide with half of the
-    new set: a version's file there and the one that goes with it not yet, a file cut
-    short where it still parses. Files that have not changed for a poll already (the
-    usual start) are read at once; otherwise the read waits for a poll in which nothing
-    changes. Returns the set and the stamp it was read at (where the watcher starts
-    from). Raises what loading raises for files that held still (a refused set:
-    ``ContractError``), and ``ContractError`` if they have not held still within
-    ``FIRST_READ_POLLS`` polls; ``wait(poll_s)`` is one poll."""
+    """The processor's first read of the contract folder (see ``read_settled``): a
+    processor started while a deploy writes the folder does not decide with half of the
+    new set. Files still changing after ``FIRST_READ_POLLS`` polls are a refused set
+    (``ContractError``)."""
     directory = Path(directory)
-    settling = Settling(lambda: folder_stamp(directory), UNREAD)
-    now = folder_stamp(directory)
-    stamp = settling.due(force=quiet_for(directory, poll_s, now, clock()))
-    polls = 0
-    while True:
-        if stamp is not None:
-            try:
-                loaded: ContractSet | Exception = load_contracts(directory)
-            except Exception as exc:
-                # Refused, or a defect met on some file: what that means is known only of
-                # files that held still (a file cut short fails to parse as often as not).
-                loaded = exc
-            if settling.held(stamp):
-                if isinstance(loaded, Exception):
-                    raise loaded
-                return loaded, stamp
-            logger.info("contract files changed while being read; reading them again")
-        if polls == FIRST_READ_POLLS:
-            raise ContractError(
-                [
-                    Problem(
-                        str(directory),
-                        "/",
-                        f"the files did not hold still for a poll ({poll_s:g} s) within "
-                        f"{FIRST_READ_POLLS} polls: still being written",
-                    )
-                ]
-            )
-        wait(poll_s)
-        polls += 1
-        stamp = settling.due()
+
+    def give_up() -> Exception:
+        problem = (f"the files did not hold still for a poll ({poll_s:g} s) within "
+                   f"{FIRST_READ_POLLS} polls: still being written")  # fmt: skip
+        return ContractError([Problem(str(directory), "/", problem)])
+
+    return read_settled(
+        lambda: folder_stamp(directory),
+        lambda: load_contracts(directory),
+        poll_s,
+        lambda stamp: quiet_for(poll_s, stamp, clock(), directory),
+        wait,
+        give_up,
+    )
 
 
 class ContractWatcher:

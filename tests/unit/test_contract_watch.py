@@ -418,7 +418,7 @@ def test_a_file_removed_within_the_last_poll_is_waited_out(tmp_path: Path) -> No
     (folder / LOOKUP).unlink()
     stamp = watch.folder_stamp(folder)
     assert all(max(s[3], s[4]) < time.time_ns() - 30_000_000 for s in stamp)
-    assert not watch.quiet_for(folder, 0.03, stamp, time.time())
+    assert not watch.quiet_for(0.03, stamp, time.time(), folder)
     polls: list[float] = []
     loaded, _ = watch.load_settled(folder, 2.0, polls.append, clock=lambda: time.time() + 1.0)
     assert polls == [2.0] and len(loaded) == 1

@@ -8,9 +8,15 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from processor import app
+from processor import policy as policy_module
 from processor.app import Processor
 from processor.contracts.registry import ContractSet
+from processor.contracts.watch import StillChanging
 from processor.identity import TokenIssuer
 from processor.keys import init_keys
 from processor.model import FieldError, Principal
@@ -152,3 +158,40 @@ def test_sighup_takes_a_revoked_key_out_at_once(tmp_path: Path) -> None:
     refused = proc.gates.verifier.verify(leaked)
     assert isinstance(refused, FieldError) and refused.code == "token_unknown_key"
     assert proc.reload_trust() is False  # one SIGHUP, one forced read
+
+
+def test_a_processor_started_while_the_policy_is_written_takes_the_whole_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first read of the trust files is held to what a reload is: the policy changed
+    while it was read (the rest of a deploy's file landing) is read again, whole, not
+    taken as the part that was there. (``contracts_poll_s`` 0: each poll one more read.)"""
+    written: list[Path] = []
+    read = app.load_policy
+
+    def read_while_written(path: Path | None) -> Any:
+        policy = read(path)
+        if path is not None and not written:
+            written.append(path)
+            text = path.read_text().replace("ttl_seconds: 600", "ttl_seconds: 60", 1)
+            assert text != path.read_text()
+            path.write_text(text)
+        return policy
+
+    monkeypatch.setattr(app, "load_policy", read_while_written)
+    proc, _ = keyed_processor(tmp_path)
+    assert written and proc.gates.policy.approval_ttl_s == 60
+
+
+def test_trust_files_still_changing_after_the_bound_refuse_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def read_while_written(path: Path | None) -> Any:
+        assert path is not None
+        with path.open("a") as f:  # changed by every read: it never holds still
+            f.write("# still being written\n")
+        return policy_module.load_policy(path)
+
+    monkeypatch.setattr(app, "load_policy", read_while_written)
+    with pytest.raises(StillChanging, match="did not hold still"):
+        keyed_processor(tmp_path)
