@@ -877,7 +877,8 @@ class Processor:
                 # A copy of a result already settled, or the result of an attempt of the
                 # same proposal the key has moved on from (the later attempt's result
                 # answers it; the handler, idempotent under the key, gives the same
-                # answer). Counted, not answered twice.
+                # answer). Counted, not answered twice. (An earlier attempt that completed
+                # after the key moved on from it settles the key: "settled", below.)
                 out[i] = ignored(x.src, f"result_{status}")
                 continue
             if status == "unknown":
@@ -887,10 +888,10 @@ class Processor:
                 out[i] = dead_letter(x.src, "result_unknown_call", detail, Gate.RESULT)
                 continue
             if status in _RESULTS_REFUSED:
-                # A result that is not its call's (another tool, payload or run than the
-                # call's record holds), or one for a call that never ran (parked, or its
-                # approval request ended without it going): settling it would show a
-                # model an answer, or propose a compensation, for something that did not
+                # A result that is not its call's (another tool, version, payload or run
+                # than the call's record holds), or one for a call that never ran (parked,
+                # or its approval request ended without it going): settling it would show
+                # a model an answer, or propose a compensation, for something that did not
                 # happen as it says. The record is left as it was; the DLQ keeps it.
                 reason, detail = _RESULTS_REFUSED[status]
                 out[i] = dead_letter(x.src, reason, detail, Gate.RESULT)
@@ -1434,7 +1435,11 @@ def _proposal_op(d: Decision, now_ms: int) -> tuple[str, dict[str, Any]] | None:
 
 
 _ANSWERED_ALREADY = {
-    "moved_on": ("approval_request_superseded", "the call went ahead with approvals attached"),
+    "moved_on": (
+        "approval_request_superseded",
+        "the call went ahead without this request (with approvals attached, or an earlier "
+        "attempt of it completed)",
+    ),
     "given_back": (
         "approval_request_withdrawn",
         "the call was decided again as something else before its request ended, and never ran",
@@ -1451,7 +1456,7 @@ _REPLAY_CHANGED = {"ok": False, "why": "replay_changed", "retry_after_ms": 0}
 _RESULTS_REFUSED = {
     "mismatch": (
         "result_mismatch",
-        "the result's tool, payload hash or run is not its call's",
+        "the result's tool, tool version, payload hash or run is not its call's",
     ),
     "unrouted": ("result_unrouted_call", "the result's call was never routed"),
 }

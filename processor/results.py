@@ -5,17 +5,17 @@ consumes those records in the same transactions as proposals: each one settles
 its call's idempotency record (COMPLETED, FAILED_RETRYABLE, FAILED_FINAL, EXPIRED)
 and yields the call's final observation, with the result's data on success or the
 failure mapped onto the taxonomy. A result that reports committed steps before a
-failure means the world is half changed: ``COMPENSATION_REQUIRED``, and where the
-contract names a compensation tool the compensating call is proposed on
-``tool.proposals``, in the original caller's name (a token the processor signs with
-its delegation key, good for that one call) and under a key derived from the
-original's, so it passes through every gate like any other call. When that call
-completes, the original's record becomes COMPENSATED; when it fails, or a gate refuses
-it (the order system says it cannot be undone, an approver says no, its token expired
-in a backlog), or it cannot be signed, ``COMPENSATION_FAILED`` and an operator must
-reconcile. Only the
-compensation the processor proposed is admitted under its key: the original's record
-names that key and its payload hash, so a proposal that borrows the key is refused.
+failure (a timeout included) means the world is half changed: ``PARTIAL_SUCCESS`` for a
+tool a retry finishes, else ``COMPENSATION_REQUIRED``, and where the contract names a
+compensation tool the compensating call is proposed on ``tool.proposals``, in the
+original caller's name (a token the processor signs with its delegation key, good for
+that one call) and under a key derived from the original's, so it passes through every
+gate like any other call. When that call completes, the original's record becomes
+COMPENSATED; when it fails, or a gate refuses it (the order system says it cannot be
+undone, an approver says no, its token expired in a backlog), or it cannot be signed,
+``COMPENSATION_FAILED`` and an operator must reconcile. Only the compensation the
+processor proposed is admitted under its key: the original's record names that key and
+its payload hash, so a proposal that borrows the key is refused.
 
 A result whose data does not match the contract's ``output_schema`` is not shown to the
 model at all: ``OBSERVATION_NORMALIZATION_FAIL``, and the call is not run again. A failed
@@ -167,6 +167,9 @@ def parse_result(src: SourceRecord, contracts: ContractSet) -> ResultInput | str
         # Attempts start at 1; admission reads an attempt below that as "not given" and
         # would let the result settle whatever attempt its key is on now.
         return f"the result's attempt is {r['attempt']}; attempts start at 1"
+    # The version the result names picks the output schema and the semantics it is read
+    # with; admission holds it to the version its call was routed as (result_mismatch, see
+    # admission.lua, settle), so a result that names another reaches no model.
     contract = contracts.get(r["tool_name"], r["tool_version"])
     state, rejection, final = _classify(r, contract)
     p = Proposal(
@@ -238,15 +241,18 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             "handoff_to_human."
         )
         return "FAILED_FINAL", _handoff(_T.COMPENSATION_FAILED, action, detail), final
-    if r["outcome"] == "TIMED_OUT":
+    steps = list(r.get("committed_steps") or [])
+    if r["outcome"] == "TIMED_OUT" and not steps:
         action = (
             f"{tool} was not started before its deadline; nothing ran. Propose it again "
             "with the same idempotency key, or tell the user it could not be done in time."
         )
         err = FieldError(None, "not started before the call's deadline", "deadline_passed")
         return "EXPIRED", Rejection(_T.TIMEOUT, Gate.RESULT, (err,), action), final
-    steps = list(r.get("committed_steps") or [])
     if steps:
+        # (a call timed out after committing steps, as an executor that gives its handlers
+        # a time limit may report it, ran in part: it is not "nothing ran", and goes as any
+        # failure after committed steps goes)
         # The steps' names are the executor's text: listed among the errors, where the
         # model reads them as data, not in the next action it is told to take.
         done = _executor_text(", ".join(steps), EXECUTOR_MESSAGE_MAX)
@@ -458,9 +464,10 @@ def settle_item(
         "call": r["call_id"],
         "attempt": int(r["attempt"]),
         # What the result says it is, held to the call's record (see admission.lua, settle):
-        # the tool picks the output schema its data was checked against, the run where its
-        # observation goes.
+        # the tool and its version pick the output schema its data was checked against and
+        # the compensation asked for, the run where its observation goes.
         "tool": r["tool_name"],
+        "version": r["tool_version"],
         "hash": r["payload_hash"],
         "run": r["run_id"],
         "result_id": r["result_id"],

@@ -120,6 +120,9 @@ def admission_item(
             pos=pos,
             run=p.run_id,
             tool=contract.name,
+            # The version it is routed as: its result must name the same (see admission.lua,
+            # settle), since the version picks the output schema and the compensation.
+            version=contract.version,
             group=group,
             cost=rt.cost,
             sig=_signature(contract.name, call.canonical_arguments.encode()),
@@ -225,6 +228,7 @@ def release_item(d: Decision) -> tuple[str, Item]:
         "parked_until": d.extra.get(PARKED_UNTIL) or "",  # its request's expiry
         "rid": first,  # the request, as its key's record names it
         "attempt": attempt,
+        "version": call.tool_version,  # the version it is routed as, as its result must say
     }
 
 

@@ -9,8 +9,9 @@
 --          1 call     a proposal every earlier gate accepted (routed or parked), with
 --                     the approvals it carries, which it spends when admitted
 --          2 step     a proposal an earlier gate refused (it still is a step of its run)
---          3 result   an executor's result for a routed call, with the tool, payload hash
---                     and run it claims (checked against the call's record, see settle)
+--          3 result   an executor's result for a routed call, with the tool, its version,
+--                     the payload hash and run it claims (checked against the call's
+--                     record, see settle)
 --          4 release  a parked call its approvers released (with the deadline its request
 --                     parked it until, and the request it names, see holds)
 --          5 void     a call whose record failed alone on a defect after it was admitted
@@ -28,26 +29,27 @@
 -- "hit|<state>|#<length of call>|<call>|<cached answer>" (a call id may hold a '|'),
 -- or a result's "settled[|grant|<claims>]", "superseded",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
--- "unknown", "mismatch" (its tool, payload or run is not its call's), "unrouted" (its
--- call was never routed); a void's "voided" or "unchanged"; a comp_failed's "marked" or
+-- "unknown", "mismatch" (its tool, version, payload or run is not its call's), "unrouted"
+-- (its call was never routed); a void's "voided" or "unchanged"; a comp_failed's "marked" or
 -- "unchanged"; a lapse's "lapsed", "moved_on", "superseded", "given_back" or "unchanged"; a
 -- withdraw's "withdrawn" or "none". Short strings, not JSON: decoding and encoding are
 -- most of a script's cost per item.
 --
--- Storage: an idempotency record is JSON (s state, h payload hash, n tool (records written
--- before it was kept have none), c call, d deadline,
--- w awaiting approval, a attempt, r run, t the principal's claims a compensation would
--- act for (never a token), x result id, k compensation key, kh and kt the compensation's
--- payload hash and tool, kf 1 once that compensation failed, v cached answer, p and q
--- what a parked call took and the position it was parked at, given back if it lapses, pd
--- the deadline a resubmission's call was parked until, e 1 once that request ended after
--- the resubmission took the key over: a lapse, or a release come too late; rp and rq a
--- released call's p and q, see unrelease; i the approval request a parked call waits
--- for, see holds (records written before it was kept have none); l the requests whose
--- park a later attempt replaced before their end was seen, see take_unseen; u 1 once the
--- call c is known never to have been routed though it waits for no approval, see settle;
--- o the ids of results answered for the calls it held before, see settle); a run's
--- counters are JSON too. Every record
+-- Storage: an idempotency record is JSON (s state, h payload hash, n tool and nv the
+-- version its call was routed as (records written before either was kept have none), c
+-- call, d deadline, w awaiting approval, a attempt, r run, t the principal's claims a
+-- compensation would act for (never a token), x result id, k compensation key, kh and kt
+-- the compensation's payload hash and tool, kf 1 once that compensation failed, v cached
+-- answer, p and q what a parked call took and the position it was parked at, given back
+-- if it lapses, pd the deadline a resubmission's call was parked until, e 1 once that
+-- request ended after the resubmission took the key over: a lapse, or a release come too
+-- late; rp and rq a released call's p and q, see unrelease; i the approval request a
+-- parked call waits for, see holds (records written before it was kept have none); l the
+-- requests whose park a later attempt replaced before their end was seen, see
+-- take_unseen; u 1 once the call c is known never to have been routed though it waits
+-- for no approval, see settle; o the ids of results answered for the calls it held
+-- before, see settle; ua the attempts of call c routed before whose result had not come
+-- when the key moved on, see admit_call); a run's counters are JSON too. Every record
 -- and run the batch names is read before anything is decided, kept in this script while
 -- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
 -- a Redis command costs a few microseconds from Lua, and this makes the commands per
@@ -57,12 +59,13 @@
 -- record's position (topic/partition/offset) until the batch's Kafka transaction
 -- commits. A batch applied again after an aborted transaction gets the verdicts it got
 -- the first time, and no counter or record moves twice. A call's marker also names its
--- idempotency key, payload hash, tool, whether it was parked, and what it took (see
--- marker_of): a position decided again as another call (contracts or policy reloaded
--- meanwhile: another derived key, another tool, a call now parked or no longer) must
--- not take the first call's "ok", which would route it with no record of its own, or
--- leave a parked call under a record that waits for no approval; and the first call,
--- which never ran, gives back what it took (see give_back).
+-- idempotency key, payload hash, tool and its version, whether it was parked, and what it
+-- took (see marker_of): a position decided again as another call (contracts or policy
+-- reloaded meanwhile: another derived key, another tool or version, a call now parked or
+-- no longer) must not take the first call's "ok", which would route it with no record of
+-- its own (or under a record that names another version than it runs as), or leave a
+-- parked call under a record that waits for no approval; and the first call, which never
+-- ran, gives back what it took (see give_back).
 
 local base = KEYS[1]
 local H = cjson.decode(ARGV[1])
@@ -81,8 +84,8 @@ local function unwire(a)
     return {kind = 'call', pos = a[2], run = a[3], tool = a[4], group = a[5], sig = a[6],
             ikey = a[7], hash = a[8], call = a[9], deadline = a[10], park = a[11] == 1,
             grant = a[12], approvals = opt(a[13]), approvals_ttl = a[14], rid = opt(a[15]),
-            cost = t[1], rate = t[2] > 0 and {t[2], t[3]} or nil, ttl = t[4],
-            exempt = t[5] == 1,
+            version = opt(a[16]), cost = t[1], rate = t[2] > 0 and {t[2], t[3]} or nil,
+            ttl = t[4], exempt = t[5] == 1,
             class_budget = H.classes[a[5]] or 0, steps = H.steps, repeats = H.repeats,
             cost_cap = H.cost_cap, day_cap = opt(H.day_cap), day = H.day, now = H.now,
             grace = H.grace}
@@ -95,7 +98,8 @@ local function unwire(a)
             state = a[6], cached = a[7], ttl = a[8], compensation_key = opt(a[9]),
             compensates = opt(a[10]), compensation_hash = opt(a[11]),
             compensation_tool = opt(a[12]), unsigned = opt(a[13]), attempt = tonumber(a[14]) or 0,
-            tool = opt(a[15]), hash = opt(a[16]), run = opt(a[17])}
+            tool = opt(a[15]), hash = opt(a[16]), run = opt(a[17]),
+            version = opt(a[18])}
   elseif kind == 5 then
     return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6]}
   elseif kind == 6 then
@@ -106,7 +110,7 @@ local function unwire(a)
   end
   return {kind = 'release', pos = a[2], run = a[3], ikey = a[4], hash = a[5], call = a[6],
           deadline = a[7], ttl = a[8], parked_until = opt(a[9]), rid = opt(a[10]),
-          attempt = opt(a[11])}
+          attempt = opt(a[11]), version = opt(a[12])}
 end
 
 local function encode(v)
@@ -456,6 +460,19 @@ local empty_take, give_back_park  -- (defined below, with the markers they read)
 -- together, and the list is written with the record every time.
 local STALE_KEPT = 8
 
+-- Whether the call the record holds was never routed: parked and waiting for its
+-- approvers (w), or its park ended without it going (u). The version before u marked
+-- neither: on its records, a park (one that names its request, i, and its tool) that was
+-- not released (rp) and no longer holds what parking took (p: given back when its request
+-- ended, its release was undone, or its resubmission was given back after that end;
+-- kept by a resubmission that went) never went either. (A record written before requests
+-- were named says nothing: it was routed, as that version took it.)
+local function unrouted(rec)
+  if rec.w == 1 or rec.u == 1 then return true end
+  return rec.u == nil and rec.i ~= nil and rec.i ~= '' and rec.n ~= nil and rec.p == nil
+    and rec.rp == nil
+end
+
 local function admit_call(c)
   local counters = run_of(c.run)
   if unrequested(c.ikey, c.hash, c.tool) then
@@ -536,9 +553,16 @@ local function admit_call(c)
   -- before it, are stale from now on, and a copy of their result is not answered again.
   local answered = rec and rec.o or nil
   if rec and rec.x then answered = appended(answered, rec.x, STALE_KEPT) end
-  local fresh_rec = {s = 'PENDING', h = c.hash, n = c.tool, c = c.call, d = c.deadline,
-                     w = c.park and 1 or 0, a = next_attempt, r = c.run, t = c.grant,
-                     l = unseen.l, o = answered}
+  -- The attempts of this very call that were routed and whose result had not come when
+  -- the key moved on from them (their deadline and the grace passed first): each ran, or
+  -- may have, and its result, when it comes, may say the call completed (see settle).
+  local missed = rec and rec.c == c.call and rec.ua or nil
+  if rec and rec.c == c.call and rec.s == 'PENDING' and not unrouted(rec) then
+    missed = appended(missed, {a = rec.a or 1, v = rec.nv}, STALE_KEPT)
+  end
+  local fresh_rec = {s = 'PENDING', h = c.hash, n = c.tool, nv = c.version, c = c.call,
+                     d = c.deadline, w = c.park and 1 or 0, a = next_attempt, r = c.run,
+                     t = c.grant, l = unseen.l, o = answered, ua = missed}
   if c.park then
     -- What a parked call took, given back should its request end without it (see lapse),
     -- and the request it waits for, which only that request's end may end.
@@ -591,47 +615,79 @@ local function admit_step(c, counted)
   return {ok = true}
 end
 
+-- Where attempt `attempt` is in rec's missed attempts (ua, see admit_call), if it is.
+local function missed_at(rec, attempt)
+  for k, missed in ipairs(rec.ua or {}) do
+    if missed.a == attempt then return k end
+  end
+  return nil
+end
+
 -- An executor's result settles the call's record. Only the attempt the record is
--- waiting for settles it; a result for an older attempt (the key was retried since)
--- or a second copy of the same result changes nothing.
+-- waiting for settles it, or an earlier attempt of the same call that completed after
+-- the key moved on from it; a result for another older attempt (the key was retried
+-- since) or a second copy of the same result changes nothing.
 local function settle(c)
   local rec = record_of(c.ikey)
   if not rec then return {status = 'unknown'} end
-  -- A result is its call's only if it names the call's tool, payload and run: the
-  -- executor's word picks the output schema its data is checked against, the run its
-  -- answer goes to, and whether a compensation is proposed in the caller's name. A key
-  -- keeps its tool and payload whatever call holds it (admit_call refuses any other), so
-  -- a stale result is held to them too; its run is its own call's, which the record no
-  -- longer names. (A record written before tools were kept names none.)
+  local mine = rec.c == c.call
+  -- The call id alone is not enough: a proposal sent again under its own id after its
+  -- key became retryable is a new attempt of the same call id.
+  local earlier = mine and c.attempt > 0 and (rec.a or 1) ~= c.attempt
+  -- A result is its call's only if it names the call's tool, version, payload and run: the
+  -- executor's word picks the output schema its data is checked against and the
+  -- compensation its contract names, the run its answer goes to, and whether a
+  -- compensation is proposed in the caller's name. A key keeps its tool and payload
+  -- whatever call holds it (admit_call refuses any other), so a stale result is held to
+  -- them too; its run and version are its own call's, which the record no longer names
+  -- (an earlier attempt's version is kept with it while its result may still settle the
+  -- key, see below). (A record written before tools, or versions, were kept names none.)
   if (rec.n and rec.n ~= c.tool) or rec.h ~= c.hash
-      or (rec.c == c.call and rec.r and rec.r ~= c.run) then
+      or (mine and rec.r and rec.r ~= c.run)
+      or (mine and not earlier and rec.nv and rec.nv ~= c.version) then
     return {status = 'mismatch'}
   end
   if rec.x == c.result_id then return {status = 'duplicate'} end
-  -- The call id alone is not enough: a proposal sent again under its own id after its
-  -- key became retryable is a new attempt of the same call id. The result of the attempt
-  -- it moved on from is superseded: the later attempt's result answers that proposal.
-  if rec.c == c.call and c.attempt > 0 and (rec.a or 1) ~= c.attempt then
-    return {status = 'superseded'}
-  end
-  -- Another result of this very attempt (another result id: an executor that ran it again
-  -- and named its result afresh) settled it first: a copy, answered once.
-  if rec.c == c.call and rec.s ~= 'PENDING' then return {status = 'duplicate'} end
-  -- A call that was never routed: parked and waiting for its approvers, or one whose
-  -- request ended without it going (u). Nothing ran, so nothing it says settles the
-  -- record or asks for a compensation.
-  if rec.c == c.call and (rec.w == 1 or rec.u == 1) then return {status = 'unrouted'} end
-  -- Stale: the key moved on to another call (retried under another id once its deadline
-  -- passed); this result answers nothing the record waits for. Its proposal is answered
-  -- once: a copy of it (redelivered, or twice in one batch) finds its id kept. Kept on
-  -- the first decision only: a replay of its position reads the verdict it got.
-  if rec.c ~= c.call then
-    for _, id in ipairs(rec.o or {}) do
-      if id == c.result_id then return {status = 'duplicate'} end
+  if earlier then
+    -- The result of an attempt the key moved on from is superseded: the later attempt's
+    -- result answers that proposal (the handler, idempotent under the key, gives the
+    -- same answer). Unless the later attempt never gets that far: parked again, its
+    -- approvers may decline it; it may time out unstarted, or fail before the handler
+    -- looks the key up. An earlier attempt that was routed and had no result when the key
+    -- moved on (see admit_call), and that completed, ran: the key's call is done, and
+    -- the record says so while it has no final answer of its own (the later attempt, and
+    -- a retry, get this one; a later attempt still parked never goes). Any other result
+    -- of an earlier attempt changes nothing: a copy, one of an attempt answered already,
+    -- or a failure (left to the later attempt, which meets what it committed).
+    local k = c.state == 'COMPLETED' and not FINAL[rec.s] and missed_at(rec, c.attempt)
+    if not k then return {status = 'superseded'} end
+    local routed_as = rec.ua[k].v
+    if routed_as and routed_as ~= c.version then return {status = 'mismatch'} end
+    table.remove(rec.ua, k)
+    if #rec.ua == 0 then rec.ua = nil end
+    -- (a later attempt still parked gives back what parking took, as its request's end
+    -- would: it never goes, and that end finds its key gone ahead)
+    if rec.w == 1 then give_back_park(rec) end
+    rec.u = nil
+  else
+    -- Another result of this very attempt (another result id: an executor that ran it
+    -- again and named its result afresh) settled it first: a copy, answered once.
+    if mine and rec.s ~= 'PENDING' then return {status = 'duplicate'} end
+    -- A call that was never routed (see unrouted). Nothing ran, so nothing it says
+    -- settles the record or asks for a compensation.
+    if mine and unrouted(rec) then return {status = 'unrouted'} end
+    -- Stale: the key moved on to another call (retried under another id once its
+    -- deadline passed); this result answers nothing the record waits for. Its proposal is
+    -- answered once: a copy of it (redelivered, or twice in one batch) finds its id kept.
+    -- Kept on the first decision only: a replay of its position reads the verdict it got.
+    if not mine then
+      for _, id in ipairs(rec.o or {}) do
+        if id == c.result_id then return {status = 'duplicate'} end
+      end
+      rec.o = appended(rec.o, c.result_id, STALE_KEPT)
+      keep_record(c.ikey, rec)
+      return {status = 'stale', state = rec.s}
     end
-    rec.o = appended(rec.o, c.result_id, STALE_KEPT)
-    keep_record(c.ikey, rec)
-    return {status = 'stale', state = rec.s}
   end
   local grant = rec.t
   rec.s, rec.x, rec.v, rec.w, rec.t = c.state, c.result_id, c.cached, 0, nil
@@ -723,18 +779,26 @@ local function release(c)
   rec.rp, rec.rq = rec.p, rec.q
   rec.s, rec.w, rec.c, rec.d, rec.p, rec.q = 'PENDING', 0, c.call, c.deadline, nil, nil
   rec.u = nil  -- (routed now)
+  rec.nv = c.version or rec.nv  -- (the version it is routed as, which its result must name)
   put_record(c.ikey, rec, c.ttl)
   -- The attempt the parked call was admitted as: its result must say the same.
   return {ok = true, attempt = rec.a or 1}
 end
 
--- A call's marker: "\2<key>\2<hash>\2<tool>\2<parked 0|1>\2<what it took>\2<verdict>"
--- (what it took: see took; empty unless admitted). Markers an earlier version wrote lead
--- with "\1" and hold no "what it took". Anything else is a verdict alone.
+-- A call's marker: "\2<key>\2<hash>\2<tool>[\3<version>]\2<parked 0|1>\2<what it
+-- took>\2<verdict>" (what it took: see took; empty unless admitted; the version, where the
+-- call names one: markers written before it was kept hold none). Markers an earlier
+-- version wrote lead with "\1" and hold no "what it took". Anything else is a verdict
+-- alone. Returns the key, hash, tool, parked, what it took, the verdict and the version
+-- ('' or nil where none is kept).
 local function marker_of(was)
   local lead = string.byte(was, 1)
   if lead == 2 then
-    return string.match(was, '^\2([^\2]*)\2([^\2]*)\2([^\2]*)\2([01])\2([^\2]*)\2(.*)$')
+    local ikey, hash, named, parked, took_, verdict =
+      string.match(was, '^\2([^\2]*)\2([^\2]*)\2([^\2]*)\2([01])\2([^\2]*)\2(.*)$')
+    if not ikey then return nil end
+    local tool, version = string.match(named, '^([^\3]*)\3?(.*)$')
+    return ikey, hash, tool, parked, took_, verdict, version
   elseif lead == 1 then
     local ikey, hash, tool, parked, verdict =
       string.match(was, '^\1([^\1]*)\1([^\1]*)\1([^\1]*)\1([01])\1(.*)$')
@@ -787,10 +851,17 @@ local function give_back(pos, run, tool, took_, keep_rate)
   return false, nil
 end
 
+-- A marker's tool field: the tool, and the version its call names, if any.
+local function named(tool, version)
+  if not version or version == '' then return tool end
+  return tool .. '\3' .. version
+end
+
 local function without_take(m)
-  local ikey, hash, tool, parked, took_, verdict = marker_of(m)
+  local ikey, hash, tool, parked, took_, verdict, version = marker_of(m)
   if not ikey or took_ == '' then return m end
-  return '\2' .. ikey .. '\2' .. hash .. '\2' .. tool .. '\2' .. parked .. '\2\2' .. verdict
+  return '\2' .. ikey .. '\2' .. hash .. '\2' .. named(tool, version) .. '\2' .. parked
+    .. '\2\2' .. verdict
 end
 
 -- (a marker this batch writes itself is emptied as it is written, at the end)
@@ -989,9 +1060,12 @@ for i, a in ipairs(items) do
     -- admitted the first time and decided as anything else now never ran (its
     -- transaction aborted): what it took is given back (its record, budgets, rate and
     -- approvals), once, and the position answers as a refusal from then on.
-    local ikey, hash, tool, parked, took_, verdict = marker_of(was)
+    local ikey, hash, tool, parked, took_, verdict, version = marker_of(was)
+    -- (a marker that keeps no version was written before versions were kept, as its
+    -- record was, which names none: the version its result names is not checked)
     local same = ikey and a[1] == 1 and ikey == a[7] and hash == a[8] and tool == a[4]
       and parked == (a[11] == 1 and '1' or '0')
+      and (version == nil or version == '' or version == (opt(a[16]) or ''))
     -- A call admitted here (its take already given back or kept, if it was parked and
     -- its request ended or it went) that is a refused proposal now.
     local now_step = ikey and a[1] == 2 and string.sub(verdict or '', 1, 3) == 'ok|'
@@ -1056,8 +1130,8 @@ for i, a in ipairs(items) do
     local text = encode(verdict)
     if c.kind == 'call' then
       fresh[#fresh + 1] = c.pos
-      fresh[#fresh + 1] = '\2' .. c.ikey .. '\2' .. c.hash .. '\2' .. c.tool .. '\2'
-        .. (c.park and '1' or '0') .. '\2' .. (verdict.took or '') .. '\2' .. text
+      fresh[#fresh + 1] = '\2' .. c.ikey .. '\2' .. c.hash .. '\2' .. named(c.tool, c.version)
+        .. '\2' .. (c.park and '1' or '0') .. '\2' .. (verdict.took or '') .. '\2' .. text
     elseif c.kind ~= 'void' and c.kind ~= 'comp_failed' then  -- (both idempotent)
       fresh[#fresh + 1] = c.pos
       fresh[#fresh + 1] = text

@@ -209,12 +209,13 @@ def _day(now_ms: int | None) -> int:
 
 
 _RECORD_FIELDS = {
-    "s": "state", "h": "hash", "n": "tool", "c": "call", "d": "deadline", "w": "awaiting",
-    "a": "attempt", "r": "run", "t": "grant", "x": "result", "k": "compensation",
-    "kh": "compensation_hash", "kt": "compensation_tool", "kf": "compensation_failed",
-    "v": "cached", "p": "parked_took", "q": "parked_at", "pd": "parked_until", "e": "request_ended",
-    "rp": "released_took", "rq": "released_at", "i": "request", "l": "unseen_ends",
-    "u": "unrouted", "o": "stale_results",
+    "s": "state", "h": "hash", "n": "tool", "nv": "version", "c": "call", "d": "deadline",
+    "w": "awaiting", "a": "attempt", "r": "run", "t": "grant", "x": "result",
+    "k": "compensation", "kh": "compensation_hash", "kt": "compensation_tool",
+    "kf": "compensation_failed", "v": "cached", "p": "parked_took", "q": "parked_at",
+    "pd": "parked_until", "e": "request_ended", "rp": "released_took", "rq": "released_at",
+    "i": "request", "l": "unseen_ends", "u": "unrouted", "o": "stale_results",
+    "ua": "missed_attempts",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
 
@@ -283,7 +284,8 @@ def _wire(item: Item) -> list[Any]:
         return [1, item["pos"], item["run"], item["tool"], item["group"], item["sig"],
                 item["ikey"], item["hash"], item["call"], item["deadline"],
                 1 if item["park"] else 0, item["grant"], item.get("approvals") or "",
-                item.get("approvals_ttl", 0), item.get("rid") or ""]  # fmt: skip
+                item.get("approvals_ttl", 0), item.get("rid") or "",
+                item.get("version") or ""]  # fmt: skip
     if kind == "step":
         return [2, item["pos"], item["run"], item["sig"], 1 if item["repair"] else 0,
                 item.get("ikey", ""), item.get("hash", ""), item.get("comp", ""),
@@ -294,7 +296,7 @@ def _wire(item: Item) -> list[Any]:
                 item["compensates"] or "", item.get("compensation_hash") or "",
                 item.get("compensation_tool") or "", item.get("cached_unsigned") or "",
                 item.get("attempt", 0), item.get("tool") or "", item.get("hash") or "",
-                item.get("run") or ""]  # fmt: skip
+                item.get("run") or "", item.get("version") or ""]  # fmt: skip
     if kind == "void":
         return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"]]
     if kind == "comp_failed":
@@ -307,7 +309,8 @@ def _wire(item: Item) -> list[Any]:
         return [8, item["pos"], item["run"]]
     return [4, item["pos"], item["run"], item["ikey"], item["hash"], item["call"],
             item["deadline"], item["ttl"], item.get("parked_until") or "",
-            item.get("rid") or "", item.get("attempt") or ""]  # fmt: skip
+            item.get("rid") or "", item.get("attempt") or "",
+            item.get("version") or ""]  # fmt: skip
 
 
 def parse_verdict(raw: bytes | str) -> Verdict:

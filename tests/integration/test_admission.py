@@ -77,6 +77,7 @@ def result(
     tenant, c = of
     item = {"kind": "result", "pos": f"r/0/{next(_pos)}", "now": NOW, "ikey": c["ikey"],
             "call": c["call"], "tool": c["tool"], "hash": c["hash"], "run": c["run"],
+            "version": c.get("version"),
             "result_id": result_id or uuid.uuid4().hex, "state": state,
             "cached": orjson.dumps({"class": "SUCCESS", "data": '{"n":1}'}).decode(),
             "ttl": 3_600_000, "compensation_key": None, "compensation_hash": None,
@@ -216,31 +217,34 @@ TIGHT = {"group": "write", "class_budget": 1, "cost": 2.0, "cost_cap": 2.0, "day
 """Limits one call uses up: a second is refused by each of them unless the first gives back."""
 
 
-@pytest.mark.parametrize("change", ["key", "payload", "tool", "parked", "refused"])
+@pytest.mark.parametrize("change", ["key", "payload", "tool", "version", "parked", "refused"])
 def test_a_call_decided_again_as_something_else_gives_back_what_it_took_once(
     store: AdmissionStore, change: str
 ) -> None:
-    # A call was admitted; its transaction aborted, and decided again (contracts or policy
-    # reloaded meanwhile) the same record is something else: another version's derived
-    # key, another payload or tool under the caller's own key, a call that now waits for
-    # approval, or a proposal a gate now refuses. The first call's "ok" must not route it
-    # (it would run with no record of its own, or stay parked under a record that waits
-    # for no approval). The first call never ran: its record, budgets, day's cost, rate
-    # and approval are given back, once, and only its step stays counted.
+    # A call was admitted; its transaction aborted, and decided again (contracts or
+    # policy reloaded meanwhile) the same record is something else: another version's
+    # derived key, another payload, tool or version of the tool under the caller's own
+    # key (its record would name a version it does not run as, and its result be
+    # refused), a call that now waits for approval, or a proposal a gate now refuses.
+    # The first call's "ok" must not route it (it would run with no record of its own,
+    # or stay parked under a record that waits for no approval). The first call never
+    # ran: its record, budgets, day's cost, rate and approval are given back, once, and
+    # only its step stays counted.
     run = f"run-{change}"
     tool = "charge_tight"
     day_before = store.day_cost(TENANT, "20270115")
-    first = call(run=run, tool=tool, **TIGHT)
+    first = call(run=run, tool=tool, version="2.0.0", **TIGHT)
     assert store.apply([first]) == [{"ok": True, "attempt": 1}]
     taken = store.run_counters(TENANT, run, NOW)
     assert taken == {"steps": 1, "class:write": 1, "cost": 2.0, f"sig:{first[1]['sig']}": 1}
     assert store.day_cost(TENANT, "20270115") == day_before + 2.0
     pos, key = first[1]["pos"], first[1]["ikey"]
-    same = {"run": run, "ikey": key, "hash": "h1"}
+    same = {"run": run, "ikey": key, "hash": "h1", "version": "2.0.0"}
     again = {
-        "key": call(pos=pos, run=run, tool=tool),
-        "payload": call(pos=pos, run=run, tool=tool, ikey=key, hash="h2"),
+        "key": call(pos=pos, run=run, tool=tool, version="2.0.0"),
+        "payload": call(pos=pos, run=run, tool=tool, ikey=key, hash="h2", version="2.0.0"),
         "tool": call(pos=pos, tool="lookup_order", **same),
+        "version": call(pos=pos, tool=tool, **{**same, "version": "2.1.0"}),
         "parked": call(pos=pos, tool=tool, park=True, **same),
         "refused": step(pos=pos, run=run, repair=False),
     }[change]
@@ -514,15 +518,106 @@ def test_a_late_result_of_an_earlier_attempt_under_the_same_call_id_settles_noth
     store: AdmissionStore,
 ) -> None:
     """The proposal was sent again under its own id once its key became retryable: both
-    attempts have one call id, and only the attempt the record waits for settles it."""
+    attempts have one call id, and only the attempt the record waits for settles it. A
+    failure of the first, come late, is superseded (the second, idempotent under the key,
+    meets what it committed), and so is a result of an attempt answered already."""
     first = call()
     key, call_id = first[1]["ikey"], first[1]["call"]
     store.apply([first])
     retry = call(ikey=key, call=call_id, now=NOW + 9000)
     assert store.apply([retry]) == [{"ok": True, "attempt": 2}]
-    assert store.apply([result(first, attempt=1)]) == [{"status": "superseded"}]
+    for state in ("FAILED_RETRYABLE", "EXPIRED", "FAILED_FINAL"):
+        assert store.apply([result(first, state=state, attempt=1)]) == [{"status": "superseded"}]
     assert store.record(TENANT, key, NOW)["state"] == "PENDING"
     assert store.apply([result(retry, attempt=2)]) == [{"status": "settled"}]
+    assert store.apply([result(first, attempt=1)]) == [{"status": "superseded"}]
+    # Answered (its deadline passed, then its result came: EXPIRED), the first attempt's
+    # key moved on: another result of it (an executor that named it afresh) is superseded.
+    answered = call()
+    store.apply([answered, result(answered, state="EXPIRED", attempt=1)])
+    again = call(ikey=answered[1]["ikey"], call=answered[1]["call"])
+    assert store.apply([again]) == [{"ok": True, "attempt": 2}]
+    assert store.apply([result(answered, attempt=1)]) == [{"status": "superseded"}]
+    assert store.record(TENANT, answered[1]["ikey"], NOW)["state"] == "PENDING"
+
+
+@pytest.mark.parametrize("later", ["routed", "parked", "answered", "lapsed"])
+def test_an_earlier_attempt_that_completed_after_its_key_moved_on_settles_it(
+    store: AdmissionStore, later: str
+) -> None:
+    """Routed, then no result before its deadline and the grace passed (the executor or the
+    results behind), so the proposal, sent again under its own id, is a second attempt.
+    The first did run, and completed: its result, come late, settles the key instead of
+    being dropped. The second attempt may never get as far as the handler's stored answer
+    (parked again, its approvers may decline it; it may time out unstarted); the proposal
+    is told the call completed, a retry gets that answer, and the second attempt's own
+    result is a copy. A second attempt still parked never goes: its park's take comes
+    back, and its request's end, release included, finds the key gone ahead."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 2, "tool": "charge",
+              "version": "2.1.0"}  # fmt: skip
+    first = call(deadline=NOW + 8000, **limits)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    assert store.apply([first]) == [{"ok": True, "attempt": 1}]
+    park = later in ("parked", "lapsed")
+    second = call(ikey=key, call=call_id, now=NOW + 9001, park=park, rid="req-2" if park else "",
+                  deadline=NOW + 600_000, **limits)  # fmt: skip
+    assert store.apply([second]) == [{"ok": True, "attempt": 2}]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 2
+    if later == "answered":  # it timed out unstarted: "nothing ran", retry
+        assert store.apply([result(second, state="EXPIRED", attempt=2)]) == [{"status": "settled"}]
+    elif later == "lapsed":  # its approvers declined it: "not approved", and it never ran
+        assert store.apply([_lapse(second, attempt=2)]) == [{"status": "lapsed"}]
+    late = result(first, attempt=1, result_id="res-first")
+    assert store.apply([late]) == [{"status": "settled"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["result"]) == ("COMPLETED", "res-first")
+    assert record["awaiting"] == "0" and "missed_attempts" not in record
+    assert store.apply([late]) == [{"status": "settled"}]  # its replay
+    copy = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([copy]) == [{"status": "duplicate"}]
+    assert store.apply([result(second, attempt=2)]) == [{"status": "duplicate"}]
+    if park:
+        # What parking the second attempt took came back (the first's stays: it ran).
+        assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1
+    if later == "parked":
+        assert store.apply([_lapse(second, attempt=2)]) == [{"status": "moved_on"}]
+        assert whys(store.apply([_release(second, attempt=2)])) == ["moved_on"]
+        assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1
+    retry = store.apply([call(ikey=key, call=call_id, now=NOW + 700_000, **limits)])
+    assert whys(retry) == ["idempotent_hit"] and retry[0]["state"] == "COMPLETED"
+
+
+def test_an_earlier_attempt_completed_late_is_held_to_the_version_it_was_routed_as(
+    store: AdmissionStore,
+) -> None:
+    """Routed as 2.0.0; the second attempt, after a reload, as 2.1.0. The first attempt's
+    late result is held to 2.0.0, the version it ran as, not the record's."""
+    first = call(deadline=NOW + 8000, version="2.0.0")
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    second = call(ikey=key, call=call_id, now=NOW + 9001, version="2.1.0")
+    assert store.apply([second]) == [{"ok": True, "attempt": 2}]
+    claimed = result(first, attempt=1, version="2.1.0")
+    assert store.apply([claimed]) == [{"status": "mismatch"}]
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
+    assert store.apply([result(first, attempt=1)]) == [{"status": "settled"}]
+
+
+def test_an_earlier_attempt_that_never_ran_settles_nothing_when_it_says_it_completed(
+    store: AdmissionStore,
+) -> None:
+    """Parked, its request's end unseen past its deadline and the grace, the proposal sent
+    again (parked again) as a second attempt: the first was never routed, so nothing it says settles
+    the key (and nor does an attempt the key never made)."""
+    parked = call(park=True, rid="req-1", deadline=NOW + 8000)
+    key, call_id = parked[1]["ikey"], parked[1]["call"]
+    store.apply([parked])
+    second = call(ikey=key, call=call_id, now=NOW + 9001, park=True, rid="req-2",
+                  deadline=NOW + 600_000)  # fmt: skip
+    assert store.apply([second]) == [{"ok": True, "attempt": 2}]
+    assert store.apply([result(parked, attempt=1)]) == [{"status": "superseded"}]
+    assert store.apply([result(parked, attempt=3)]) == [{"status": "superseded"}]
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
 
 
 GRANT = '{"sub":"u-1","agent_id":"a-1","scope":"orders:refund","clearance":"internal"}'
@@ -537,17 +632,18 @@ def _partly_committed(of: tuple[str, Item], **kw: Any) -> tuple[str, Item]:
 
 @pytest.mark.parametrize(
     ("claim", "value"),
-    [("tool", "charge_customer_card_v2"), ("hash", "h-other"), ("run", "run-other"),
-     ("hash", "")],
+    [("tool", "charge_customer_card_v2"), ("version", "2.0.0"), ("version", None),
+     ("hash", "h-other"), ("run", "run-other"), ("hash", "")],
 )  # fmt: skip
 def test_a_result_that_is_not_its_calls_settles_nothing(
-    store: AdmissionStore, claim: str, value: str
+    store: AdmissionStore, claim: str, value: str | None
 ) -> None:
-    """A result settles its call only if it names the call's tool, payload and run: the
-    tool it claims picks the output schema its data is checked against, the run where its
-    answer goes, and with committed steps it would have a compensation proposed in the
-    caller's name."""
-    original = call(grant=GRANT, run="run-a")
+    """A result settles its call only if it names the call's tool, the version the call
+    was routed as, its payload and run: the tool and version it claims pick the output
+    schema its data is checked against and the compensation its contract names (or none),
+    the run where its answer goes, and with committed steps it would have a compensation
+    proposed in the caller's name."""
+    original = call(grant=GRANT, run="run-a", version="2.1.0")
     key = original[1]["ikey"]
     store.apply([original])
     claimed = _partly_committed(original, result_id="res-1", **{claim: value})
@@ -573,36 +669,92 @@ def test_a_stale_result_is_held_to_its_keys_tool_and_payload(store: AdmissionSto
     assert store.apply([result(first)]) == [{"status": "stale", "state": "PENDING"}]
 
 
+def _written_before(store: AdmissionStore, key: str, *fields: str) -> None:
+    """Take ``fields`` off the stored record of ``key``, as a version of the script that
+    kept none of them wrote it."""
+    [bucket] = [
+        k for k in store.client.scan_iter(f"{store._base(TENANT)}:idem:*")
+        if store.client.hexists(k, key)
+    ]  # fmt: skip
+    rec = orjson.loads(store.client.hget(bucket, key) or b"")
+    for field in fields:
+        rec.pop(field, None)
+    store.client.hset(bucket, key, orjson.dumps(rec))
+
+
 def test_a_record_written_before_tools_were_kept_is_settled_by_its_own_result(
     store: AdmissionStore,
 ) -> None:
     first = call()
     key = first[1]["ikey"]
     store.apply([first])
-    [bucket] = [
-        k for k in store.client.scan_iter(f"{store._base(TENANT)}:idem:*")
-        if store.client.hexists(k, key)
-    ]  # fmt: skip
-    rec = orjson.loads(store.client.hget(bucket, key) or b"")
-    del rec["n"]
-    store.client.hset(bucket, key, orjson.dumps(rec))
+    _written_before(store, key, "n")
     assert store.apply([result(first, hash="h2")]) == [{"status": "mismatch"}]
     assert store.apply([result(first, tool="lookup_order")]) == [{"status": "settled"}]
 
 
-@pytest.mark.parametrize("how", ["parked", "lapsed", "resubmission_given_back"])
-def test_a_result_for_a_call_that_was_never_routed_settles_nothing(
-    store: AdmissionStore, how: str
+def test_a_record_written_before_versions_were_kept_is_settled_by_its_own_result(
+    store: AdmissionStore,
 ) -> None:
-    """A parked call waits for its approvers; one whose request ended without it, or a
-    resubmission carrying approvals that never went (its position decided again as
-    something else, its request ended meanwhile), never ran. A result for it completes
-    nothing, and proposes no compensation; the call, released, is settled by its own."""
+    """A call the version before admitted: its record names no version, and its result is
+    not refused for the one it names (nothing says which version the call was routed as)."""
+    first = call(version="2.1.0")
+    key = first[1]["ikey"]
+    store.apply([first])
+    _written_before(store, key, "nv")
+    assert store.apply([result(first, version="2.0.0")]) == [{"status": "settled"}]
+
+
+def test_a_released_call_is_bound_to_the_version_it_goes_as(store: AdmissionStore) -> None:
+    """Parked as 2.0.0; resubmitted with its approvals as 2.1.0 (contracts reloaded while it
+    waited), which took the record; that resubmission's position then decided again as a
+    refusal (its transaction aborted: it never ran), so the park waits again, and its
+    approvers release it: the call that runs is the parked one, as 2.0.0, and its result
+    is held to that version, not the resubmission's."""
+    parked = call(park=True, deadline=NOW + 600_000, version="2.0.0")
+    key = parked[1]["ikey"]
+    assert whys(store.apply([parked])) == [None]
+    resubmitted = call(ikey=key, call=parked[1]["call"], version="2.1.0", now=NOW + 1000)
+    assert store.apply([resubmitted]) == [{"ok": True, "attempt": 1}]
+    assert store.record(TENANT, key, NOW)["version"] == "2.1.0"
+    assert whys(store.apply([step(repair=False, pos=resubmitted[1]["pos"])])) == [None]
+    assert store.record(TENANT, key, NOW)["awaiting"] == "1"
+    released = _release(parked, version="2.0.0")
+    assert store.apply([released]) == [{"ok": True, "attempt": 1}]
+    assert store.record(TENANT, key, NOW)["version"] == "2.0.0"
+    assert store.apply([result(resubmitted)]) == [{"status": "mismatch"}]
+    assert store.apply([result(parked)]) == [{"status": "settled"}]
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["current", "written_before"])
+@pytest.mark.parametrize(
+    "how",
+    ["parked", "lapsed", "lapsed_as_parked_before", "unreleased", "resubmission_given_back"],
+)
+def test_a_result_for_a_call_that_was_never_routed_settles_nothing(
+    store: AdmissionStore, how: str, before: bool
+) -> None:
+    """A parked call waits for its approvers; one whose request ended without it (its end
+    named by its request, or only by its deadline, as a request parked by an earlier
+    version is), one released whose release was undone (its batch aborted, and refused at
+    its recheck on the replay), or a resubmission carrying approvals that never went (its
+    position decided again as something else, its request ended meanwhile), never ran. A
+    result for it completes nothing, and proposes no compensation; the call, released, is
+    settled by its own. So for a record the version before wrote (``before``), which did
+    not mark a call that never ran."""
     parked = call(park=True, grant=GRANT, deadline=NOW + 600_000, rid="req-1")
     key = parked[1]["ikey"]
     store.apply([parked])
     if how == "lapsed":
         assert store.apply([_lapse(parked)]) == [{"status": "lapsed"}]
+    elif how == "lapsed_as_parked_before":
+        entry = {"tenant_id": TENANT, "idempotency_key": key, "payload_hash": "h1",
+                 "expires_at": NOW + 600_000}  # fmt: skip
+        assert store.apply([lapse_item(entry, f"a/0/{next(_pos)}", NOW)]) == [{"status": "lapsed"}]
+    elif how == "unreleased":
+        released = _release(parked)
+        assert store.apply([released]) == [{"ok": True, "attempt": 1}]
+        assert store.apply([_lapse(parked, released[1]["pos"])]) == [{"status": "lapsed"}]
     elif how == "resubmission_given_back":
         resubmitted = call(ikey=key, grant=GRANT)
         assert whys(store.apply([resubmitted])) == [None]
@@ -611,6 +763,8 @@ def test_a_result_for_a_call_that_was_never_routed_settles_nothing(
         again = step(repair=False, pos=resubmitted[1]["pos"], run="run-1")
         assert whys(store.apply([again])) == [None]
         parked = resubmitted
+    if before:
+        _written_before(store, key, "u")
     record = store.record(TENANT, key, NOW)
     assert record["state"] == "PENDING"
     assert store.apply([_partly_committed(parked)]) == [{"status": "unrouted"}]
@@ -620,6 +774,31 @@ def test_a_result_for_a_call_that_was_never_routed_settles_nothing(
     if how == "parked":
         assert store.apply([_release(parked)]) == [{"ok": True, "attempt": 1}]
         assert store.apply([result(parked)]) == [{"status": "settled"}]
+
+
+@pytest.mark.parametrize("how", ["admitted", "released", "resubmitted", "released_no_record"])
+def test_a_call_routed_by_the_version_before_is_settled_by_its_own_result(
+    store: AdmissionStore, how: str
+) -> None:
+    """Its record names no u (the version before kept none): a call it admitted unparked,
+    released, or resubmitted with its approvals, ran, and its result settles it."""
+    parked = call(park=True, deadline=NOW + 600_000, rid="req-1")
+    key, ran = parked[1]["ikey"], parked
+    if how == "admitted":
+        ran = call(rid="")
+        key = ran[1]["ikey"]
+        store.apply([ran])
+    elif how == "released":
+        store.apply([parked])
+        assert store.apply([_release(parked)]) == [{"ok": True, "attempt": 1}]
+    elif how == "resubmitted":
+        store.apply([parked])
+        ran = call(ikey=key)
+        assert store.apply([ran]) == [{"ok": True, "attempt": 1}]
+    else:  # released with no record of its park (none was found: it wrote its own)
+        assert store.apply([_release(parked)]) == [{"ok": True, "attempt": 1}]
+    _written_before(store, key, "u")
+    assert store.apply([result(ran)]) == [{"status": "settled"}]
 
 
 def test_a_stale_result_is_answered_once(store: AdmissionStore) -> None:

@@ -1,7 +1,8 @@
 """What the end of an approval request answers, through the processor's own paths
 (``Processor._end_requests`` and ``_admit_releases``) against a real redis-server and a
 real Redis Cluster: a parked proposal gets its final observation once, whichever way its
-request ends, and none where it was answered already."""
+request ends, and none where it was answered already; and a result for a call whose
+request ended without it going (``Processor._admit``) settles nothing."""
 
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
 from processor.app import Processor
 from processor.approval_flow import EXPIRY_CHECK, ApprovalInput, outcome_decision
+from processor.codec.records import encode_result
 from processor.config import Settings
 from processor.metrics import Metrics
 from processor.model import Decision, Outcome, SourceRecord
+from processor.results import ResultInput, parse_result
 from processor.state.approvals import OpResult
-from tests.integration.test_admission import NOW, TENANT, call
+from tests.integration.test_admission import NOW, TENANT, _written_before, call
 from tests.unit.helpers import CONTRACTS_DIR
 
 pytestmark = pytest.mark.integration
@@ -152,3 +156,86 @@ def test_a_request_whose_park_was_given_back_answers_nothing_of_a_later_park(
         assert d.dlq_reason == "approval_request_withdrawn"
     record = processor.admission.record(TENANT, parked["ikey"], NOW)
     assert (record["awaiting"], record["request"]) == ("1", "req_later")
+
+
+def _result(p: Processor, parked: dict[str, Any]) -> Decision:
+    """What the processor makes of a result for ``parked``'s call, as an executor would
+    report it had the call run: it cancelled the order, then failed."""
+    datum = {
+        "result_id": uuid.uuid4().hex, "call_id": parked["call"], "proposal_id": parked["call"],
+        "run_id": parked["run"], "tenant_id": TENANT, "trace_id": "t-1",
+        "tool_name": "cancel_order", "tool_version": "1.0.0",
+        "side_effect_class": "HIGH_RISK_EXTERNAL", "idempotency_key": parked["ikey"],
+        "payload_hash": parked["hash"], "attempt": 1, "outcome": "FAILED", "retryable": False,
+        "error_code": "notify_failed", "error_message": "cancelled, but nobody was told",
+        "taxonomy_class": None, "committed_steps": ["order_cancelled"], "data": None,
+        "compensation_arguments": orjson.dumps({"order_id": "WO-1"}).decode(),
+        "started_at": NOW - 20, "finished_at": NOW, "executor_id": "exec-1",
+        "contract_set": None,
+    }  # fmt: skip
+    src = SourceRecord("tool.results", 0, next(_offsets), b"run-1", encode_result(datum), NOW)
+    res = parse_result(src, p.contracts)
+    assert isinstance(res, ResultInput), res
+    [d] = p._admit([res], NOW)
+    assert isinstance(d, Decision)
+    return d
+
+
+def _ended(p: Processor, parked: dict[str, Any], how: str) -> None:
+    """End ``parked``'s request without its call going, through the processor's paths:
+    declined ("rejected"), ended as a request an earlier version parked, which names no
+    request id ("rejected_as_parked_before"), or released and routed, then, its batch
+    aborted, refused at its recheck on the replay ("unreleased")."""
+    src = SourceRecord("tool.approvals", 0, next(_offsets), b"run-1", b"{}", NOW)
+    item = ApprovalInput(src, "decision", TENANT, parked["rid"], {})
+    out: list[Decision | None] = [None]
+    if how == "unreleased":
+        released = OpResult("released", None, _entry(parked, "released"))
+        d = outcome_decision(item, released, NOW)
+        assert d is not None
+        decisions = [d]
+        p._admit_releases(decisions, NOW)
+        assert decisions[0].outcome is Outcome.ROUTED, _codes(decisions[0])
+        p._end_requests([], [(0, item, released)], out, NOW)  # (at the release's position)
+        return
+    entry = _entry(parked, "rejected")
+    if how == "rejected_as_parked_before":
+        del entry["first_request_id"], entry["attempt"]
+    p._end_requests([(0, item, OpResult("rejected", None, entry))], [], out, NOW)
+    assert out[0] is not None and out[0].outcome is Outcome.REJECTED, out[0]
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["current", "written_before"])
+@pytest.mark.parametrize("how", ["rejected", "rejected_as_parked_before", "unreleased"])
+def test_a_result_for_a_call_whose_request_ended_without_it_is_dead_lettered(
+    processor: Processor, how: str, before: bool
+) -> None:
+    """The call never ran: declined, or ended as a request an earlier version parked (its
+    end named by its deadline alone), or released, its batch aborted and the release refused
+    at its recheck on the replay (undone). A result that says it ran and committed a step
+    settles nothing, and asks for no compensation: result_unrouted_call. So too where the
+    record was left by the version before (``before``), which marked none of these."""
+    parked = call(park=True, rid="req_parked", deadline=NOW + 600_000, tool="cancel_order",
+                  **LIMITS)[1]  # fmt: skip
+    assert processor.admission.apply([(TENANT, parked)]) == [{"ok": True, "attempt": 1}]
+    _ended(processor, parked, how)
+    if before:
+        _written_before(processor.admission, parked["ikey"], "u")
+    d = _result(processor, parked)
+    assert (d.outcome, d.dlq_reason) == (Outcome.DEAD_LETTER, "result_unrouted_call")
+    record = processor.admission.record(TENANT, parked["ikey"], NOW)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "0")
+    assert "compensation" not in record
+
+
+def test_a_result_for_a_call_its_approvers_released_settles_it(processor: Processor) -> None:
+    """Released, the call ran: its result settles it, on a record the version before left
+    too (no mark either way)."""
+    parked = call(park=True, rid="req_parked", deadline=NOW + 600_000, tool="cancel_order",
+                  **LIMITS)[1]  # fmt: skip
+    processor.admission.apply([(TENANT, parked)])
+    assert _answer(processor, parked, "release").outcome is Outcome.ROUTED
+    _written_before(processor.admission, parked["ikey"], "u")
+    d = _result(processor, parked)
+    assert d.outcome is Outcome.SETTLED, d.dlq_reason
+    assert processor.admission.record(TENANT, parked["ikey"], NOW)["state"] == "FAILED_FINAL"

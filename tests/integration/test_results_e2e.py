@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 import pytest
+import yaml
 from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -33,6 +34,7 @@ from processor.reference_data import publish_references, wait_until_loaded
 from processor.results import compensation_key, compensation_proposal_id
 from processor.state.admission import AdmissionStore
 from processor.state.connection import connect
+from tests.conftest import LOAD_POLICY
 from tests.integration.harness import (
     ProcessorProcess,
     approval,
@@ -715,8 +717,9 @@ def test_a_result_that_is_not_its_calls_is_dead_lettered_and_answers_nothing(ben
 
 
 def test_a_result_for_a_call_waiting_for_its_approvers_is_dead_lettered(bench: Bench) -> None:
-    """A parked charge never ran: a result that says it charged the card and failed after
-    settles nothing and has no refund proposed in the caller's name."""
+    """A parked charge never ran, nor does it once its approver declines it: a result that
+    says it charged the card and failed after settles nothing and has no refund proposed
+    in the caller's name."""
     key, run = f"k-{uuid.uuid4().hex}", f"run-{uuid.uuid4().hex[:10]}"
     args = {**CHARGE, "order_id": "WO-55511-A"}
     publish_references(bench.settings, existing(TENANT, "charge_customer_card_v2", args))
@@ -737,6 +740,21 @@ def test_a_result_for_a_call_waiting_for_its_approvers_is_dead_lettered(bench: B
     ]
     record = bench.store.record(TENANT, key)
     assert (record["state"], record["awaiting"]) == ("PENDING", "1")
+    assert "compensation" not in record
+    assert _finals(bench.settings, pid) == []
+    assert bench.client.history(compensation_proposal_id(key)) == []
+    # Declined, it never runs: a result for it settles nothing either.
+    no = approval(bench.settings, "ops-1", parked, decision="rejected", reason="not today")
+    publish_approvals(bench.settings, run, [no])
+    deadline = time.monotonic() + 60
+    while not any(o["decision"] == "REJECTED" for o in bench.client.history(pid)):
+        assert time.monotonic() < deadline, bench.client.history(pid)
+        time.sleep(0.2)
+    assert _dead_letters(bench.settings, run, [_charged_then_failed(call)]) == [
+        "result_unrouted_call"
+    ]
+    record = bench.store.record(TENANT, key)
+    assert (record["state"], record["awaiting"]) == ("PENDING", "0")
     assert "compensation" not in record
     assert _finals(bench.settings, pid) == []
     assert bench.client.history(compensation_proposal_id(key)) == []
@@ -769,3 +787,83 @@ def test_a_result_copied_after_its_key_moved_on_is_not_answered_again(bench: Ben
     assert _dead_letters(bench.settings, run, [nobody]) == ["result_unknown_call"]
     assert _finals(bench.settings, first) == ["FAILED"]
     assert _finals(bench.settings, retry) == ["COMPLETED"]
+
+
+def _routed_call(bench: Bench, cls: str, key: str) -> dict[str, Any]:
+    """The approved call under ``key`` on ``cls``'s execution topic, once it is there."""
+    deadline = time.monotonic() + 60
+    while True:
+        routed = [c for c in bench.exec_calls(cls) if c["idempotency_key"] == key]
+        if routed:
+            return routed[0]
+        assert time.monotonic() < deadline, f"{key} not routed"
+
+
+def test_a_result_naming_another_version_of_its_tool_is_dead_lettered(bench: Bench) -> None:
+    """A charge routed as 2.1.0 (its contract compensates with a refund) and a result that
+    says 2.0.0 ran (that version compensates nothing): its data would be checked against
+    2.0.0's output schema and its committed step handed to an operator instead of refunded.
+    It is not the call's result; the call's own settles it."""
+    pid, key, _ = _charge(bench, 12.5, "WO-55513-A")
+    call = _routed_call(bench, "CRITICAL_MUTATION", key)
+    assert call["tool_version"] == "2.1.0"
+    other = _charged_then_failed(call, tool_version="2.0.0")
+    assert _dead_letters(bench.settings, call["run_id"], [other]) == ["result_mismatch"]
+    record = bench.store.record(TENANT, key)
+    assert (record["state"], record["version"]) == ("PENDING", "2.1.0")
+    assert _finals(bench.settings, pid) == []
+    own = bench.result(pid)
+    assert own["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
+    assert compensation_proposal_id(key) in own["next_action"]
+
+
+def test_an_attempt_that_completed_after_its_key_moved_on_answers_its_proposal(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """A charge approved and routed, its result late (the executor behind): past its
+    deadline and the grace, the agent sends the proposal again, which parks as a second
+    attempt. The first attempt's success then arrives: the card was charged. The proposal
+    is told so, and the second attempt never goes: its approvers' decision, a rejection
+    here, does not tell the agent the charge was declined (it did, when the success was
+    dropped as superseded)."""
+    doc = yaml.safe_load(LOAD_POLICY.read_text())
+    doc["budgets"]["in_flight_grace_ms"] = 500
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump(doc, sort_keys=False))
+    settings = isolated(stack_settings, "results-late").model_copy(update={"policy_file": policy})
+    with _running(settings, "results-late-1", tmp_path) as mine:
+        pid, key, args = _charge(mine, 12.5, "WO-55512-A", refundable=False)
+        call = _routed_call(mine, "CRITICAL_MUTATION", key)
+        while time.time() * 1000 < call["deadline"] + 1000:
+            time.sleep(0.2)
+        mine.client.propose("charge_customer_card_v2", args, idempotency_key=key,
+                            run_id=call["run_id"], proposal_id=pid)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while len(parks := [o for o in mine.client.history(pid)
+                            if o["decision"] == "PENDING_APPROVAL"]) < 2:  # fmt: skip
+            assert time.monotonic() < deadline, mine.client.history(pid)
+            time.sleep(0.2)
+        assert mine.store.record(TENANT, key)["attempt"] == "2"
+
+        charged = '{"charge_id": "CH-1", "status": "succeeded", "decline_code": null}'
+        late = encode_result(_result_for(call, data=charged))
+        producer = Producer(settings.client_config(**{"enable.idempotence": True}))
+        producer.produce(settings.topics.results, late, call["run_id"].encode())
+        assert producer.flush(30) == 0
+        done = mine.client.wait_result(pid, 60)
+        assert done["decision"] == "COMPLETED", done["result_payload"]["errors"]
+        assert done["execution_metadata"]["attempt_number"] == 1
+        assert mine.store.record(TENANT, key)["state"] == "COMPLETED"
+
+        no = approval(settings, "ops-1", parks[1], decision="rejected", reason="a duplicate?")
+        publish_approvals(settings, call["run_id"], [no])
+        deadline = time.monotonic() + 60
+        while not any(
+            dict(m.headers() or [])["toolsentry.error.reason"] == b"approval_request_superseded"
+            for m in read_all(settings, settings.topics.dlq, idle=1)
+        ):
+            assert time.monotonic() < deadline, "the rejection was not dead-lettered"
+        assert [o["decision"] for o in mine.client.history(pid)].count("REJECTED") == 0
+        assert _finals(settings, pid) == ["COMPLETED"]
+        assert [c["attempt"] for c in mine.exec_calls("CRITICAL_MUTATION")
+                if c["idempotency_key"] == key] == [1]  # fmt: skip

@@ -331,3 +331,22 @@ def test_a_parked_call_and_its_requests_end_name_the_same_request(
     # Parked by an earlier version, which kept neither: matched by its deadline, as it was.
     old = {k: v for k, v in entry.items() if k not in ("first_request_id", "attempt")}
     assert lapse_item(old, "tool.approvals/0/2", NOW_MS)[1]["rid"] == ""
+
+
+def test_a_call_and_its_release_name_the_version_they_are_routed_as(
+    contracts: ContractSet,
+) -> None:
+    """The key's record keeps the version its call goes as, parked or released: its result
+    is held to it (see admission.lua, settle)."""
+    d = _decide(contracts, "refund_order")
+    assert d.outcome is Outcome.PARKED and d.call is not None
+    _, item = admission_item(d, _contract(contracts, d), BUDGETS, NOW_MS) or ("", {})
+    assert item["version"] == d.call.tool_version == d.contract_version
+    apply_verdict(d, {"ok": True, "attempt": 1}, BUDGETS, _contract(contracts, d))
+    entry = {**parked_entry(d), "state": "released", "approvers": []}
+    src = SourceRecord("tool.approvals", 0, 1, b"r", b"{}", NOW_MS)
+    released = outcome_decision(ApprovalInput(src, "decision", "tenant-1", "x", {}),
+                                OpResult("released", None, entry), NOW_MS)  # fmt: skip
+    assert released is not None
+    _, release = release_item(released)
+    assert release["version"] == d.call.tool_version

@@ -150,6 +150,57 @@ def test_a_compensation_that_did_not_complete_escalates(
     assert "handoff_to_human" in rej.next_action
 
 
+TIMED_OUT_AFTER_A_STEP = {
+    "outcome": "TIMED_OUT", "error_code": "handler_timeout",
+    "error_message": "the handler ran out of time after charging the card",
+}  # fmt: skip
+"""What an executor that gives its handlers a time limit may report: the call ran, in part."""
+
+
+def test_a_timeout_after_committed_steps_is_compensated_not_told_nothing_ran(
+    contracts: ContractSet,
+) -> None:
+    """A call that timed out after committing a step ran: the model must not read "nothing
+    ran, propose it again" (its retry would charge again once the key expired). It goes as
+    any failure after a committed step goes: compensated, or handed to an operator."""
+    item = _charge_result(contracts, **TIMED_OUT_AFTER_A_STEP)
+    rej = item.decision.rejection
+    assert rej is not None and rej.taxonomy is TaxonomyClass.COMPENSATION_REQUIRED
+    assert item.state == "FAILED_FINAL"
+    assert _codes(item.decision) == ["handler_timeout", "partially_committed"]
+    assert "nothing ran" not in rej.next_action
+    assert compensation_proposal_id(KEY) in rej.next_action
+    comp = wants_compensation(item, contracts)
+    assert comp is not None and comp.tool == "refund_order"
+    assert item.decision.post_action_verification is True
+    # Without a compensation to run, it goes to an operator, as a failure would.
+    alone = _charge_result(contracts, **TIMED_OUT_AFTER_A_STEP, compensation_arguments=None)
+    assert alone.decision.rejection is not None
+    assert alone.decision.rejection.taxonomy is TaxonomyClass.COMPENSATION_REQUIRED
+    assert "handoff_to_human" in alone.decision.rejection.next_action
+    # Nothing committed: it was not started in time, and nothing ran.
+    unstarted = _charge_result(contracts, **{**TIMED_OUT_AFTER_A_STEP, **NOTHING_COMMITTED})
+    assert unstarted.state == "EXPIRED"
+    assert unstarted.decision.rejection is not None
+    assert unstarted.decision.rejection.taxonomy is TaxonomyClass.TIMEOUT
+
+
+def test_a_timeout_after_steps_of_a_resumable_tool_is_a_partial_success(
+    contracts: ContractSet,
+) -> None:
+    item = _charge_result(
+        contracts, **TIMED_OUT_AFTER_A_STEP, tool_name="create_ticket",
+        tool_version=contracts.versions("create_ticket")[0].version,
+        side_effect_class="MEDIUM_RISK_WRITE", committed_steps=["ticket_created"],
+        compensation_arguments=None,
+    )  # fmt: skip
+    rej = item.decision.rejection
+    assert rej is not None and rej.taxonomy is TaxonomyClass.PARTIAL_SUCCESS
+    assert item.state == "FAILED_RETRYABLE"
+    assert "must not be repeated" in rej.next_action
+    assert wants_compensation(item, contracts) is None
+
+
 def test_a_result_too_large_to_show_is_final_and_not_shown(contracts: ContractSet) -> None:
     big = orjson.dumps({"receipt": "x" * RESULT_DATA_MAX_BYTES}).decode()
     ran = _charge_result(
