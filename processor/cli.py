@@ -55,7 +55,7 @@ ConfigOpt = Annotated[
 
 
 ContractsDirArg = Annotated[
-    Path | None, typer.Argument(help="Contracts folder [default: the settings' contracts_dir].")
+    Path | None, typer.Argument(help="Contracts folder (default: the settings' contracts_dir).")
 ]
 
 

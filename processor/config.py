@@ -220,7 +220,7 @@ class Settings(BaseSettings):
     contracts_poll_s: float = 2.0
     """How often the contract folder and the key, policy and approvers files are checked
     for changes; a change is taken once it has held still for one poll (SIGHUP checks
-    the contracts at once)."""
+    them all at once)."""
     metrics_port: int = 9464
     """Prometheus /metrics port; 0 disables the endpoint."""
     redis_url: str = "redis://127.0.0.1:6379/0"

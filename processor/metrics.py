@@ -91,7 +91,8 @@ class Metrics:
         )
         self.dependency_errors = PCounter(
             "toolsentry_dependency_errors_total",
-            "Errors talking to a dependency (kafka, redis).",
+            "Errors talking to a dependency (kafka, redis, reference_data: reference data "
+            "still being loaded).",
             ["dependency"],
             registry=registry,
         )
@@ -134,8 +135,9 @@ class Metrics:
         )
         self.approvals = PCounter(
             "toolsentry_approvals_total",
-            "Approval activity: requested, released, rejected, expired, pending (awaiting a "
-            "second approver), refused (invalid decisions), reused, ignored.",
+            "Approval activity: requested, released, refused_at_release (the recheck at release "
+            "refused it), rejected, expired, pending (awaiting a second approver), refused "
+            "(invalid decisions), reused, ignored.",
             ["result"],
             registry=registry,
         )
