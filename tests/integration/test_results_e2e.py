@@ -735,14 +735,7 @@ def test_a_result_for_a_call_waiting_for_its_approvers_is_dead_lettered(bench: B
         "side_effect_class": "CRITICAL_MUTATION", "idempotency_key": key,
         "payload_hash": record["hash"], "attempt": 1,
     }  # fmt: skip
-    assert _dead_letters(bench.settings, run, [_charged_then_failed(call)]) == [
-        "result_unrouted_call"
-    ]
-    record = bench.store.record(TENANT, key)
-    assert (record["state"], record["awaiting"]) == ("PENDING", "1")
-    assert "compensation" not in record
-    assert _finals(bench.settings, pid) == []
-    assert bench.client.history(compensation_proposal_id(key)) == []
+    _settles_nothing(bench, call, awaiting="1")
     # Declined, it never runs: a result for it settles nothing either.
     no = approval(bench.settings, "ops-1", parked, decision="rejected", reason="not today")
     publish_approvals(bench.settings, run, [no])
@@ -750,11 +743,18 @@ def test_a_result_for_a_call_waiting_for_its_approvers_is_dead_lettered(bench: B
     while not any(o["decision"] == "REJECTED" for o in bench.client.history(pid)):
         assert time.monotonic() < deadline, bench.client.history(pid)
         time.sleep(0.2)
-    assert _dead_letters(bench.settings, run, [_charged_then_failed(call)]) == [
+    _settles_nothing(bench, call, awaiting="0")
+
+
+def _settles_nothing(bench: Bench, call: dict[str, Any], awaiting: str) -> None:
+    """A result for ``call``, which never ran, is dead-lettered as such: its record still
+    waits (for its approvers, or for nothing), and nothing is answered or compensated."""
+    key, pid = call["idempotency_key"], call["proposal_id"]
+    assert _dead_letters(bench.settings, call["run_id"], [_charged_then_failed(call)]) == [
         "result_unrouted_call"
     ]
     record = bench.store.record(TENANT, key)
-    assert (record["state"], record["awaiting"]) == ("PENDING", "0")
+    assert (record["state"], record["awaiting"]) == ("PENDING", awaiting)
     assert "compensation" not in record
     assert _finals(bench.settings, pid) == []
     assert bench.client.history(compensation_proposal_id(key)) == []
