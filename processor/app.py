@@ -113,6 +113,7 @@ from processor.results import (
     ADMITTED,
     ResultInput,
     compensation_plan,
+    held_rejection,
     is_compensation,
     parse_result,
     propose_compensation,
@@ -878,7 +879,8 @@ class Processor:
                 # same proposal the key has moved on from (the later attempt's result
                 # answers it; the handler, idempotent under the key, gives the same
                 # answer). Counted, not answered twice. (An earlier attempt that completed
-                # after the key moved on from it settles the key: "settled", below.)
+                # after the key moved on from it, or failed after committed steps with no
+                # later attempt able to meet them, settles the key: "settled", below.)
                 out[i] = ignored(x.src, f"result_{status}")
                 continue
             if status == "unknown":
@@ -886,6 +888,15 @@ class Processor:
                 # forged one. Nothing it says reaches a model; the DLQ keeps it for an operator.
                 detail = "no idempotency record for the result's key"
                 out[i] = dead_letter(x.src, "result_unknown_call", detail, Gate.RESULT)
+                continue
+            if status == "held":
+                # An earlier attempt failed after committing steps while a later attempt
+                # of the call is routed and may run it: that attempt, idempotent under the
+                # key, meets those steps, and its result answers the proposal (a
+                # compensation proposed now could undo what it completes). The record
+                # keeps the failure with its attempt; the DLQ shows it to an operator,
+                # since the later attempt may still end without meeting those steps.
+                out[i] = dead_letter(x.src, *_HELD, Gate.RESULT)
                 continue
             if status in _RESULTS_REFUSED:
                 # A result that is not its call's (another tool, version, payload or run
@@ -896,7 +907,11 @@ class Processor:
                 reason, detail = _RESULTS_REFUSED[status]
                 out[i] = dead_letter(x.src, reason, detail, Gate.RESULT)
                 continue
-            if extra and status == "settled":
+            if v.get("held"):
+                # Its attempt did not finish the call, and an earlier one's failure after
+                # committed steps was held for it: those steps stand (as Redis recorded).
+                x.decision.rejection = held_rejection(x.decision)
+            elif extra and status == "settled":
                 propose_compensation(x, extra, v, verifier)
             elif extra and status == "stale":
                 stale_compensation(x.decision)
@@ -1438,7 +1453,7 @@ _ANSWERED_ALREADY = {
     "moved_on": (
         "approval_request_superseded",
         "the call went ahead without this request (with approvals attached, or an earlier "
-        "attempt of it completed)",
+        "attempt of it completed, or failed after committing steps)",
     ),
     "given_back": (
         "approval_request_withdrawn",
@@ -1461,6 +1476,14 @@ _RESULTS_REFUSED = {
     "unrouted": ("result_unrouted_call", "the result's call was never routed"),
 }
 """Admission's verdicts on results that settle nothing and go to the DLQ: (reason, detail)."""
+
+_HELD = (
+    "result_held_for_later_attempt",
+    "an earlier attempt failed after committing steps while a later attempt of its call is "
+    "in flight, whose result answers the proposal",
+)
+"""How an earlier attempt's failure after committed steps, held while a later attempt is in
+flight (see admission.lua, settle), lands on the DLQ: (reason, detail)."""
 
 _WITHDRAWN = object()
 """Marks a proposal's withdraw item in ``Processor._admit``: its verdict changes nothing."""

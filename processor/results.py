@@ -446,6 +446,47 @@ class Compensation:
     payload_hash: str
 
 
+def after_commit(d: Decision) -> bool:
+    """Whether ``d`` answers a call that failed after committing steps (a timeout
+    included): resumed (``PARTIAL_SUCCESS``) or compensated (``COMPENSATION_REQUIRED``),
+    the two classes only committed steps give (see ``_classify``)."""
+    rej = d.rejection
+    return rej is not None and rej.taxonomy in (_T.PARTIAL_SUCCESS, _T.COMPENSATION_REQUIRED)
+
+
+def _may_meet_held(item: ResultInput) -> bool:
+    """Whether this result, as its attempt's own, answers in place of a failure after
+    committed steps held for it: it did not complete, and it names no committed step."""
+    d = item.decision
+    return (
+        d.rejection is not None
+        and item.state != "COMPLETED"
+        and not after_commit(d)
+        and not is_compensation_key(item.result["idempotency_key"])
+    )
+
+
+def held_rejection(d: Decision) -> Rejection:
+    """The answer of an attempt that ended without completing and without committing a
+    step, where an earlier attempt of the same call failed after committing some (held for
+    this attempt, which might have met them: see admission.lua, settle). Those steps stand
+    and nothing compensates them: this result names none, and the earlier one was not
+    kept. It escalates, with this attempt's own errors."""
+    rej = d.rejection
+    assert rej is not None
+    err = FieldError(None, "an earlier attempt of this call committed some steps before it "
+                     "failed, and this attempt did not finish the call",
+                     "committed_by_earlier_attempt")  # fmt: skip
+    action = (
+        f"{d.contract_name or 'The call'} did not finish, and an earlier attempt of it "
+        "committed some steps before failing; no compensation can be run automatically. Do "
+        "not retry; call handoff_to_human so an operator reverses it."
+    )
+    return Rejection(
+        _T.COMPENSATION_REQUIRED, Gate.RESULT, (*rej.errors, err), action, (HANDOFF_TOOL,)
+    )
+
+
 def settle_item(
     item: ResultInput,
     position: str,
@@ -479,6 +520,15 @@ def settle_item(
         "compensation_tool": compensation.tool if compensation else None,
         "compensates": compensates,
         "cached_unsigned": unsigned or "",
+        # A failure after committed steps: of an attempt its key moved on from, it settles
+        # the key where no later attempt can meet those steps (see admission.lua, settle).
+        "committed": after_commit(item.decision),
+        # What the record keeps instead should an earlier attempt's failure after committed
+        # steps have been held for this attempt, which ended committing none (see
+        # admission.lua, settle): sent for such failures only.
+        "cached_held": cached_blob(item.decision, held_rejection(item.decision))
+        if _may_meet_held(item)
+        else "",
     }
 
 

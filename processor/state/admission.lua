@@ -11,7 +11,7 @@
 --          2 step     a proposal an earlier gate refused (it still is a step of its run)
 --          3 result   an executor's result for a routed call, with the tool, its version,
 --                     the payload hash and run it claims (checked against the call's
---                     record, see settle)
+--                     record, see settle), and whether it failed after committed steps
 --          4 release  a parked call its approvers released (with the deadline its request
 --                     parked it until, and the request it names, see holds)
 --          5 void     a call whose record failed alone on a defect after it was admitted
@@ -27,7 +27,7 @@
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
 -- "hit|<state>|#<length of call>|<call>|<cached answer>" (a call id may hold a '|'),
--- or a result's "settled[|grant|<claims>]", "superseded",
+-- or a result's "settled[|grant|<claims>]", "settled|held", "superseded", "held",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
 -- "unknown", "mismatch" (its tool, version, payload or run is not its call's), "unrouted"
 -- (its call was never routed); a void's "voided" or "unchanged"; a comp_failed's "marked" or
@@ -49,7 +49,10 @@
 -- take_unseen; u 1 once the call c is known never to have been routed though it waits
 -- for no approval, see settle; o the ids of results answered for the calls it held
 -- before, see settle; ua the attempts of call c routed before whose result had not come
--- when the key moved on, see admit_call); a run's counters are JSON too. Every record
+-- when the key moved on, see admit_call, each {a attempt, v version, f and fs the id and
+-- state of its failure after committed steps, held while a later attempt was in flight,
+-- see settle});
+-- a run's counters are JSON too. Every record
 -- and run the batch names is read before anything is decided, kept in this script while
 -- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
 -- a Redis command costs a few microseconds from Lua, and this makes the commands per
@@ -99,7 +102,7 @@ local function unwire(a)
             compensates = opt(a[10]), compensation_hash = opt(a[11]),
             compensation_tool = opt(a[12]), unsigned = opt(a[13]), attempt = tonumber(a[14]) or 0,
             tool = opt(a[15]), hash = opt(a[16]), run = opt(a[17]),
-            version = opt(a[18])}
+            version = opt(a[18]), committed = a[19] == 1, cached_held = opt(a[20])}
   elseif kind == 5 then
     return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6]}
   elseif kind == 6 then
@@ -118,6 +121,7 @@ local function encode(v)
     if v.grant then return 'settled|grant|' .. v.grant end
     if v.unsigned then return 'settled|unsigned' end
     if v.compensated then return 'settled|compensated|' .. v.compensated end
+    if v.held then return 'settled|held' end
     if v.state then return v.status .. '|' .. v.state end
     return v.status
   end
@@ -444,7 +448,9 @@ local function gone_from(rec, c, mine, expiry)
     end
     return went_ahead(rec.c, c)
   end
-  if RETRYABLE[rec.s] then return 'given_back' end
+  -- (retryable with a result of its own: an earlier attempt's failure settled the key
+  -- while this park was its record's, see settle, and the key went ahead without it)
+  if RETRYABLE[rec.s] and not rec.x then return 'given_back' end
   return 'moved_on'
 end
 
@@ -623,6 +629,15 @@ local function missed_at(rec, attempt)
   return nil
 end
 
+-- Whether a failure after committed steps that a retry does not finish (a compensation
+-- asked for, or a hand-off) is held among rec's missed attempts (see settle).
+local function held_final(rec)
+  for _, missed in ipairs(rec.ua or {}) do
+    if missed.f and missed.fs == 'FAILED_FINAL' then return true end
+  end
+  return false
+end
+
 -- An executor's result settles the call's record. Only the attempt the record is
 -- waiting for settles it, or an earlier attempt of the same call that completed after
 -- the key moved on from it; a result for another older attempt (the key was retried
@@ -654,15 +669,27 @@ local function settle(c)
     -- same answer). Unless the later attempt never gets that far: parked again, its
     -- approvers may decline it; it may time out unstarted, or fail before the handler
     -- looks the key up. An earlier attempt that was routed and had no result when the key
-    -- moved on (see admit_call), and that completed, ran: the key's call is done, and
-    -- the record says so while it has no final answer of its own (the later attempt, and
-    -- a retry, get this one; a later attempt still parked never goes). Any other result
-    -- of an earlier attempt changes nothing: a copy, one of an attempt answered already,
-    -- or a failure (left to the later attempt, which meets what it committed).
-    local k = c.state == 'COMPLETED' and not FINAL[rec.s] and missed_at(rec, c.attempt)
-    if not k then return {status = 'superseded'} end
+    -- moved on (see admit_call) ran, and its result, while the key has no final answer of
+    -- its own, may still be the call's: one that completed settles the key (the later
+    -- attempt, and a retry, get this one; a later attempt still parked never goes). One
+    -- that failed after committing steps left the world half changed, and settles the key
+    -- only where no later attempt can meet those steps: parked (it never goes now), its
+    -- park ended, or the key retryable (answered, or given back: nothing in flight). A
+    -- later attempt routed and in flight may finish the call, idempotent under the key,
+    -- and a compensation proposed meanwhile would undo what it completes: the failure is
+    -- held ("held", once: the attempt stays among the missed ones, naming it), left to the
+    -- later attempt. Any other result of an earlier attempt changes nothing: a copy, one
+    -- of an attempt answered already, or a failure that committed nothing.
+    local k = not FINAL[rec.s] and missed_at(rec, c.attempt)
+    if not (k and (c.state == 'COMPLETED' or c.committed)) then return {status = 'superseded'} end
     local routed_as = rec.ua[k].v
     if routed_as and routed_as ~= c.version then return {status = 'mismatch'} end
+    if c.state ~= 'COMPLETED' and rec.s == 'PENDING' and not unrouted(rec) then
+      if rec.ua[k].f == c.result_id then return {status = 'duplicate'} end
+      rec.ua[k].f, rec.ua[k].fs = c.result_id, c.state
+      keep_record(c.ikey, rec)
+      return {status = 'held'}
+    end
     table.remove(rec.ua, k)
     if #rec.ua == 0 then rec.ua = nil end
     -- (a later attempt still parked gives back what parking took, as its request's end
@@ -692,6 +719,15 @@ local function settle(c)
   local grant = rec.t
   rec.s, rec.x, rec.v, rec.w, rec.t = c.state, c.result_id, c.cached, 0, nil
   local verdict = {status = 'settled'}
+  if c.cached_held and held_final(rec) then
+    -- This attempt ended without completing or committing a step (timed out unstarted,
+    -- say), after an earlier attempt's failure after committed steps was held for it (see
+    -- above): those steps stand, and its answer, "nothing ran", would leave them unseen.
+    -- The call is final and escalates; a failure held for a resumable call is not, since
+    -- a retry under the key finishes it as this attempt would have.
+    rec.s, rec.v, rec.ua = 'FAILED_FINAL', c.cached_held, nil
+    verdict.held = true
+  end
   if c.compensation_key and c.unsigned and string.sub(grant or '', 1, 1) ~= '{' then
     -- It must be signed in the caller's name, and the record keeps no claims to sign
     -- with (an earlier version kept a token): nothing is proposed, it escalates, and a

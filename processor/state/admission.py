@@ -296,7 +296,8 @@ def _wire(item: Item) -> list[Any]:
                 item["compensates"] or "", item.get("compensation_hash") or "",
                 item.get("compensation_tool") or "", item.get("cached_unsigned") or "",
                 item.get("attempt", 0), item.get("tool") or "", item.get("hash") or "",
-                item.get("run") or "", item.get("version") or ""]  # fmt: skip
+                item.get("run") or "", item.get("version") or "",
+                1 if item.get("committed") else 0, item.get("cached_held") or ""]  # fmt: skip
     if kind == "void":
         return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"]]
     if kind == "comp_failed":
@@ -340,6 +341,8 @@ def parse_verdict(raw: bytes | str) -> Verdict:
             return {"status": "settled", "unsigned": True}
         if what == "compensated":
             return {"status": "settled", "compensated": value}
+        if what == "held":
+            return {"status": "settled", "held": True}
         return {"status": "settled"}
     if head == "stale":
         return {"status": "stale", "state": rest}

@@ -631,6 +631,124 @@ def _partly_committed(of: tuple[str, Item], **kw: Any) -> tuple[str, Item]:
 
 
 @pytest.mark.parametrize(
+    ("later", "state"),
+    [("parked", "FAILED_FINAL"), ("parked", "FAILED_RETRYABLE"), ("answered", "FAILED_FINAL"),
+     ("lapsed", "FAILED_FINAL"), ("unstarted", "FAILED_FINAL")],
+)  # fmt: skip
+def test_an_earlier_attempt_that_failed_after_committing_settles_a_key_no_attempt_runs(
+    store: AdmissionStore, later: str, state: str
+) -> None:
+    """Routed, no result before its deadline and the grace passed, the proposal sent again
+    under its own id as a second attempt; the first then reports a failure after a
+    committed step. No later attempt can meet that step: parked (it never goes now), its
+    park ended, answered (timed out unstarted: nothing in flight), or given back. The
+    failure settles the key as its own attempt's would: a compensation asked for
+    (FAILED_FINAL), or resumed (FAILED_RETRYABLE: PARTIAL_SUCCESS). Before, it was dropped
+    as superseded, and the half-changed world was never compensated nor reported."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 2, "tool": "charge"}
+    first = call(deadline=NOW + 8000, **limits)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    park = later in ("parked", "lapsed")
+    second = call(ikey=key, call=call_id, now=NOW + 9001, park=park, rid="req-2" if park else "",
+                  deadline=NOW + 600_000, **limits)  # fmt: skip
+    assert store.apply([second]) == [{"ok": True, "attempt": 2}]
+    if later == "answered":
+        assert store.apply([result(second, state="EXPIRED", attempt=2)]) == [{"status": "settled"}]
+    elif later == "lapsed":
+        assert store.apply([_lapse(second, attempt=2)]) == [{"status": "lapsed"}]
+    elif later == "unstarted":  # its batch aborted, and its position was decided as a step
+        _, item = second
+        assert store.apply([step(sig="charge", repair=False, pos=item["pos"])]) == [{"ok": True}]
+    if state == "FAILED_FINAL":
+        late = _partly_committed(first, attempt=1, result_id="res-first", committed=True)
+    else:
+        late = result(first, state=state, attempt=1, result_id="res-first", committed=True)
+    assert store.apply([late]) == [{"status": "settled"}]
+    assert store.apply([late]) == [{"status": "settled"}]  # its replay
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["result"]) == (state, "res-first")
+    assert record["awaiting"] == "0" and "missed_attempts" not in record
+    if state == "FAILED_FINAL":
+        assert record["compensation"] == "compensate:" + key
+    copy = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([copy]) == [{"status": "duplicate"}]
+    if park:
+        # What parking the second attempt took came back (the first's stays: it ran).
+        assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1
+    if later == "parked":
+        # Its request's end finds the key gone ahead, a resumed one's too (retryable, not
+        # given back: the failure settled it while the park was its record's).
+        assert store.apply([_lapse(second, attempt=2)]) == [{"status": "moved_on"}]
+        assert whys(store.apply([_release(second, attempt=2)])) == ["moved_on"]
+        assert store.apply([result(second, attempt=2)]) == [{"status": "duplicate"}]
+
+
+def test_an_earlier_attempt_that_failed_after_committing_is_held_while_a_later_one_runs(
+    store: AdmissionStore,
+) -> None:
+    """The second attempt is routed and may be running: idempotent under the key, it meets
+    the first's committed step and may finish the call, which a compensation proposed now
+    would undo. The first's failure is held (once: a copy, or its replay, says so too) and
+    the second's result settles the key."""
+    first = call(deadline=NOW + 8000)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    second = call(ikey=key, call=call_id, now=NOW + 9001, deadline=NOW + 600_000)
+    assert store.apply([second]) == [{"ok": True, "attempt": 2}]
+    late = _partly_committed(first, attempt=1, result_id="res-first", committed=True)
+    assert store.apply([late]) == [{"status": "held"}]
+    assert store.apply([late]) == [{"status": "held"}]  # its replay
+    copy = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([copy]) == [{"status": "duplicate"}]
+    record = store.record(TENANT, key, NOW)
+    assert record["state"] == "PENDING" and "compensation" not in record
+    assert record["missed_attempts"] == str([{"a": 1, "f": "res-first", "fs": "FAILED_FINAL"}])
+    assert store.apply([result(second, attempt=2)]) == [{"status": "settled"}]
+    assert store.record(TENANT, key, NOW)["state"] == "COMPLETED"
+    again = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([again]) == [{"status": "superseded"}]
+
+
+@pytest.mark.parametrize("resumable", [False, True])
+def test_a_failure_held_for_a_later_attempt_that_never_ran_the_call_answers_it(
+    store: AdmissionStore, resumable: bool
+) -> None:
+    """The first attempt's failure after a committed step was held for the second, routed;
+    the second then times out unstarted (or fails committing nothing). "Nothing ran" would
+    leave the committed step unseen: the key is final with the answer the result carries
+    for that case (an escalation), which a retry gets too. A resumable call's held failure
+    is finished by a retry under the key, as the second attempt would have: its answer
+    stands."""
+    first = call(deadline=NOW + 8000)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    second = call(ikey=key, call=call_id, now=NOW + 9001, deadline=NOW + 600_000)
+    store.apply([second])
+    if resumable:
+        late = result(first, state="FAILED_RETRYABLE", attempt=1, committed=True)
+    else:
+        late = _partly_committed(first, attempt=1, committed=True)
+    assert store.apply([late]) == [{"status": "held"}]
+    # (a third attempt, past the second's deadline and the grace, keeps what was held)
+    third = call(ikey=key, call=call_id, now=NOW + 602_000, deadline=NOW + 900_000)
+    assert store.apply([third]) == [{"ok": True, "attempt": 3}]
+    held = orjson.dumps({"class": "COMPENSATION_REQUIRED"}).decode()
+    unstarted = result(third, state="EXPIRED", attempt=3, cached_held=held)
+    expected = {"status": "settled"} if resumable else {"status": "settled", "held": True}
+    assert store.apply([unstarted]) == [expected]
+    assert store.apply([unstarted]) == [expected]  # its replay
+    record = store.record(TENANT, key, NOW)
+    if resumable:
+        assert record["state"] == "EXPIRED"
+        return
+    assert (record["state"], record["cached"]) == ("FAILED_FINAL", held)
+    assert "missed_attempts" not in record
+    retry = store.apply([call(ikey=key, call=call_id, now=NOW + 950_000)])
+    assert whys(retry) == ["idempotent_hit"] and retry[0]["cached"] == held
+
+
+@pytest.mark.parametrize(
     ("claim", "value"),
     [("tool", "charge_customer_card_v2"), ("version", "2.0.0"), ("version", None),
      ("hash", "h-other"), ("run", "run-other"), ("hash", "")],

@@ -799,6 +799,62 @@ def _routed_call(bench: Bench, cls: str, key: str) -> dict[str, Any]:
         assert time.monotonic() < deadline, f"{key} not routed"
 
 
+def test_an_earlier_failure_after_a_charge_is_held_for_the_attempt_in_flight(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """A charge routed, its result late: past its deadline and the grace, the agent sends
+    the proposal again, and its approvers release the second attempt. The first attempt's
+    result then says the card was charged and the receipt failed. The second attempt, in
+    flight, meets that charge under the key, so nothing is compensated yet: the failure is
+    held, on the DLQ for an operator. The second attempt then times out unstarted: the
+    charge stands and nobody undoes it, so the proposal is told to hand off, not that
+    nothing ran."""
+    doc = yaml.safe_load(LOAD_POLICY.read_text())
+    doc["budgets"]["in_flight_grace_ms"] = 500
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump(doc, sort_keys=False))
+    settings = isolated(stack_settings, "results-held").model_copy(update={"policy_file": policy})
+    with _running(settings, "results-held-1", tmp_path) as mine:
+        pid, key, args = _charge(mine, 12.5, "WO-55514-A", refundable=False)
+        first = _routed_call(mine, "CRITICAL_MUTATION", key)
+        run = first["run_id"]
+        while time.time() * 1000 < first["deadline"] + 1000:
+            time.sleep(0.2)
+        mine.client.propose("charge_customer_card_v2", args, idempotency_key=key, run_id=run,
+                            proposal_id=pid)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while len(parks := [o for o in mine.client.history(pid)
+                            if o["decision"] == "PENDING_APPROVAL"]) < 2:  # fmt: skip
+            assert time.monotonic() < deadline, mine.client.history(pid)
+            time.sleep(0.2)
+        votes = [approval(settings, who, parks[1]) for who in ("ops-1", "ops-2")]
+        publish_approvals(settings, run, votes)
+        deadline = time.monotonic() + 60
+        while not (second := [c for c in mine.exec_calls("CRITICAL_MUTATION")
+                              if c["idempotency_key"] == key and c["attempt"] == 2]):  # fmt: skip
+            assert time.monotonic() < deadline, "the second attempt was not routed"
+
+        assert _dead_letters(settings, run, [_charged_then_failed(first)]) == [
+            "result_held_for_later_attempt"
+        ]
+        assert mine.store.record(TENANT, key)["state"] == "PENDING"
+        assert _finals(settings, pid) == []
+
+        unstarted = _result_for(second[0], outcome="TIMED_OUT", data=None)
+        producer = Producer(settings.client_config(**{"enable.idempotence": True}))
+        producer.produce(settings.topics.results, encode_result(unstarted), run.encode())
+        assert producer.flush(30) == 0
+        done = mine.client.wait_result(pid, 60)
+        assert done["decision"] == "FAILED"
+        assert done["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
+        codes = [e["code"] for e in done["result_payload"]["errors"]]
+        assert codes == ["deadline_passed", "committed_by_earlier_attempt"]
+        assert "handoff_to_human" in done["next_action"]
+        assert mine.store.record(TENANT, key)["state"] == "FAILED_FINAL"
+        assert _finals(settings, pid) == ["FAILED"]
+        assert mine.client.history(compensation_proposal_id(key)) == []
+
+
 def test_a_result_naming_another_version_of_its_tool_is_dead_lettered(bench: Bench) -> None:
     """A charge routed as 2.1.0 (its contract compensates with a refund) and a result that
     says 2.0.0 ran (that version compensates nothing): its data would be checked against

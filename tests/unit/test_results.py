@@ -185,6 +185,42 @@ def test_a_timeout_after_committed_steps_is_compensated_not_told_nothing_ran(
     assert unstarted.decision.rejection.taxonomy is TaxonomyClass.TIMEOUT
 
 
+def test_admission_is_told_which_results_failed_after_committed_steps(
+    contracts: ContractSet,
+) -> None:
+    """An earlier attempt's result settles a key its later attempt cannot finish only when
+    it failed after committed steps (compensated, or resumed: see admission.lua, settle);
+    a result that committed nothing and did not complete carries the answer its attempt
+    gets instead should such a failure have been held for it: an escalation that keeps its
+    own errors."""
+    failed = settle_item(_charge_result(contracts), "r/0/1", None)[1]
+    assert failed["committed"] is True and failed["cached_held"] == ""
+    timed_out = settle_item(_charge_result(contracts, **TIMED_OUT_AFTER_A_STEP), "r/0/2", None)[1]
+    assert timed_out["committed"] is True
+    resumed = _charge_result(
+        contracts, **TIMED_OUT_AFTER_A_STEP, tool_name="create_ticket",
+        tool_version=contracts.versions("create_ticket")[0].version,
+        side_effect_class="MEDIUM_RISK_WRITE", committed_steps=["ticket_created"],
+        compensation_arguments=None,
+    )  # fmt: skip
+    assert settle_item(resumed, "r/0/3", None)[1]["committed"] is True
+    unstarted = _charge_result(contracts, **{**TIMED_OUT_AFTER_A_STEP, **NOTHING_COMMITTED})
+    item = settle_item(unstarted, "r/0/4", None)[1]
+    assert item["committed"] is False
+    held = orjson.loads(item["cached_held"])
+    assert held["class"] == TaxonomyClass.COMPENSATION_REQUIRED.value
+    assert [e["code"] for e in held["errors"]] == [
+        "deadline_passed",
+        "committed_by_earlier_attempt",
+    ]
+    assert "handoff_to_human" in held["next_action"]
+    charged = '{"charge_id": "CH-1", "status": "succeeded", "decline_code": null}'
+    done = _charge_result(contracts, outcome="SUCCEEDED", data=charged, **NOTHING_COMMITTED)
+    assert done.state == "COMPLETED"
+    completed = settle_item(done, "r/0/5", None)[1]
+    assert completed["committed"] is False and completed["cached_held"] == ""
+
+
 def test_a_timeout_after_steps_of_a_resumable_tool_is_a_partial_success(
     contracts: ContractSet,
 ) -> None:
