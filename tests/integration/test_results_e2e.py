@@ -799,6 +799,41 @@ def _routed_call(bench: Bench, cls: str, key: str) -> dict[str, Any]:
         assert time.monotonic() < deadline, f"{key} not routed"
 
 
+@contextlib.contextmanager
+def _retried_charge(
+    stack_settings: Settings, tmp_path: Path, name: str, order: str
+) -> Iterator[tuple[Bench, Settings, str, str, dict[str, Any], list[dict[str, Any]]]]:
+    """A charge approved and routed whose result is late (the executor behind): past its
+    deadline and the grace (500 ms here), the agent sends the proposal again, which parks
+    as a second attempt. Yields the bench, its settings, the proposal, its key, the first
+    attempt's approved call and the proposal's two parks."""
+    doc = yaml.safe_load(LOAD_POLICY.read_text())
+    doc["budgets"]["in_flight_grace_ms"] = 500
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump(doc, sort_keys=False))
+    settings = isolated(stack_settings, name).model_copy(update={"policy_file": policy})
+    with _running(settings, f"{name}-1", tmp_path) as mine:
+        pid, key, args = _charge(mine, 12.5, order, refundable=False)
+        call = _routed_call(mine, "CRITICAL_MUTATION", key)
+        while time.time() * 1000 < call["deadline"] + 1000:
+            time.sleep(0.2)
+        mine.client.propose("charge_customer_card_v2", args, idempotency_key=key,
+                            run_id=call["run_id"], proposal_id=pid)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while len(parks := [o for o in mine.client.history(pid)
+                            if o["decision"] == "PENDING_APPROVAL"]) < 2:  # fmt: skip
+            assert time.monotonic() < deadline, mine.client.history(pid)
+            time.sleep(0.2)
+        yield mine, settings, pid, key, call, parks
+
+
+def _publish_result(settings: Settings, result: dict[str, Any]) -> None:
+    """Put ``result`` on tool.results, keyed by its run, as its executor would."""
+    producer = Producer(settings.client_config(**{"enable.idempotence": True}))
+    producer.produce(settings.topics.results, encode_result(result), result["run_id"].encode())
+    assert producer.flush(30) == 0
+
+
 def test_an_earlier_failure_after_a_charge_is_held_for_the_attempt_in_flight(
     stack_settings: Settings, tmp_path: Path
 ) -> None:
@@ -809,24 +844,9 @@ def test_an_earlier_failure_after_a_charge_is_held_for_the_attempt_in_flight(
     held, on the DLQ for an operator. The second attempt then times out unstarted: the
     charge stands and nobody undoes it, so the proposal is told to hand off, not that
     nothing ran."""
-    doc = yaml.safe_load(LOAD_POLICY.read_text())
-    doc["budgets"]["in_flight_grace_ms"] = 500
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(yaml.safe_dump(doc, sort_keys=False))
-    settings = isolated(stack_settings, "results-held").model_copy(update={"policy_file": policy})
-    with _running(settings, "results-held-1", tmp_path) as mine:
-        pid, key, args = _charge(mine, 12.5, "WO-55514-A", refundable=False)
-        first = _routed_call(mine, "CRITICAL_MUTATION", key)
+    with _retried_charge(stack_settings, tmp_path, "results-held", "WO-55514-A") as late:
+        mine, settings, pid, key, first, parks = late
         run = first["run_id"]
-        while time.time() * 1000 < first["deadline"] + 1000:
-            time.sleep(0.2)
-        mine.client.propose("charge_customer_card_v2", args, idempotency_key=key, run_id=run,
-                            proposal_id=pid)  # fmt: skip
-        deadline = time.monotonic() + 60
-        while len(parks := [o for o in mine.client.history(pid)
-                            if o["decision"] == "PENDING_APPROVAL"]) < 2:  # fmt: skip
-            assert time.monotonic() < deadline, mine.client.history(pid)
-            time.sleep(0.2)
         votes = [approval(settings, who, parks[1]) for who in ("ops-1", "ops-2")]
         publish_approvals(settings, run, votes)
         deadline = time.monotonic() + 60
@@ -840,10 +860,7 @@ def test_an_earlier_failure_after_a_charge_is_held_for_the_attempt_in_flight(
         assert mine.store.record(TENANT, key)["state"] == "PENDING"
         assert _finals(settings, pid) == []
 
-        unstarted = _result_for(second[0], outcome="TIMED_OUT", data=None)
-        producer = Producer(settings.client_config(**{"enable.idempotence": True}))
-        producer.produce(settings.topics.results, encode_result(unstarted), run.encode())
-        assert producer.flush(30) == 0
+        _publish_result(settings, _result_for(second[0], outcome="TIMED_OUT", data=None))
         done = mine.client.wait_result(pid, 60)
         assert done["decision"] == "FAILED"
         assert done["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
@@ -882,30 +899,12 @@ def test_an_attempt_that_completed_after_its_key_moved_on_answers_its_proposal(
     is told so, and the second attempt never goes: its approvers' decision, a rejection
     here, does not tell the agent the charge was declined (it did, when the success was
     dropped as superseded)."""
-    doc = yaml.safe_load(LOAD_POLICY.read_text())
-    doc["budgets"]["in_flight_grace_ms"] = 500
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(yaml.safe_dump(doc, sort_keys=False))
-    settings = isolated(stack_settings, "results-late").model_copy(update={"policy_file": policy})
-    with _running(settings, "results-late-1", tmp_path) as mine:
-        pid, key, args = _charge(mine, 12.5, "WO-55512-A", refundable=False)
-        call = _routed_call(mine, "CRITICAL_MUTATION", key)
-        while time.time() * 1000 < call["deadline"] + 1000:
-            time.sleep(0.2)
-        mine.client.propose("charge_customer_card_v2", args, idempotency_key=key,
-                            run_id=call["run_id"], proposal_id=pid)  # fmt: skip
-        deadline = time.monotonic() + 60
-        while len(parks := [o for o in mine.client.history(pid)
-                            if o["decision"] == "PENDING_APPROVAL"]) < 2:  # fmt: skip
-            assert time.monotonic() < deadline, mine.client.history(pid)
-            time.sleep(0.2)
+    with _retried_charge(stack_settings, tmp_path, "results-late", "WO-55512-A") as late:
+        mine, settings, pid, key, call, parks = late
         assert mine.store.record(TENANT, key)["attempt"] == "2"
 
         charged = '{"charge_id": "CH-1", "status": "succeeded", "decline_code": null}'
-        late = encode_result(_result_for(call, data=charged))
-        producer = Producer(settings.client_config(**{"enable.idempotence": True}))
-        producer.produce(settings.topics.results, late, call["run_id"].encode())
-        assert producer.flush(30) == 0
+        _publish_result(settings, _result_for(call, data=charged))
         done = mine.client.wait_result(pid, 60)
         assert done["decision"] == "COMPLETED", done["result_payload"]["errors"]
         assert done["execution_metadata"]["attempt_number"] == 1

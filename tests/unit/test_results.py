@@ -70,6 +70,16 @@ def _charge_result(contracts: ContractSet, **fields: Any) -> ResultInput:
     return got
 
 
+def _resumable_timeout(contracts: ContractSet) -> ResultInput:
+    """A create_ticket (a tool a retry finishes) that ran out of time after a step."""
+    return _charge_result(
+        contracts, **TIMED_OUT_AFTER_A_STEP, tool_name="create_ticket",
+        tool_version=contracts.versions("create_ticket")[0].version,
+        side_effect_class="MEDIUM_RISK_WRITE", committed_steps=["ticket_created"],
+        compensation_arguments=None,
+    )  # fmt: skip
+
+
 def _codes(d: Decision) -> list[str]:
     assert d.rejection is not None
     return [e.code for e in d.rejection.errors]
@@ -197,12 +207,7 @@ def test_admission_is_told_which_results_failed_after_committed_steps(
     assert failed["committed"] is True and failed["cached_held"] == ""
     timed_out = settle_item(_charge_result(contracts, **TIMED_OUT_AFTER_A_STEP), "r/0/2", None)[1]
     assert timed_out["committed"] is True
-    resumed = _charge_result(
-        contracts, **TIMED_OUT_AFTER_A_STEP, tool_name="create_ticket",
-        tool_version=contracts.versions("create_ticket")[0].version,
-        side_effect_class="MEDIUM_RISK_WRITE", committed_steps=["ticket_created"],
-        compensation_arguments=None,
-    )  # fmt: skip
+    resumed = _resumable_timeout(contracts)
     assert settle_item(resumed, "r/0/3", None)[1]["committed"] is True
     unstarted = _charge_result(contracts, **{**TIMED_OUT_AFTER_A_STEP, **NOTHING_COMMITTED})
     item = settle_item(unstarted, "r/0/4", None)[1]
@@ -224,12 +229,7 @@ def test_admission_is_told_which_results_failed_after_committed_steps(
 def test_a_timeout_after_steps_of_a_resumable_tool_is_a_partial_success(
     contracts: ContractSet,
 ) -> None:
-    item = _charge_result(
-        contracts, **TIMED_OUT_AFTER_A_STEP, tool_name="create_ticket",
-        tool_version=contracts.versions("create_ticket")[0].version,
-        side_effect_class="MEDIUM_RISK_WRITE", committed_steps=["ticket_created"],
-        compensation_arguments=None,
-    )  # fmt: skip
+    item = _resumable_timeout(contracts)
     rej = item.decision.rejection
     assert rej is not None and rej.taxonomy is TaxonomyClass.PARTIAL_SUCCESS
     assert item.state == "FAILED_RETRYABLE"
