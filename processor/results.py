@@ -446,22 +446,29 @@ class Compensation:
     payload_hash: str
 
 
-def after_commit(d: Decision) -> bool:
-    """Whether ``d`` answers a call that failed after committing steps (a timeout
-    included): resumed (``PARTIAL_SUCCESS``) or compensated (``COMPENSATION_REQUIRED``),
-    the two classes only committed steps give (see ``_classify``)."""
-    rej = d.rejection
-    return rej is not None and rej.taxonomy in (_T.PARTIAL_SUCCESS, _T.COMPENSATION_REQUIRED)
+def _failed_after_commit(item: ResultInput) -> bool:
+    """Whether the result failed after committing steps (a timeout included): resumed
+    (``PARTIAL_SUCCESS``) or compensated (``COMPENSATION_REQUIRED``) as ``_classify`` reads
+    it. Read from the result itself, not its decision, which may be escalated by now (no
+    delegation key: ``COMPENSATION_FAILED``, see ``compensation_plan``)."""
+    r = item.result
+    return (
+        r["outcome"] != "SUCCEEDED"
+        and bool(r.get("committed_steps"))
+        and not is_compensation_key(r["idempotency_key"])
+    )
 
 
 def _may_meet_held(item: ResultInput) -> bool:
     """Whether this result, as its attempt's own, answers in place of a failure after
-    committed steps held for it: it did not complete, and it names no committed step."""
+    committed steps held for it: it did not complete, and it names no committed step. (A
+    success that cannot be shown, OBSERVATION_NORMALIZATION_FAIL, ran: it completed.)"""
     d = item.decision
     return (
         d.rejection is not None
         and item.state != "COMPLETED"
-        and not after_commit(d)
+        and d.rejection.taxonomy is not _T.OBSERVATION_NORMALIZATION_FAIL
+        and not _failed_after_commit(item)
         and not is_compensation_key(item.result["idempotency_key"])
     )
 
@@ -522,7 +529,7 @@ def settle_item(
         "cached_unsigned": unsigned or "",
         # A failure after committed steps: of an attempt its key moved on from, it settles
         # the key where no later attempt can meet those steps (see admission.lua, settle).
-        "committed": after_commit(item.decision),
+        "committed": _failed_after_commit(item),
         # What the record keeps instead should an earlier attempt's failure after committed
         # steps have been held for this attempt, which ended committing none (see
         # admission.lua, settle): sent for such failures only.

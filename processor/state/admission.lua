@@ -717,7 +717,7 @@ local function settle(c)
     end
   end
   local grant = rec.t
-  rec.s, rec.x, rec.v, rec.w, rec.t = c.state, c.result_id, c.cached, 0, nil
+  rec.s, rec.x, rec.v, rec.w = c.state, c.result_id, c.cached, 0
   local verdict = {status = 'settled'}
   if c.cached_held and held_final(rec) then
     -- This attempt ended without completing or committing a step (timed out unstarted,
@@ -728,6 +728,9 @@ local function settle(c)
     rec.s, rec.v, rec.ua = 'FAILED_FINAL', c.cached_held, nil
     verdict.held = true
   end
+  -- (the claims stay while an earlier attempt's failure after committed steps may still
+  -- settle the key and ask for a compensation in their name: see above)
+  if FINAL[rec.s] or not rec.ua then rec.t = nil end
   if c.compensation_key and c.unsigned and string.sub(grant or '', 1, 1) ~= '{' then
     -- It must be signed in the caller's name, and the record keeps no claims to sign
     -- with (an earlier version kept a token): nothing is proposed, it escalates, and a

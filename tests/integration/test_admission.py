@@ -684,6 +684,27 @@ def test_an_earlier_attempt_that_failed_after_committing_settles_a_key_no_attemp
         assert store.apply([result(second, attempt=2)]) == [{"status": "duplicate"}]
 
 
+def test_an_earlier_attempt_that_failed_after_committing_is_compensated_in_its_callers_name(
+    store: AdmissionStore,
+) -> None:
+    """The second attempt was answered (timed out unstarted: nothing ran) before the first
+    reported its failure after a committed step. Settling the second must not drop the
+    claims its record keeps while an earlier attempt may still ask for a compensation:
+    the first's failure asks for one in the caller's name, not an escalation as if the
+    record had none to sign with."""
+    first = call(deadline=NOW + 8000, grant=GRANT)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    second = call(ikey=key, call=call_id, now=NOW + 9001, deadline=NOW + 600_000, grant=GRANT)
+    assert store.apply([second]) == [{"ok": True, "attempt": 2}]
+    assert store.apply([result(second, state="EXPIRED", attempt=2)]) == [{"status": "settled"}]
+    late = _partly_committed(first, attempt=1, committed=True,
+                             cached_unsigned='{"class":"COMPENSATION_FAILED"}')  # fmt: skip
+    assert store.apply([late]) == [{"status": "settled", "grant": GRANT}]
+    record = store.record(TENANT, key, NOW)
+    assert record["compensation"] == "compensate:" + key and "grant" not in record
+
+
 def test_an_earlier_attempt_that_failed_after_committing_is_held_while_a_later_one_runs(
     store: AdmissionStore,
 ) -> None:

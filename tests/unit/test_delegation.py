@@ -29,8 +29,10 @@ from processor.keys import init_keys
 from processor.model import FieldError, Principal, Proposal, Rejection, TaxonomyClass
 from processor.results import (
     compensation_key,
+    compensation_plan,
     compensation_proposal,
     compensation_proposal_id,
+    settle_item,
     unsigned_compensation,
     wants_compensation,
 )
@@ -204,6 +206,22 @@ def test_a_compensation_is_signed_or_escalates(
     assert d.rejection.taxonomy is TaxonomyClass.COMPENSATION_FAILED
     assert [e.code for e in d.rejection.errors][-1] == "compensation_unsigned"
     assert d.rejection.allowed_tools == ("handoff_to_human",)
+
+
+def test_a_failure_after_committed_steps_is_told_to_admission_so_without_a_delegation_key(
+    contracts: ContractSet, keys: Any
+) -> None:
+    """With no delegation key the compensation plan escalates the decision before the
+    result goes to admission (COMPENSATION_FAILED): it still failed after a committed step.
+    Admission must be told so (an earlier attempt's such failure settles or is held, not
+    superseded), and it carries no "nothing committed" answer."""
+    unsigned = Verifier.from_settings(IdentitySettings(jwks_file=keys.jwks))
+    item = _charge_result(contracts)
+    assert compensation_plan(item, contracts, unsigned) == (None, None)
+    assert item.decision.rejection is not None
+    assert item.decision.rejection.taxonomy is TaxonomyClass.COMPENSATION_FAILED
+    settled = settle_item(item, "r/0/1", None)[1]
+    assert settled["committed"] is True and settled["cached_held"] == ""
 
 
 def test_a_rotated_delegation_key_still_verifies_what_it_signed(keys: Any, tmp_path: Path) -> None:

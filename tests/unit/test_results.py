@@ -226,6 +226,25 @@ def test_admission_is_told_which_results_failed_after_committed_steps(
     assert completed["committed"] is False and completed["cached_held"] == ""
 
 
+def test_an_attempt_that_ran_but_cannot_be_shown_never_answers_as_one_that_did_not_finish(
+    contracts: ContractSet,
+) -> None:
+    """A success whose answer cannot be shown (too large, or not what the contract
+    promises), or an executor's "it ran, but its answer cannot be carried", completed the
+    call: held for it, an earlier attempt's failure after committed steps was met by it.
+    It must not carry the escalation of an attempt that did not finish, which tells an
+    operator to reverse steps the call completed."""
+    big = orjson.dumps({"receipt": "x" * RESULT_DATA_MAX_BYTES}).decode()
+    ran = _charge_result(contracts, outcome="SUCCEEDED", data=big, **NOTHING_COMMITTED)
+    carried = _charge_result(
+        contracts, **NOTHING_COMMITTED, error_code="result_too_large",
+        taxonomy_class="OBSERVATION_NORMALIZATION_FAIL",
+    )  # fmt: skip
+    for item in (ran, carried):
+        assert item.state == "FAILED_FINAL"
+        assert settle_item(item, "r/0/1", None)[1]["cached_held"] == ""
+
+
 def test_a_timeout_after_steps_of_a_resumable_tool_is_a_partial_success(
     contracts: ContractSet,
 ) -> None:
