@@ -489,9 +489,7 @@ def held_rejection(d: Decision) -> Rejection:
         "committed some steps before failing; no compensation can be run automatically. Do "
         "not retry; call handoff_to_human so an operator reverses it."
     )
-    return Rejection(
-        _T.COMPENSATION_REQUIRED, Gate.RESULT, (*rej.errors, err), action, (HANDOFF_TOOL,)
-    )
+    return _handoff(_T.COMPENSATION_REQUIRED, action, *rej.errors, err)
 
 
 def settle_item(

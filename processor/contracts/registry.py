@@ -323,7 +323,14 @@ def _comprehension_variables(expression: str) -> set[str]:
 
 def contract_files(directory: Path) -> tuple[list[Path], list[Problem]]:
     """The contract files under ``directory``, sorted, and a problem for each folder that
-    cannot be listed.
+    cannot be listed (see ``contract_tree``)."""
+    _, files, problems = contract_tree(directory)
+    return files, problems
+
+
+def contract_tree(directory: Path) -> tuple[list[Path], list[Path], list[Problem]]:
+    """The folders ``load_contracts`` looks in (``directory`` first), the contract files in
+    them, sorted, and a problem for each folder that cannot be listed.
 
     Names that start with a dot are skipped, files and folders alike: editors keep their
     swap, lock and temporary files there (Emacs's ``.#name.yaml`` lock is a dangling
@@ -336,9 +343,11 @@ def contract_files(directory: Path) -> tuple[list[Path], list[Problem]]:
     """
     files: list[Path] = []
     problems: list[Problem] = []
+    seen: list[Path] = []
     folders = [Path(directory)]
     while folders:
         folder = folders.pop()
+        seen.append(folder)
         try:
             with os.scandir(folder) as it:
                 entries = list(it)
@@ -358,7 +367,7 @@ def contract_files(directory: Path) -> tuple[list[Path], list[Problem]]:
                 folders.append(path)
             elif path.suffix in CONTRACT_SUFFIXES:
                 files.append(path)
-    return sorted(files), problems
+    return seen, sorted(files), problems
 
 
 def load_contracts(directory: Path) -> ContractSet:

@@ -13,7 +13,6 @@ held to the same (``load_settled``).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -25,6 +24,7 @@ from processor.contracts.registry import (
     ContractSet,
     Problem,
     contract_files,
+    contract_tree,
     load_contracts,
 )
 from processor.metrics import Metrics
@@ -127,21 +127,15 @@ def quiet_for(seconds: float, stamp: Stamp, now_s: float, directory: Path | None
     since = int((now_s - seconds) * 1e9)
     if any(s[1] < 0 or max(s[3], s[4]) > since for s in stamp):
         return False
-    folders = [Path(directory)] if directory is not None else []
-    while folders:
-        folder = folders.pop()
-        try:
-            if folder.stat().st_ctime_ns > since:
-                return False
-            with os.scandir(folder) as it:
-                folders.extend(
-                    folder / e.name
-                    for e in it
-                    if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
-                )
-        except OSError:
-            return False
-    return True
+    if directory is None:
+        return True
+    folders, _, unlisted = contract_tree(directory)
+    if unlisted:
+        return False
+    try:
+        return all(folder.stat().st_ctime_ns <= since for folder in folders)
+    except OSError:
+        return False
 
 
 class StillChanging(OSError):
