@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -142,9 +143,11 @@ def demo(
 ) -> None:
     """Play a scripted support agent against the running stack and show each decision,
     and, for the calls that ran, their results."""
-    from processor.demo import play
+    from processor.demo import WIDE, play
 
     s = _settings(config)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = WIDE  # a log or a pipe has no width to fit
     ok = play(s, tenant, timeout, console, keys, None if no_executor else executor_db)
     raise typer.Exit(0 if ok else 1)
 

@@ -30,6 +30,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from processor.approval_flow import publish_approvals
 from processor.approvals import load_private_key, sign_for_request
@@ -213,6 +214,44 @@ def _said(obs: dict[str, Any], step: Step) -> str:
     return str(obs["next_action"])
 
 
+WIDE = 120
+"""Console columns from which the agent's words, the tool, the decision and its class
+each get a column of their own; a narrower console stacks them in pairs."""
+
+
+class _Board:
+    """The live table of decisions. Every cell is plain text: an executor's result
+    and the agent's words are shown as they are, never read as console markup."""
+
+    def __init__(self, width: int) -> None:
+        self.wide = width >= WIDE
+        self.table = Table(expand=True)
+        add = self.table.add_column
+        add("#", justify="right", no_wrap=True)
+        if self.wide:
+            add("agent does", ratio=4, overflow="fold")
+            add("tool", no_wrap=True)
+            add("decision", no_wrap=True)
+            add("class", no_wrap=True)
+        else:
+            add("agent does (tool)", ratio=4, overflow="fold")
+            add("decision (class)", no_wrap=True)
+        add("next_action / result", ratio=7, overflow="fold")
+
+    def conversation(self, title: str, run_id: str) -> None:
+        self.table.add_section()
+        blanks = [""] * (len(self.table.columns) - 3)
+        self.table.add_row("", Text(title, "bold"), *blanks, Text(run_id))
+
+    def row(self, n: int, step: Step, decision: Text, cls: Text, said: str) -> None:
+        if self.wide:
+            cells = [Text(step.says), Text(step.tool), decision, cls]
+        else:
+            cells = [Text.assemble(step.says, "\n", (step.tool, "dim")),
+                     Text.assemble(decision, "\n", cls)]  # fmt: skip
+        self.table.add_row(str(n), *cells, Text(said))
+
+
 def play(
     settings: Settings,
     tenant: str,
@@ -231,10 +270,7 @@ def play(
     executor = thread = None
     if executor_db is not None:
         executor, thread = _run_executor(settings, tenant, executor_db)
-    table = Table(expand=True)
-    for name, ratio in (("#", 1), ("agent does", 5), ("tool", 4), ("decision", 3), ("class", 5),
-                        ("next_action / result", 10)):  # fmt: skip
-        table.add_column(name, ratio=ratio, overflow="fold")
+    board = _Board(console.width)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn())
     task = progress.add_task("demo agent", total=STEPS)
     tally: Counter[str] = Counter()
@@ -243,26 +279,24 @@ def play(
     try:
         with (
             ToolsentryClient(settings, tenant, principal_token=token) as client,
-            Live(Group(table, progress), console=console, refresh_per_second=8),
+            Live(Group(board.table, progress), console=console, refresh_per_second=8),
         ):
             for conversation in SCRIPT:
                 run_id = f"demo-{uuid.uuid4().hex[:8]}"
-                table.add_section()
-                table.add_row("", f"[bold]{conversation.title}[/bold]", "", "", "", run_id)
+                board.conversation(conversation.title, run_id)
                 for step in conversation.steps:
                     n += 1
                     obs = _play_step(settings, keys, client, step, run_id, forged, timeout)
                     progress.advance(task)
                     if obs is None:
-                        table.add_row(str(n), step.says, step.tool, "[red]no answer[/red]", "-",
-                                      "is the processor running? (toolsentry run)")  # fmt: skip
+                        board.row(n, step, Text("no answer", "red"), Text("-"),
+                                  "is the processor running? (toolsentry run)")  # fmt: skip
                         return False
                     cls = obs["status"]["taxonomy_class"]
                     tally[cls] += 1
                     mismatches += cls != step.expect
-                    style = _STYLE.get(cls, "yellow")
-                    table.add_row(str(n), step.says, step.tool, obs["decision"],
-                                  f"[{style}]{cls}[/{style}]", _said(obs, step))  # fmt: skip
+                    board.row(n, step, Text(obs["decision"]), Text(cls, _STYLE.get(cls, "yellow")),
+                              _said(obs, step))  # fmt: skip
     finally:
         if executor is not None and thread is not None:
             executor.stop()
