@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from processor.config import Settings, load_settings
 
@@ -41,7 +42,15 @@ app.add_typer(contracts_app, name="contracts")
 app.add_typer(approvals_app, name="approvals")
 app.add_typer(keys_app, name="keys")
 app.add_typer(reference_app, name="reference")
-console = Console()
+console = Console(markup=False)
+"""Markup off: what the commands print (contract problems, exceptions, ids read from Kafka
+and Redis) is shown as it is. Colour goes through ``_alarm`` and Text styles."""
+
+
+def _alarm(head: str, rest: str = "") -> None:
+    """One line with its head in red and the rest as it is."""
+    console.print(Text.assemble((head, "red"), rest), soft_wrap=True)
+
 
 ConfigOpt = Annotated[
     Path | None,
@@ -109,10 +118,10 @@ def run(
     try:
         processor = Processor(s, stop_requested=stop, reload_requested=reload)
     except ContractError as exc:
-        console.print(f"[red]contracts refused[/red]\n{exc}", soft_wrap=True)
+        _alarm("contracts refused", f"\n{exc}")
         raise typer.Exit(2) from exc
     except (PolicyError, ApproverError, KeyError_, OSError) as exc:
-        console.print(f"[red]cannot start[/red]: {exc}")
+        _alarm("cannot start", f": {exc}")
         raise typer.Exit(2) from exc
     serve(s.metrics_port)
     try:
@@ -263,7 +272,7 @@ def contracts_check(
         cs = load_contracts(_contracts_dir(path, config))
     except ContractError as exc:
         for p in exc.problems:
-            console.print(f"[red]{p.file}[/red] {p.path}: {p.reason}", soft_wrap=True)
+            _alarm(str(p.file), f" {p.path}: {p.reason}")
         raise typer.Exit(1) from exc
     console.print(f"{len(cs)} contracts, {len(cs.names)} tools, set {cs.fingerprint}")
 
@@ -413,7 +422,7 @@ def evaluate(
     console.print(table)
     for r in results:
         if not r.passed:
-            console.print(f"[red]FAIL[/red] {r.case_id} ({r.category}): {'; '.join(r.problems)}")
+            _alarm("FAIL", f" {r.case_id} ({r.category}): {'; '.join(r.problems)}")
     if report is not None:
         doc = {
             "passed": passed,
@@ -460,7 +469,7 @@ def keys_delegation(
     from processor.keys import new_delegation_key
 
     if path.exists():
-        console.print(f"[red]{path} exists[/red]: pick a new file")
+        _alarm(f"{path} exists", ": pick a new file")
         raise typer.Exit(2)
     kid = new_delegation_key(path)
     console.print(f"delegation key {path} (kid {kid})")
@@ -667,7 +676,7 @@ def executor_run(
             recorded=store.recorded,
         )
     except ValueError as exc:
-        console.print(f"[red]cannot start[/red]: {exc}")
+        _alarm("cannot start", f": {exc}")
         raise typer.Exit(2) from exc
     signal.signal(signal.SIGTERM, lambda *_: executor.stop())
     signal.signal(signal.SIGINT, lambda *_: executor.stop())

@@ -306,9 +306,9 @@ def play(
         summary.add_row(cls, str(count))
     console.print(summary)
     if mismatches:
-        console.print(f"[red]{mismatches} decision(s) differed from the script[/red]")
+        console.print(Text(f"{mismatches} decision(s) differed from the script", "red"))
     else:
-        console.print(f"[green]all {STEPS} decisions as expected[/green]")
+        console.print(Text(f"all {STEPS} decisions as expected", "green"))
     return mismatches == 0
 
 

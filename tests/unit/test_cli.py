@@ -39,3 +39,12 @@ def test_key_paths_are_printed_on_one_line_however_long(tmp_path: Path) -> None:
     lines = result.output.splitlines()
     for name in ("issuer.jwk", "jwks.json", "approvers.yaml", "delegation.jwk"):
         assert any(str(deep / name) in line for line in lines), (name, result.output)
+
+
+def test_a_problem_is_printed_as_it_is_never_read_as_console_markup(tmp_path: Path) -> None:
+    folder = tmp_path / "contracts" / "lookup_order"
+    folder.mkdir(parents=True)
+    (folder / "[bold]1.0.0.yaml").write_text("tool: [/red]\n  broken: {")
+    result = CliRunner().invoke(app, ["contracts", "check", str(tmp_path / "contracts")])
+    assert result.exit_code == 1, result.output
+    assert "lookup_order/[bold]1.0.0.yaml" in result.output, result.output
