@@ -1,0 +1,165 @@
+"""Reading what topics retain over a time range: the way in for ``trace`` and ``replay``.
+
+The reader is assigned its partitions: it joins no group, commits nothing and writes
+nothing, so it can run beside a live processor. It reads committed records only
+(``read_committed``): what a processor's aborted transaction wrote never happened. Each
+partition is read from the first record at or after ``since`` up to its end when reading
+began, the last stable offset (a transaction still open then is not waited for), or to
+the first record after ``until``, so a busy topic cannot keep it reading for ever.
+
+Times are the records' own (``CreateTime``), looked up with the broker's time index. The
+broker stamps a transaction's commit marker with its own clock, so a record produced
+with a time far older than its write can fall outside a range that names that time.
+
+A partition that stops moving before its end (its leader gone) is given up after
+``idle_s`` and reported in ``incomplete``, so a report can say what it did not see.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+
+from processor.config import Settings
+from processor.kafka.offsets import watermarks
+
+logger = logging.getLogger(__name__)
+
+BATCH = 500
+"""Records asked of librdkafka per call: enough to keep the Python side busy."""
+
+
+@dataclass
+class Reach:
+    """Where one partition's read starts and ends (end exclusive), and how far it got."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+    reached: int
+
+
+@dataclass
+class RetainedReader:
+    """Iterate over the committed records of ``topics`` between ``since_ms`` and
+    ``until_ms`` (epoch milliseconds, each None for the earliest retained record and the
+    end as reading begins), partition by partition in offset order, partitions
+    interleaved. ``partitions`` narrows a topic to some of its partitions (a run's
+    records are all in the partition its key maps to).
+
+    After the iteration: ``incomplete`` names the partitions not read to their end,
+    ``missing`` the topics that do not exist, ``errors`` counts the consume errors seen
+    (each logged)."""
+
+    settings: Settings
+    topics: Iterable[str]
+    since_ms: int | None = None
+    until_ms: int | None = None
+    partitions: dict[str, set[int]] | None = None
+    idle_s: float = 10.0
+    incomplete: list[Reach] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    errors: int = 0
+
+    def __iter__(self) -> Iterator[Message]:
+        consumer = Consumer(
+            self.settings.client_config(
+                **{
+                    "group.id": f"toolsentry-read-{uuid.uuid4()}",
+                    "enable.auto.commit": False,
+                    "enable.auto.offset.store": False,
+                    "isolation.level": "read_committed",
+                    "enable.partition.eof": True,
+                    "auto.offset.reset": "earliest",
+                }
+            )
+        )
+        try:
+            reaches = self._plan(consumer)
+            yield from self._read(consumer, reaches)
+        finally:
+            consumer.close()
+
+    def _plan(self, consumer: Consumer) -> dict[tuple[str, int], Reach]:
+        reaches: dict[tuple[str, int], Reach] = {}
+        for topic in dict.fromkeys(self.topics):
+            meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
+            if meta is None or meta.error is not None or not meta.partitions:
+                self.missing.append(topic)
+                continue
+            wanted = self.partitions.get(topic) if self.partitions else None
+            for p in sorted(meta.partitions):
+                if wanted is not None and p not in wanted:
+                    continue
+                low, high = watermarks(consumer, TopicPartition(topic, p))
+                start = self._offset_at(consumer, topic, p, self.since_ms, low, high)
+                end = high
+                if self.until_ms is not None:
+                    end = self._offset_at(consumer, topic, p, self.until_ms + 1, low, high)
+                if start < end:
+                    reaches[(topic, p)] = Reach(topic, p, start, end, start)
+        consumer.assign([TopicPartition(r.topic, r.partition, r.start) for r in reaches.values()])
+        return reaches
+
+    @staticmethod
+    def _offset_at(
+        consumer: Consumer, topic: str, partition: int, at_ms: int | None, low: int, high: int
+    ) -> int:
+        """The first offset whose record is at or after ``at_ms``: ``low`` for None,
+        ``high`` when every record is older."""
+        if at_ms is None:
+            return low
+        found = consumer.offsets_for_times([TopicPartition(topic, partition, at_ms)], timeout=10)
+        offset = int(found[0].offset)
+        return high if offset < 0 else max(offset, low)
+
+    def _read(self, consumer: Consumer, reaches: dict[tuple[str, int], Reach]) -> Iterator[Message]:
+        open_ = dict(reaches)
+        moved = time.monotonic()
+        while open_:
+            batch = consumer.consume(BATCH, timeout=0.5)
+            for m in batch:
+                key = (m.topic() or "", m.partition() or 0)
+                reach = open_.get(key)
+                err = m.error()
+                if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                    self.errors += 1
+                    logger.warning("reading %s/%s: %s", m.topic(), m.partition(), err)
+                    continue
+                if reach is None:
+                    continue
+                offset = m.offset() or 0
+                if err is None and offset < reach.end:
+                    reach.reached = offset + 1
+                    yield m
+                if reach.reached >= reach.end or offset >= reach.end:
+                    reach.reached = reach.end
+                    del open_[key]
+                moved = time.monotonic()
+            if not batch and open_ and self._closed_by_position(consumer, open_):
+                moved = time.monotonic()
+            if open_ and time.monotonic() - moved > self.idle_s:
+                self.incomplete = sorted(open_.values(), key=lambda r: (r.topic, r.partition))
+                for r in self.incomplete:
+                    logger.warning("gave up on %s/%d at %d of %d: no progress for %.0f s",
+                                   r.topic, r.partition, r.reached, r.end, self.idle_s)  # fmt: skip
+                return
+
+    @staticmethod
+    def _closed_by_position(consumer: Consumer, open_: dict[tuple[str, int], Reach]) -> bool:
+        """Close the partitions whose position passed their end: the last offsets of a
+        transactional topic are commit markers, which are never delivered."""
+        closed = False
+        for tp in consumer.position([TopicPartition(t, p) for t, p in open_]):
+            reach = open_.get((tp.topic, tp.partition))
+            if reach is not None and tp.offset >= reach.end:
+                reach.reached = reach.end
+                del open_[(tp.topic, tp.partition)]
+                closed = True
+        return closed
