@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
@@ -163,3 +164,28 @@ class RetainedReader:
                 del open_[(tp.topic, tp.partition)]
                 closed = True
         return closed
+
+
+_AGO = {"s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_time(text: str, now_ms: int) -> int:
+    """A time as a command line gives it, in epoch milliseconds: a duration before now
+    (``90s``, ``30m``, ``2h``, ``7d``), an ISO 8601 time (``2026-11-27T10:00:00Z``; one
+    without a zone is UTC) or epoch milliseconds. ValueError, saying what is accepted,
+    for anything else."""
+    t = text.strip()
+    if len(t) > 1 and t[-1] in _AGO and t[:-1].isdigit():
+        return now_ms - int(t[:-1]) * _AGO[t[-1]]
+    if t.isdigit():
+        return int(t)
+    try:
+        when = datetime.fromisoformat(t)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a time: give a duration before now (90s, 30m, 2h, 7d), "
+            "an ISO 8601 time (2026-11-27T10:00:00Z) or epoch milliseconds"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp() * 1000)
