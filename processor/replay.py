@@ -1,0 +1,493 @@
+"""Replay: the retained proposals of a time range decided again, in dry run, and compared
+with what was decided then.
+
+The decision is a pure function of the record, the gates' configuration and the reference
+data (see ``pipeline``), so deciding a retained proposal again against other contracts or
+another policy says exactly what they would have decided, with two limits stated in every
+report: the reference data is today's, read from Redis, not the data as it was; and what
+Redis admits (idempotency, budgets, rate limits, the loop and repair guards), what people
+approve later and what executors return are not decided again. Nothing is written: the
+topics are read through ``RetainedReader`` (no group, nothing committed), and Redis is
+only asked for reference data.
+
+Each proposal is decided at its own record's time, so a token that has expired since, or
+a version sunsetted since, is judged as it stood then. What was decided is the
+observation that answered the proposal's own record, found by its id (a digest of the
+record's position, see ``codec.records.observation_id``), not by ``proposal_id``: an
+agent may reuse a proposal id in another run, and a parked call's end or a routed call's
+result answers the same proposal id from another record. A proposal the processor
+dead-lettered has no observation: its dead letter, which names the record's position in
+its headers, is what was decided.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Message
+
+from processor.approvals import load_approvers
+from processor.codec.avro import codec
+from processor.codec.records import dlq_headers, observation_id, observation_record
+from processor.config import Settings
+from processor.contracts.registry import load_contracts
+from processor.gates.parse import Limits
+from processor.gates.semantic import RefAnswers, RefKey
+from processor.identity import Verifier
+from processor.kafka.offsets import where
+from processor.kafka.retained import BATCH, RetainedReader
+from processor.model import Decision, Gate, Outcome, SourceRecord
+from processor.pipeline import Gates, Lookup, Pending, finish, prepare
+from processor.policy import load_policy
+from processor.results import is_compensation
+from processor.state.connection import REDIS_ERRORS, connect
+from processor.state.references import ReferencesLoading, ReferenceStore
+
+logger = logging.getLogger(__name__)
+
+DEAD_LETTER = "DEAD_LETTER"
+"""The decision word of a proposal answered on the DLQ instead of with an observation."""
+
+ADMISSION_GATES = frozenset({Gate.BUDGET.value, Gate.IDEMPOTENCY.value})
+APPROVAL_REUSED = "approval_reused"
+"""The error code of the one refusal Redis gives under another gate's name (confirmation):
+an attached approval some other call has already spent."""
+
+NOT_REPLAYED = (
+    "admission in Redis (idempotency, budgets, rate limits, the loop and repair guards)",
+    "approvals given by people after a call was parked",
+    "executors' results",
+)
+
+DEFAULT_SLACK_MS = 300_000
+"""How long after ``until`` an answer is still looked for: a proposal near the end of the
+range is answered a little later, more so under a backlog."""
+
+_LABEL = 64
+
+
+class ReplayError(Exception):
+    """The replay cannot be carried out as asked (reference data unreachable or loading)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A decision as an observation words it: what the comparison is made on."""
+
+    decision: str
+    taxonomy: str
+    gate: str
+
+    def __str__(self) -> str:
+        return f"{self.decision} {self.taxonomy} @{self.gate}"
+
+    def as_dict(self) -> dict[str, str]:
+        return {"decision": self.decision, "taxonomy_class": self.taxonomy, "gate": self.gate}
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What was decided then. ``admission``: decided by Redis, after every gate."""
+
+    verdict: Verdict
+    admission: bool
+    contract_set: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """One proposal decided again, reduced to what the report needs."""
+
+    observation_id: str
+    position: tuple[str, int, int]
+    proposal_id: str | None
+    run_id: str | None
+    tool: str
+    compensation: bool
+    verdict: Verdict
+    next_action: str
+
+
+class Match(StrEnum):
+    SAME = "same"
+    CHANGED = "changed"
+    ADMISSION = "admission_not_replayed"
+    UNRECORDED = "no_recorded_decision"
+
+
+def compare(recorded: Recorded | None, replayed: Verdict) -> Match:
+    """How a replayed decision stands against the recorded one.
+
+    Admission runs after every gate and sees refused proposals too (they are steps of
+    their run; the repair guard counts them), so whatever the gates say now, a proposal
+    Redis decided would meet Redis again: only a dead letter, which never reaches it, can
+    be compared with it."""
+    if recorded is None:
+        return Match.UNRECORDED
+    if recorded.admission and replayed.decision != DEAD_LETTER:
+        return Match.ADMISSION
+    return Match.SAME if recorded.verdict == replayed else Match.CHANGED
+
+
+def recorded_observation(obs: dict[str, Any]) -> Recorded:
+    """What a decoded observation says was decided."""
+    verdict = Verdict(obs["decision"], obs["status"]["taxonomy_class"], obs["gate"])
+    codes = {e["code"] for e in obs["result_payload"]["errors"]}
+    admission = verdict.gate in ADMISSION_GATES or APPROVAL_REUSED in codes
+    return Recorded(verdict, admission, obs.get("contract_set"))
+
+
+Headers = list[tuple[str, str | bytes | None]] | dict[str, str | bytes | None]
+
+
+def _header(headers: dict[str, str | bytes], name: str) -> str:
+    value = headers[f"toolsentry.{name}"]
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def recorded_dead_letter(headers: Headers) -> tuple[tuple[str, int, int], Recorded]:
+    """The position of the record a dead letter stands for, and the verdict it carries.
+    KeyError or ValueError (UnicodeDecodeError among them) for a record whose headers do
+    not say."""
+    pairs = headers.items() if isinstance(headers, dict) else headers
+    h = {k: v for k, v in pairs if v is not None}
+    position = (
+        _header(h, "source.topic"),
+        int(_header(h, "source.partition")),
+        int(_header(h, "source.offset")),
+    )
+    reason = _header(h, "error.reason")
+    gate = Gate.INTERNAL if reason == "internal_error" else Gate.PARSE
+    return position, Recorded(Verdict(DEAD_LETTER, _header(h, "error.class"), gate.value), False)
+
+
+def _printable(text: str) -> str:
+    """A name from a proposal as a report may show it: a hostile one cannot reach the
+    terminal's control sequences or take a line of its own."""
+    shown = "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
+    return shown if len(shown) <= _LABEL else shown[: _LABEL - 1] + "\u2026"
+
+
+def replayed(d: Decision, contract_set: str) -> Replayed:
+    """The replayed decision worded as the processor would have answered it: through the
+    observation's own builder, or the dead letter's headers."""
+    src = d.source
+    where = (src.topic, src.partition, src.offset)
+    if d.outcome is Outcome.DEAD_LETTER:
+        cls = dict(dlq_headers(d))["toolsentry.error.class"]
+        text = cls.decode() if isinstance(cls, bytes) else str(cls)
+        verdict = Verdict(DEAD_LETTER, text, d.gate.value)
+        return Replayed(
+            observation_id(d), where, None, None, "(dead letter)", False, verdict,
+            f"dead letter: {d.dlq_reason}",
+        )  # fmt: skip
+    datum = observation_record(d, contract_set)
+    verdict = Verdict(datum["decision"], datum["status"]["taxonomy_class"], datum["gate"])
+    return Replayed(
+        datum["observation_id"],
+        where,
+        datum["proposal_id"],
+        datum["run_id"],
+        _printable(datum["tool_identity"]["name"]) or "(no tool)",
+        is_compensation(d.proposal),
+        verdict,
+        datum["next_action"],
+    )
+
+
+@dataclass(slots=True)
+class Example:
+    proposal_id: str | None
+    run_id: str | None
+    next_action: str
+
+
+@dataclass(slots=True)
+class Change:
+    """The proposals of one tool that went from one verdict to another."""
+
+    tool: str
+    compensation: bool
+    recorded: Verdict
+    replayed: Verdict
+    count: int = 0
+    examples: list[Example] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tool": self.tool,
+            "compensation": self.compensation,
+            "recorded": self.recorded.as_dict(),
+            "replayed": self.replayed.as_dict(),
+            "count": self.count,
+            "examples": [
+                {"proposal_id": e.proposal_id, "run_id": e.run_id, "next_action": e.next_action}
+                for e in self.examples
+            ],
+        }
+
+
+def _iso(ms: int | None) -> str | None:
+    if ms is None:
+        return None
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class Report:
+    """What a replay found, as data: the command prints it, or dumps it as JSON."""
+
+    since_ms: int | None
+    until_ms: int | None
+    contracts: str
+    contract_set: str
+    policy: str | None
+    references: bool
+    examples: int = 3
+    read: int = 0
+    """Proposals read in the range, before ``--tenant`` and ``--tool`` narrowed them."""
+    counts: Counter[Match] = field(default_factory=Counter)
+    recorded_sets: Counter[str] = field(default_factory=Counter)
+    """The contract sets the matched observations were decided with, and how many each."""
+    changes: dict[tuple[str, bool, Verdict, Verdict], Change] = field(default_factory=dict)
+    unreadable: int = 0
+    """Observations and dead letters that could not be decoded."""
+    consume_errors: int = 0
+    incomplete: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def replayed(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def changed(self) -> int:
+        return self.counts[Match.CHANGED]
+
+    def add(self, r: Replayed, recorded: Recorded | None) -> Match:
+        match = compare(recorded, r.verdict)
+        self.counts[match] += 1
+        if recorded is not None and recorded.contract_set is not None:
+            self.recorded_sets[recorded.contract_set] += 1
+        if match is Match.CHANGED:
+            assert recorded is not None
+            key = (r.tool, r.compensation, recorded.verdict, r.verdict)
+            change = self.changes.get(key)
+            if change is None:
+                change = self.changes[key] = Change(*key)
+            change.count += 1
+            if len(change.examples) < self.examples:
+                change.examples.append(Example(r.proposal_id, r.run_id, r.next_action))
+        return match
+
+    def sorted_changes(self) -> list[Change]:
+        return sorted(self.changes.values(), key=lambda c: (c.tool, c.compensation, -c.count))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "range": {
+                "since": _iso(self.since_ms),
+                "until": _iso(self.until_ms),
+                "since_ms": self.since_ms,
+                "until_ms": self.until_ms,
+            },
+            "contracts": self.contracts,
+            "contract_set": {"replayed": self.contract_set, "recorded": dict(self.recorded_sets)},
+            "policy": self.policy,
+            "references": self.references_note(),
+            "not_replayed": list(NOT_REPLAYED),
+            "proposals": {"read": self.read, "replayed": self.replayed},
+            "changes": [c.as_dict() for c in self.sorted_changes()],
+            "totals": {
+                **{m.value: self.counts[m] for m in Match},
+                "unreadable_records": self.unreadable,
+                "consume_errors": self.consume_errors,
+            },
+            "partitions_not_read_to_end": self.incomplete,
+            "missing_topics": self.missing,
+        }
+
+    def references_note(self) -> str:
+        if self.references:
+            return "today's reference data from Redis, not the data as it was then"
+        return "none (--no-references): every referenced entity is unknown"
+
+
+def replay_gates(settings: Settings, contracts_dir: Path, policy_file: Path | None) -> Gates:
+    """The gates to decide with: these contracts and this policy, and the settings' keys
+    and approvers. Raises ContractError, PolicyError, ApproverError, KeyError_ or OSError
+    for one that does not load, as ``toolsentry run`` would refuse to start."""
+    return Gates(
+        load_contracts(contracts_dir),
+        Limits(
+            settings.max_record_bytes, settings.max_arguments_bytes, settings.max_arguments_depth
+        ),
+        Verifier.from_settings(settings.identity),
+        load_policy(policy_file),
+        load_approvers(settings.approvers_file),
+    )
+
+
+def reference_lookup(settings: Settings) -> Lookup:
+    """Today's reference data, as the processors read it (reads only)."""
+    store = ReferenceStore(
+        connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5),
+        settings.redis_namespace, settings.reference_group_id, settings.topics.reference,
+    )  # fmt: skip
+
+    def lookup(keys: set[RefKey]) -> RefAnswers:
+        try:
+            return store.lookup(keys)
+        except ReferencesLoading as exc:
+            raise ReplayError(f"reference data is being loaded ({exc}); try again") from exc
+        except REDIS_ERRORS as exc:
+            raise ReplayError(f"redis: {exc}") from exc
+
+    return lookup
+
+
+def unknown_references(keys: set[RefKey]) -> RefAnswers:
+    """``--no-references``: no Redis at all, so every referenced id reads as unknown, as
+    the semantic gate reads an id the systems of record never published."""
+    return {}
+
+
+def decide_at_record_time(srcs: list[SourceRecord], gates: Gates, lookup: Lookup) -> list[Decision]:
+    """``pipeline.decide_batch`` with each record decided at its own time, not the batch's."""
+    prepared = [prepare(s, gates, s.timestamp_ms) for s in srcs]
+    keys = {k for x in prepared if isinstance(x, Pending) for k in x.keys}
+    answers = lookup(keys) if keys else {}
+    return [
+        x if isinstance(x, Decision) else finish(x, gates, answers, x.src.timestamp_ms)
+        for x in prepared
+    ]
+
+
+def _source(m: Message) -> SourceRecord:
+    ts = m.timestamp()
+    return SourceRecord(*where(m), m.key(), m.value(), ts[1] if ts else 0)
+
+
+def _batches(messages: Iterable[Message]) -> Iterator[list[SourceRecord]]:
+    batch: list[SourceRecord] = []
+    for m in messages:
+        batch.append(_source(m))
+        if len(batch) >= BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+Select = Callable[[Decision], bool]
+
+
+def selection(tenant: str | None, tool: str | None) -> Select:
+    """``--tenant`` and ``--tool``, on what the proposal claims (a dead letter claims
+    nothing, so either option leaves it out)."""
+
+    def wanted(d: Decision) -> bool:
+        p = d.proposal
+        if tenant is None and tool is None:
+            return True
+        if p is None:
+            return False
+        return tenant in (None, p.tenant_id) and tool in (None, p.tool_name, d.contract_name)
+
+    return wanted
+
+
+def _read_reach(report: Report, reader: RetainedReader) -> None:
+    report.consume_errors += reader.errors
+    report.missing += reader.missing
+    report.incomplete += [f"{r.topic}/{r.partition} at {r.reached} of {r.end}"
+                          for r in reader.incomplete]  # fmt: skip
+
+
+def decide_range(
+    settings: Settings, gates: Gates, lookup: Lookup, report: Report, wanted: Select
+) -> list[Replayed]:
+    """Every proposal of the range decided again, those ``wanted`` kept."""
+    reader = RetainedReader(
+        settings, [settings.topics.proposals], since_ms=report.since_ms, until_ms=report.until_ms
+    )
+    fingerprint = gates.contracts.fingerprint
+    out: list[Replayed] = []
+    for batch in _batches(reader):
+        report.read += len(batch)
+        out += [replayed(d, fingerprint) for d in decide_at_record_time(batch, gates, lookup)
+                if wanted(d)]  # fmt: skip
+    _read_reach(report, reader)
+    return out
+
+
+@dataclass
+class Answers:
+    """The recorded decisions of the proposals replayed, by observation id and, for dead
+    letters, by position."""
+
+    observations: dict[str, Recorded] = field(default_factory=dict)
+    dead_letters: dict[tuple[str, int, int], Recorded] = field(default_factory=dict)
+
+    def of(self, r: Replayed) -> Recorded | None:
+        return self.observations.get(r.observation_id) or self.dead_letters.get(r.position)
+
+
+def read_answers(
+    settings: Settings, replayed: list[Replayed], report: Report, slack_ms: int
+) -> Answers:
+    """The observations and dead letters that answered the replayed proposals; the first
+    of each, as a record decided again after an aborted transaction is never read
+    (``read_committed``) and a later observation of the same record does not exist."""
+    topics = settings.topics
+    ids = {r.observation_id for r in replayed}
+    positions = {r.position for r in replayed}
+    until = None if report.until_ms is None else report.until_ms + slack_ms
+    reader = RetainedReader(
+        settings, [topics.observations, topics.dlq], since_ms=report.since_ms, until_ms=until
+    )
+    answers = Answers()
+    decoder = codec("observation")
+    for m in reader:
+        value = m.value()
+        try:
+            if m.topic() == topics.dlq:
+                position, recorded = recorded_dead_letter(m.headers() or [])
+                if position in positions:
+                    answers.dead_letters.setdefault(position, recorded)
+                continue
+            if value is None:
+                raise ValueError("no value")
+            obs = decoder.decode(value)
+        except (KeyError, ValueError) as exc:
+            report.unreadable += 1
+            logger.warning("%s/%s@%s unreadable: %s", m.topic(), m.partition(), m.offset(), exc)
+            continue
+        if obs["observation_id"] in ids:
+            answers.observations.setdefault(obs["observation_id"], recorded_observation(obs))
+    _read_reach(report, reader)
+    return answers
+
+
+def replay(
+    settings: Settings,
+    gates: Gates,
+    lookup: Lookup,
+    report: Report,
+    *,
+    wanted: Select | None = None,
+    slack_ms: int = DEFAULT_SLACK_MS,
+) -> Report:
+    """Decide the range again and compare: the whole of ``toolsentry replay``."""
+    decided = decide_range(settings, gates, lookup, report, wanted or selection(None, None))
+    answers = read_answers(settings, decided, report, slack_ms)
+    for r in decided:
+        report.add(r, answers.of(r))
+    return report
