@@ -6,11 +6,12 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -159,142 +160,6 @@ def demo(
         console.width = WIDE  # a log or a pipe has no width to fit
     ok = play(s, tenant, timeout, console, keys, None if no_executor else executor_db)
     raise typer.Exit(0 if ok else 1)
-
-
-@app.command("replay")
-def replay_command(
-    config: ConfigOpt = None,
-    since: Annotated[
-        str, typer.Option(help="Start: a duration before now (2h, 7d), ISO 8601 or epoch ms.")
-    ] = "24h",
-    until: Annotated[str | None, typer.Option(help="End (as --since); default: now.")] = None,
-    contracts: Annotated[
-        Path | None,
-        typer.Option(help="Contracts to replay against (default: the settings' contracts_dir)."),
-    ] = None,
-    policy: Annotated[
-        Path | None,
-        typer.Option(help="Policy to replay against (default: the settings' policy_file)."),
-    ] = None,
-    tenant: Annotated[str | None, typer.Option(help="Only this tenant's proposals.")] = None,
-    tool: Annotated[str | None, typer.Option(help="Only proposals of this tool.")] = None,
-    examples: Annotated[int, typer.Option(min=0, help="Example proposals per change.")] = 3,
-    slack_s: Annotated[
-        float, typer.Option(min=0, help="Seconds after --until to look for the answers.")
-    ] = 300.0,
-    no_references: Annotated[
-        bool, typer.Option("--no-references", help="No Redis: every referenced id unknown.")
-    ] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="The report as one JSON document.")
-    ] = False,
-    fail_on_change: Annotated[
-        bool, typer.Option("--fail-on-change", help="Exit 1 when any decision would change.")
-    ] = False,
-) -> None:
-    """Decide a time range of tool.proposals again (dry run: nothing written) against these
-    contracts and policy, and report what would change against what was decided."""
-    import time
-
-    from confluent_kafka import KafkaException
-
-    from processor.approvals import ApproverError
-    from processor.contracts.registry import ContractError
-    from processor.identity import KeyError_
-    from processor.kafka.retained import parse_time
-    from processor.policy import PolicyError
-    from processor.replay import (
-        ReplayError,
-        Report,
-        reference_lookup,
-        replay,
-        replay_gates,
-        selection,
-        unknown_references,
-    )
-
-    s = _settings(config)
-    _logging(s.log_level)
-    now_ms = int(time.time() * 1000)
-    try:
-        since_ms = parse_time(since, now_ms)
-        until_ms = None if until is None else parse_time(until, now_ms)
-    except ValueError as exc:
-        _alarm("bad time", f": {exc}")
-        raise typer.Exit(2) from exc
-    if until_ms is not None and until_ms < since_ms:
-        _alarm("bad range", f": --until {until} is before --since {since}")
-        raise typer.Exit(2)
-    contracts_dir = contracts if contracts is not None else s.contracts_dir
-    policy_file = policy if policy is not None else s.policy_file
-    try:
-        gates = replay_gates(s, contracts_dir, policy_file)
-    except ContractError as exc:
-        _alarm("contracts refused", f"\n{exc}")
-        raise typer.Exit(2) from exc
-    except (PolicyError, ApproverError, KeyError_, OSError) as exc:
-        _alarm("cannot load", f": {exc}")
-        raise typer.Exit(2) from exc
-    report = Report(
-        since_ms, until_ms, str(contracts_dir), gates.contracts.fingerprint,
-        None if policy_file is None else str(policy_file), not no_references, examples,
-    )  # fmt: skip
-    try:
-        lookup = unknown_references if no_references else reference_lookup(s)
-        replay(
-            s, gates, lookup, report, wanted=selection(tenant, tool), slack_ms=int(slack_s * 1000)
-        )
-    except (ReplayError, KafkaException, ValueError) as exc:
-        _alarm("replay failed", f": {exc}")
-        raise typer.Exit(2) from exc
-    if as_json:
-        typer.echo(json.dumps(report.as_dict(), indent=2))
-    else:
-        _print_replay(report.as_dict())
-    raise typer.Exit(1 if fail_on_change and report.changed else 0)
-
-
-def _print_replay(doc: dict[str, Any]) -> None:
-    """A replay report (``Report.as_dict``) for a terminal: header, changes by tool, totals."""
-    span, sets, t = doc["range"], doc["contract_set"], doc["totals"]
-    console.print(
-        f"replay {span['since']} .. {span['until'] or 'now'}: {doc['proposals']['read']} "
-        f"proposals read, {doc['proposals']['replayed']} replayed",
-        soft_wrap=True,
-    )
-    recorded = ", ".join(f"{fp} ({n})" for fp, n in sets["recorded"].items()) or "none"
-    console.print(f"contracts {doc['contracts']} ({sets['replayed']}); recorded with {recorded}",
-                  soft_wrap=True)  # fmt: skip
-    console.print(f"policy {doc['policy'] or '(none)'}; reference data: {doc['references']}",
-                  soft_wrap=True)  # fmt: skip
-    console.print(f"not replayed: {'; '.join(doc['not_replayed'])}", soft_wrap=True)
-    if doc["changes"]:
-        table = Table("tool", "recorded", "replayed", "count", "examples: replayed next action")
-        for c in doc["changes"]:
-            tool = c["tool"] + (" (compensation)" if c["compensation"] else "")
-            shown = "\n".join(
-                f"{e['proposal_id']}: {e['next_action'][:160]}" for e in c["examples"]
-            )
-            table.add_row(
-                Text(tool), Text(_verdict(c["recorded"])),
-                Text(_verdict(c["replayed"]), style="yellow"), Text(str(c["count"])), Text(shown),
-            )  # fmt: skip
-        console.print(table)
-    for where in doc["partitions_not_read_to_end"]:
-        _alarm("not read to its end", f": {where}")
-    for topic in doc["missing_topics"]:
-        _alarm("no such topic", f": {topic}")
-    console.print(
-        f"same {t['same']}, changed {t['changed']}, admission not replayed "
-        f"{t['admission_not_replayed']}, no recorded decision {t['no_recorded_decision']}, "
-        f"unreadable records {t['unreadable_records']}, partitions not read to their end "
-        f"{len(doc['partitions_not_read_to_end'])}",
-        soft_wrap=True,
-    )
-
-
-def _verdict(v: dict[str, str]) -> str:
-    return f"{v['decision']} {v['taxonomy_class']} @{v['gate']}"
 
 
 @app.command("taxonomy")
@@ -745,6 +610,148 @@ def approvals_reject(
 ) -> None:
     """Sign and publish a rejection: the parked call ends without running."""
     _decide(request_id, "rejected", key, approver_id, reason, _settings(config))
+
+
+# -- incident analysis: trace and replay ------------------------------------------------------
+
+
+SinceOpt = Annotated[
+    str, typer.Option(help="Earliest record time: a duration before now (2h, 7d), ISO 8601 "
+                      "(UTC unless it says) or epoch ms.")
+]  # fmt: skip
+UntilOpt = Annotated[
+    str | None, typer.Option(help="Latest record time, as --since (default: now).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document, for tooling.")]
+
+
+def _time_range(since: str, until: str | None) -> tuple[int, int | None]:
+    """``--since`` and ``--until`` in epoch milliseconds; a bad one is a usage error."""
+    import time
+
+    from processor.kafka.retained import parse_time
+
+    now_ms = int(time.time() * 1000)
+    try:
+        since_ms = parse_time(since, now_ms)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--since") from exc
+    try:
+        until_ms = None if until is None else parse_time(until, now_ms)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--until") from exc
+    if until_ms is not None and until_ms < since_ms:
+        raise typer.BadParameter("is before --since", param_hint="--until")
+    return since_ms, until_ms
+
+
+def _print_all(parts: Iterable[RenderableType]) -> None:
+    for part in parts:
+        console.print(part, soft_wrap=isinstance(part, Text))
+
+
+@app.command("trace")
+def trace(
+    proposal_id: Annotated[str, typer.Argument(help="The proposal to follow.")],
+    since: SinceOpt = "24h",
+    until: UntilOpt = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option("--run-id", help="Its run: read only the run's partition where keyed by run."),
+    ] = None,
+    as_json: JsonOpt = False,
+    config: ConfigOpt = None,
+) -> None:
+    """The life of one proposal, read from the retained topics: its decision, approval,
+    call, result and final observation, any compensation, any dead letters. Exit status 1
+    when the range holds no record of it."""
+    from processor.trace import read_trace, render
+
+    since_ms, until_ms = _time_range(since, until)
+    found = read_trace(_settings(config), proposal_id, since_ms, until_ms, run_id)
+    if as_json:
+        typer.echo(json.dumps(found.as_json(), indent=2))
+    else:
+        _print_all(render(found))
+    raise typer.Exit(0 if found.found else 1)
+
+
+@app.command("replay")
+def replay_command(
+    since: SinceOpt = "24h",
+    until: UntilOpt = None,
+    contracts: Annotated[
+        Path | None,
+        typer.Option(help="Contracts to replay against (default: the settings' contracts_dir)."),
+    ] = None,
+    policy: Annotated[
+        Path | None,
+        typer.Option(help="Policy to replay against (default: the settings' policy_file)."),
+    ] = None,
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's proposals.")] = None,
+    tool: Annotated[str | None, typer.Option(help="Only proposals of this tool.")] = None,
+    examples: Annotated[int, typer.Option(min=0, help="Example proposals per change.")] = 3,
+    slack_s: Annotated[
+        float, typer.Option(min=0, help="Seconds after --until to look for the answers.")
+    ] = 300.0,
+    no_references: Annotated[
+        bool, typer.Option("--no-references", help="No Redis: every referenced id unknown.")
+    ] = False,
+    as_json: JsonOpt = False,
+    fail_on_change: Annotated[
+        bool, typer.Option("--fail-on-change", help="Exit 1 when any decision would change.")
+    ] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Decide a time range of tool.proposals again (dry run: nothing written) against these
+    contracts and policy, and report what would change against what was decided."""
+    from confluent_kafka import KafkaException
+
+    from processor.approvals import ApproverError
+    from processor.contracts.registry import ContractError
+    from processor.identity import KeyError_
+    from processor.policy import PolicyError
+    from processor.replay import (
+        ReplayError,
+        Report,
+        reference_lookup,
+        render,
+        replay,
+        replay_gates,
+        selection,
+        unknown_references,
+    )
+
+    since_ms, until_ms = _time_range(since, until)
+    s = _settings(config)
+    _logging(s.log_level)
+    contracts_dir = contracts if contracts is not None else s.contracts_dir
+    policy_file = policy if policy is not None else s.policy_file
+    try:
+        gates = replay_gates(s, contracts_dir, policy_file)
+    except ContractError as exc:
+        _alarm("contracts refused", f"\n{exc}")
+        raise typer.Exit(2) from exc
+    except (PolicyError, ApproverError, KeyError_, OSError) as exc:
+        _alarm("cannot load", f": {exc}")
+        raise typer.Exit(2) from exc
+    report = Report(
+        since_ms, until_ms, str(contracts_dir), gates.contracts.fingerprint,
+        None if policy_file is None else str(policy_file), not no_references, examples,
+    )  # fmt: skip
+    try:
+        lookup = unknown_references if no_references else reference_lookup(s)
+        replay(
+            s, gates, lookup, report, wanted=selection(tenant, tool), slack_ms=int(slack_s * 1000)
+        )
+    except (ReplayError, KafkaException, ValueError) as exc:
+        _alarm("replay failed", f": {exc}")
+        raise typer.Exit(2) from exc
+    if as_json:
+        typer.echo(json.dumps(report.as_dict(), indent=2))
+    else:
+        _print_all(render(report.as_dict()))
+    raise typer.Exit(1 if fail_on_change and report.changed else 0)
 
 
 # -- executors ---------------------------------------------------------------------------------

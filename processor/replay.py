@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Message
+from rich.console import RenderableType
+from rich.table import Table
+from rich.text import Text
 
 from processor.approvals import load_approvers
 from processor.codec.avro import codec
@@ -491,3 +494,43 @@ def replay(
     for r in decided:
         report.add(r, answers.of(r))
     return report
+
+
+def render(doc: dict[str, Any]) -> Iterator[RenderableType]:
+    """A report (``Report.as_dict``) as the command prints it: what was replayed against
+    what, the changes by tool, then the totals."""
+    span, sets, t = doc["range"], doc["contract_set"], doc["totals"]
+    yield Text(
+        f"replay {span['since']} .. {span['until'] or 'now'}: {doc['proposals']['read']} "
+        f"proposals read, {doc['proposals']['replayed']} replayed"
+    )
+    recorded = ", ".join(f"{fp} ({n})" for fp, n in sets["recorded"].items()) or "none"
+    yield Text(f"contracts {doc['contracts']} ({sets['replayed']}); recorded with {recorded}")
+    yield Text(f"policy {doc['policy'] or '(none)'}; reference data: {doc['references']}")
+    yield Text(f"not replayed: {'; '.join(doc['not_replayed'])}")
+    if doc["changes"]:
+        table = Table("tool", "recorded", "replayed", "count", "examples: replayed next action")
+        for c in doc["changes"]:
+            tool = c["tool"] + (" (compensation)" if c["compensation"] else "")
+            shown = "\n".join(
+                f"{e['proposal_id']}: {e['next_action'][:160]}" for e in c["examples"]
+            )
+            table.add_row(
+                Text(tool), Text(_verdict(c["recorded"])),
+                Text(_verdict(c["replayed"]), style="yellow"), Text(str(c["count"])), Text(shown),
+            )  # fmt: skip
+        yield table
+    for partition in doc["partitions_not_read_to_end"]:
+        yield Text.assemble(("not read to its end", "red"), f": {partition}")
+    for topic in doc["missing_topics"]:
+        yield Text.assemble(("no such topic", "red"), f": {topic}")
+    yield Text(
+        f"same {t['same']}, changed {t['changed']}, admission not replayed "
+        f"{t['admission_not_replayed']}, no recorded decision {t['no_recorded_decision']}, "
+        f"unreadable records {t['unreadable_records']}, partitions not read to their end "
+        f"{len(doc['partitions_not_read_to_end'])}"
+    )
+
+
+def _verdict(v: dict[str, str]) -> str:
+    return f"{v['decision']} {v['taxonomy_class']} @{v['gate']}"

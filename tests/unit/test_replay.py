@@ -3,12 +3,14 @@ comparison (the admission rule among them), grouping and totals."""
 
 from __future__ import annotations
 
+import io
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
 import pytest
+from rich.console import Console
 
 from processor.codec.avro import codec
 from processor.codec.records import dlq_record, encode_observation
@@ -27,6 +29,7 @@ from processor.replay import (
     decide_at_record_time,
     recorded_dead_letter,
     recorded_observation,
+    render,
     replayed,
     selection,
     unknown_references,
@@ -245,3 +248,21 @@ def test_the_report_is_one_json_document_with_every_total(contracts: ContractSet
     assert doc["partitions_not_read_to_end"] == ["p.proposals/0 at 3 of 9"]
     assert doc["changes"][0]["recorded"] == {
         "decision": "ROUTED", "taxonomy_class": "SUCCESS", "gate": "route"}  # fmt: skip
+
+
+def test_the_printed_report_names_each_change_and_what_was_not_seen(
+    contracts: ContractSet,
+) -> None:
+    report = _report()
+    report.add(replayed(_search(contracts, limit=0, proposal_id="p-0"), FP),
+               _recorded(_search(contracts)))  # fmt: skip
+    report.incomplete.append("tool.proposals/2 at 5 of 9")
+    out = io.StringIO()
+    console = Console(file=out, width=200, color_system=None)
+    for part in render(report.as_dict()):
+        console.print(part)
+    text = out.getvalue()
+    assert "ROUTED SUCCESS @route" in text and "REJECTED OUT_OF_BOUNDS @schema" in text
+    assert "p-0:" in text and "search_kb" in text
+    assert "not read to its end: tool.proposals/2 at 5 of 9" in text
+    assert "same 0, changed 1," in text

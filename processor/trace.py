@@ -1,0 +1,644 @@
+"""The life of one proposal, read back from the retained topics: ``toolsentry trace``.
+
+A proposal leaves records on many topics, each naming whose it is: observations,
+approval requests, approved calls and results carry its ``proposal_id``; an approval
+names the ``request_id`` of the request it answers; a dead letter keeps the record that
+could not be used, which names one or the other where it can be read at all. The range
+is read once, keeping what could belong (the proposal's own records, every compensating
+proposal's, every approval), and linked afterwards: which compensation and which
+approvals belong is known only once the proposal's own records have been read.
+
+A compensation is followed one level deep; its own compensation is not. Reading,
+linking and the summary are separate so that only the first touches Kafka.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import orjson
+from confluent_kafka import Message
+from rich.console import RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from processor.approval_flow import EXPIRY_CHECK
+from processor.approvals import iso
+from processor.codec.avro import codec, decode_any
+from processor.codec.records import decode_approved_call, decode_result
+from processor.config import SIDE_EFFECT_TOPIC_SUFFIXES, Settings, Topics
+from processor.kafka.partitioner import partition_for
+from processor.kafka.retained import RetainedReader
+from processor.kafka.topics import topic_partitions
+from processor.results import compensation_proposal_id
+
+Kind = Literal[
+    "proposal", "observation", "approval request", "approval", "call", "result", "dead letter"
+]
+Role = Literal[
+    "proposals",
+    "observations",
+    "approval_requests",
+    "approvals",
+    "execution",
+    "results",
+    "dead_letters",
+]
+
+COMPENSATION_ID_PREFIX = "comp_"
+"""How ``compensation_proposal_id`` starts every id: records under such ids are kept while
+reading, before it is known which compensation, if any, is this proposal's."""
+
+GIST_TEXT = 160
+"""Free text in a gist (a next action, result data, a reason) is cut here: the table
+is for finding the record, not for reading it whole."""
+
+_RANK: dict[str, int] = {
+    "proposal": 0,
+    "dead letter": 1,
+    "observation": 2,
+    "approval request": 3,
+    "call": 4,
+    "approval": 5,
+    "result": 6,
+}
+"""The order of records shown at the same time: a decision's observation before the
+approval request or call it wrote with it."""
+
+_WRITTEN_WITH_OBSERVATION = ("approval request", "call")
+"""Kinds the processor writes in the transaction of a decision's observation. Its producer
+stamps each record as it goes, the call first, so a call can carry an earlier time than
+the observation that decided it: they are shown at the observation's time instead."""
+
+_ANSWERED_BY_OTHERS = ("approval", "result")
+"""Gates of observations that answer an approval or a result, not the proposal itself."""
+
+_DLQ_REASON = "toolsentry.error.reason"
+_DLQ_SOURCE = ("toolsentry.source.topic", "toolsentry.source.partition", "toolsentry.source.offset")
+
+Gist = dict[str, str | int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Raw:
+    """A record as read, before anything is made of its value."""
+
+    topic: str
+    partition: int
+    offset: int
+    time_ms: int
+    value: bytes | None
+    headers: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One record of a life: where it is, what it is, and as much of it as a reader needs
+    to find it. ``decided_ms`` is the decision time the processor wrote into it, which
+    ties an observation to the approval request or call of the same decision."""
+
+    kind: Kind
+    topic: str
+    partition: int
+    offset: int
+    time_ms: int
+    decided_ms: int | None
+    proposal_id: str | None
+    gist: Gist
+    request_id: str | None = None
+    idempotency_key: str | None = None
+    attempt: int | None = None
+    compensation: bool = False
+
+    @property
+    def position(self) -> str:
+        return f"{self.topic}/{self.partition}@{self.offset}"
+
+    @property
+    def what(self) -> str:
+        return f"compensation {self.kind}" if self.compensation else self.kind
+
+    def gist_text(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.gist.items() if v not in (None, ""))
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "time": iso(self.time_ms),
+            "time_ms": self.time_ms,
+            "topic": self.topic,
+            "partition": self.partition,
+            "offset": self.offset,
+            "kind": self.kind,
+            "compensation": self.compensation,
+            "proposal_id": self.proposal_id,
+            "request_id": self.request_id,
+            "gist": self.gist,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What was searched, and what of it could not be seen."""
+
+    topics: list[str]
+    since_ms: int | None
+    until_ms: int | None
+    undecodable: dict[str, int] = field(default_factory=dict)
+    incomplete: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    errors: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """One proposal's life as found in the range, with its last answer and what is off."""
+
+    proposal_id: str
+    entries: list[Entry]
+    reading: Reading
+    final: Entry | None
+    warnings: list[str]
+
+    @property
+    def found(self) -> bool:
+        return any(not e.compensation for e in self.entries)
+
+    def as_json(self) -> dict[str, Any]:
+        r = self.reading
+        return {
+            "proposal_id": self.proposal_id,
+            "found": self.found,
+            "since": None if r.since_ms is None else iso(r.since_ms),
+            "until": None if r.until_ms is None else iso(r.until_ms),
+            "topics": r.topics,
+            "entries": [e.as_json() for e in self.entries],
+            "final": None if self.final is None else self.final.as_json(),
+            "warnings": self.warnings,
+            "undecodable": r.undecodable,
+        }
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def topic_roles(t: Topics) -> dict[str, Role]:
+    roles: dict[str, Role] = {
+        t.proposals: "proposals",
+        t.observations: "observations",
+        t.approval_requests: "approval_requests",
+        t.approvals: "approvals",
+        t.results: "results",
+        t.dlq: "dead_letters",
+        t.call_dlq: "dead_letters",
+    }
+    roles.update({t.execution(s): "execution" for s in SIDE_EFFECT_TOPIC_SUFFIXES})
+    return roles
+
+
+def run_partitions(settings: Settings, run_id: str) -> dict[str, set[int]]:
+    """The partitions a run's records are on, for the topics the processor writes keyed
+    by ``run_id`` (observations, approval requests, approved calls). Proposals, approvals,
+    results and dead letters are keyed by whoever wrote them (an agent, an operator, an
+    executor, the original record's key), so they are read whole."""
+    t = settings.topics
+    written = [
+        t.observations,
+        t.approval_requests,
+        *(t.execution(s) for s in SIDE_EFFECT_TOPIC_SUFFIXES),
+    ]
+    out: dict[str, set[int]] = {}
+    for topic in written:
+        try:
+            count = topic_partitions(settings, topic)
+        except LookupError:
+            continue  # the reader reports it missing
+        out[topic] = {partition_for(run_id.encode(), count)}
+    return out
+
+
+def raw(m: Message) -> Raw:
+    ts = m.timestamp()
+    given = m.headers() or []
+    pairs = given.items() if isinstance(given, dict) else given
+    headers = {k: v for k, v in pairs if isinstance(v, bytes)}
+    return Raw(
+        m.topic() or "", m.partition() or 0, m.offset() or 0, ts[1] if ts else 0, m.value(), headers
+    )
+
+
+def read_trace(
+    settings: Settings,
+    proposal_id: str,
+    since_ms: int | None,
+    until_ms: int | None,
+    run_id: str | None = None,
+) -> Trace:
+    """Read the range once and make the proposal's life of it."""
+    roles = topic_roles(settings.topics)
+    partitions = run_partitions(settings, run_id) if run_id is not None else None
+    reader = RetainedReader(
+        settings, list(roles), since_ms=since_ms, until_ms=until_ms, partitions=partitions
+    )
+    undecodable: Counter[str] = Counter()
+    kept = list(collect(proposal_id, (raw(m) for m in reader), roles, undecodable))
+    reading = Reading(
+        topics=list(roles),
+        since_ms=since_ms,
+        until_ms=until_ms,
+        undecodable=dict(sorted(undecodable.items())),
+        incomplete=[
+            f"{r.topic}/{r.partition} (at {r.reached} of {r.end})" for r in reader.incomplete
+        ],
+        missing=list(reader.missing),
+        errors=reader.errors,
+    )
+    return assemble(proposal_id, kept, reading)
+
+
+def collect(
+    proposal_id: str, records: Iterable[Raw], roles: dict[str, Role], undecodable: Counter[str]
+) -> Iterator[Entry]:
+    """The records that may belong to the proposal's life; those that cannot be read at
+    all are counted by topic in ``undecodable`` (any of them may have been about it)."""
+    for r in records:
+        try:
+            e = sight(roles[r.topic], r)
+        except ValueError:
+            undecodable[r.topic] += 1
+            continue
+        if e is not None and _may_belong(e, proposal_id):
+            yield e
+
+
+def _may_belong(e: Entry, proposal_id: str) -> bool:
+    if e.proposal_id is None:
+        return e.request_id is not None
+    return e.proposal_id == proposal_id or e.proposal_id.startswith(COMPENSATION_ID_PREFIX)
+
+
+def sight(role: Role, r: Raw) -> Entry | None:
+    """The entry a record makes; None for a dead letter that names nobody. ValueError for
+    a record its topic should not hold (garbage, another schema, cut short)."""
+    if role == "dead_letters":
+        return _dead_letter(r)
+    if not r.value:
+        raise ValueError("no value")
+    return _READERS[role](r, r.value)
+
+
+def _proposal(r: Raw, value: bytes) -> Entry:
+    doc = _json_object(value)
+    pid = doc.get("proposal_id") if doc is not None else None
+    if doc is None or not isinstance(pid, str):
+        raise ValueError("not a proposal")
+    tool = doc.get("tool")
+    name, version = (
+        (tool.get("name"), tool.get("version")) if isinstance(tool, dict) else (None, None)
+    )
+    key = _text(doc.get("idempotency_key"))
+    gist: Gist = {
+        "tool": f"{_text(name)}@{_text(version) or 'newest'}",
+        "run": _text(doc.get("run_id")),
+        "tenant": _text(doc.get("tenant_id")),
+        "key": key,
+    }
+    return Entry(
+        "proposal",
+        r.topic,
+        r.partition,
+        r.offset,
+        r.time_ms,
+        None,
+        pid,
+        gist,
+        idempotency_key=key,
+    )
+
+
+def _observation(r: Raw, value: bytes) -> Entry:
+    d = codec("observation").decode(value)
+    meta, status, payload = d["execution_metadata"], d["status"], d["result_payload"]
+    errors = payload["errors"]
+    gist: Gist = {
+        "decision": d["decision"],
+        "class": status["taxonomy_class"],
+        "gate": d["gate"],
+        "error": _clip(errors[0]["message"]) if errors else None,
+    }
+    # A completed call's answer is its data; any other observation's, what to do next.
+    if d["decision"] == "COMPLETED":
+        gist["data"] = _clip(payload["data"])
+    else:
+        gist["next"] = _clip(d["next_action"])
+    return Entry(
+        "observation",
+        r.topic,
+        r.partition,
+        r.offset,
+        r.time_ms,
+        _millis(meta["timestamp"]),
+        d["proposal_id"],
+        gist,
+        request_id=d["approval_request_id"],
+        idempotency_key=meta["idempotency_key"],
+        attempt=meta["attempt_number"],
+    )
+
+
+def _approval_request(r: Raw, value: bytes) -> Entry:
+    d = codec("approval_request").decode(value)
+    gist: Gist = {
+        "tool": f"{d['tool_name']}@{d['tool_version']}",
+        "class": d["side_effect_class"],
+        "approvals_required": d["approvals_required"],
+        "expires": iso(_millis(d["expires_at"])),
+        "request": d["request_id"],
+    }
+    return Entry(
+        "approval request",
+        r.topic,
+        r.partition,
+        r.offset,
+        r.time_ms,
+        _millis(d["created_at"]),
+        d["proposal_id"],
+        gist,
+        request_id=d["request_id"],
+        idempotency_key=d["idempotency_key"],
+    )
+
+
+def _approval(r: Raw, value: bytes) -> Entry:
+    doc = _json_object(value)
+    rid = doc.get("request_id") if doc is not None else None
+    if doc is None or not isinstance(rid, str):
+        raise ValueError("not an approval")
+    gist: Gist
+    if doc.get("type") == EXPIRY_CHECK:
+        gist = {"check": "expiry", "request": _clip(rid)}
+    else:
+        gist = {
+            "approver": _text(doc.get("approver_id")),
+            "decision": _text(doc.get("decision")),
+            "reason": _clip(_text(doc.get("reason"))),
+            "request": _clip(rid),
+        }
+    return Entry(
+        "approval", r.topic, r.partition, r.offset, r.time_ms, None, None, gist, request_id=rid
+    )
+
+
+def _call(r: Raw, value: bytes) -> Entry:
+    d = decode_approved_call(value)
+    gist: Gist = {
+        "tool": f"{d['tool_name']}@{d['tool_version']}",
+        "class": d["side_effect_class"],
+        "attempt": d["attempt"],
+        "key": d["idempotency_key"],
+    }
+    return Entry(
+        "call",
+        r.topic,
+        r.partition,
+        r.offset,
+        r.time_ms,
+        d["created_at"],
+        d["proposal_id"],
+        gist,
+        idempotency_key=d["idempotency_key"],
+        attempt=d["attempt"],
+    )
+
+
+def _result(r: Raw, value: bytes) -> Entry:
+    d = decode_result(value)
+    gist: Gist = {
+        "outcome": d["outcome"],
+        "error": d["error_code"],
+        "committed": ",".join(d["committed_steps"]) or None,
+        "attempt": d["attempt"],
+        "executor": d["executor_id"],
+    }
+    return Entry(
+        "result",
+        r.topic,
+        r.partition,
+        r.offset,
+        r.time_ms,
+        None,
+        d["proposal_id"],
+        gist,
+        idempotency_key=d["idempotency_key"],
+        attempt=d["attempt"],
+    )
+
+
+def _dead_letter(r: Raw) -> Entry | None:
+    """A dead letter belongs to whoever the record it keeps names, if it can be read: a
+    proposal's or an approval's JSON, or an Avro result or call."""
+    pid, rid = _named_ids(r.value or b"")
+    if pid is None and rid is None:
+        return None
+    h = r.headers
+    source = "/".join(h.get(k, b"?").decode("utf-8", "replace") for k in _DLQ_SOURCE)
+    gist: Gist = {
+        "reason": _text(h.get(_DLQ_REASON, b"").decode("utf-8", "replace")) or "unknown",
+        "source": source,
+    }
+    return Entry(
+        "dead letter",
+        r.topic,
+        r.partition,
+        r.offset,
+        r.time_ms,
+        None,
+        pid,
+        gist,
+        request_id=rid,
+    )
+
+
+def _named_ids(value: bytes) -> tuple[str | None, str | None]:
+    """The proposal id or request id the kept record names, as far as it can be read."""
+    doc = _json_object(value)
+    if doc is not None:
+        pid, rid = doc.get("proposal_id"), doc.get("request_id")
+        return (pid if isinstance(pid, str) else None, rid if isinstance(rid, str) else None)
+    try:
+        d = decode_any(value, ("tool_result", "approved_call"))
+    except ValueError:
+        return None, None
+    return d["proposal_id"], None
+
+
+_READERS = {
+    "proposals": _proposal,
+    "observations": _observation,
+    "approval_requests": _approval_request,
+    "approvals": _approval,
+    "execution": _call,
+    "results": _result,
+}
+
+
+def _json_object(value: bytes) -> dict[str, Any] | None:
+    """A JSON object as the processor reads one: strictly, else by the lenient reader it
+    falls back to (NaN, say), so a proposal the processor decided is found here too."""
+    try:
+        doc = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        try:
+            doc = json.loads(value)
+        except (ValueError, RecursionError):
+            return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _text(value: Any) -> str | None:
+    return _clip(value) if isinstance(value, str) else None
+
+
+def _clip(text: str | None) -> str | None:
+    if text is None or len(text) <= GIST_TEXT:
+        return text
+    return text[: GIST_TEXT - 1] + "\u2026"
+
+
+def _millis(value: Any) -> int:
+    """fastavro reads timestamp-millis as aware datetimes."""
+    if isinstance(value, datetime):
+        return int(value.astimezone(UTC).timestamp() * 1000)
+    return int(value)
+
+
+# -- linking and the summary -------------------------------------------------------------
+
+
+def link(proposal_id: str, kept: Iterable[Entry]) -> list[Entry]:
+    """The proposal's records, its compensation's (the one the processor proposes under a
+    key its calls ran with), and the approvals and dead letters of either's requests, in
+    the order they happened."""
+    seen = list(kept)
+    own = [e for e in seen if e.proposal_id == proposal_id]
+    keys = {e.idempotency_key for e in own if e.idempotency_key and e.kind != "proposal"}
+    compensations = {compensation_proposal_id(k) for k in keys} - {proposal_id}
+    theirs = [replace(e, compensation=True) for e in seen if e.proposal_id in compensations]
+    requests = {e.request_id: e.compensation for e in (*own, *theirs) if e.request_id}
+    answers = [
+        replace(e, compensation=requests[e.request_id])
+        for e in seen
+        if e.proposal_id is None and e.request_id in requests
+    ]
+    life = [*own, *theirs, *answers]
+    observed = {(e.proposal_id, e.decided_ms): e.time_ms for e in life if e.kind == "observation"}
+
+    def order(e: Entry) -> tuple[int, int, str, int, int]:
+        at = e.time_ms
+        if e.kind in _WRITTEN_WITH_OBSERVATION:
+            at = observed.get((e.proposal_id, e.decided_ms), at)
+        return at, _RANK[e.kind], e.topic, e.partition, e.offset
+
+    return sorted(life, key=order)
+
+
+def assemble(proposal_id: str, kept: Iterable[Entry], reading: Reading) -> Trace:
+    entries = link(proposal_id, kept)
+    said = [e for e in entries if e.kind == "observation" and not e.compensation]
+    final = said[-1] if said else None
+    return Trace(proposal_id, entries, reading, final, warnings(entries, reading))
+
+
+def warnings(entries: list[Entry], reading: Reading) -> list[str]:
+    """What an analyst should not take the table for granted on."""
+    own = [e for e in entries if not e.compensation]
+    out: list[str] = []
+    if own:
+        out += _decision_warnings(own)
+    out += [_unanswered(c) for c in entries if c.kind == "call" and not _has_result(c, entries)]
+    return out + _reading_warnings(reading)
+
+
+def _decision_warnings(own: list[Entry]) -> list[str]:
+    out: list[str] = []
+    proposed = sum(e.kind == "proposal" for e in own)
+    decisions = [
+        e for e in own if e.kind == "observation" and e.gist["gate"] not in _ANSWERED_BY_OTHERS
+    ]
+    if proposed == 0:
+        out.append("its proposal is not in the range: proposed before --since, or unreadable")
+    elif proposed > 1:
+        out.append(f"proposed {proposed} times under this id")
+    if len(decisions) > 1:
+        out.append(f"{len(decisions)} decision observations, one expected")
+    if proposed and not decisions and not any(e.kind == "dead letter" for e in own):
+        out.append("no decision observation in range: not decided yet, or after --until")
+    return out
+
+
+def _has_result(call: Entry, entries: list[Entry]) -> bool:
+    return any(
+        e.kind == "result" and e.proposal_id == call.proposal_id and e.attempt == call.attempt
+        for e in entries
+    )
+
+
+def _unanswered(call: Entry) -> str:
+    return (
+        f"the {call.what} of attempt {call.attempt} ({call.position}, {iso(call.time_ms)}) "
+        "has no result in range"
+    )
+
+
+def _reading_warnings(r: Reading) -> list[str]:
+    out: list[str] = []
+    if r.undecodable:
+        counts = ", ".join(f"{t}: {n}" for t, n in r.undecodable.items())
+        total = sum(r.undecodable.values())
+        out.append(
+            f"{total} record(s) in range could not be decoded ({counts}); "
+            "any of them may be about this proposal"
+        )
+    if r.incomplete:
+        out.append(f"partitions not read to their end: {', '.join(r.incomplete)}")
+    if r.missing:
+        out.append(f"topics missing: {', '.join(r.missing)}")
+    if r.errors:
+        out.append(f"{r.errors} error(s) while reading (see the log)")
+    return out
+
+
+# -- for a terminal -----------------------------------------------------------------------
+
+
+def render(found: Trace) -> Iterator[RenderableType]:
+    """The trace as the command prints it: the table of its life and its final answer
+    (or what was searched, when nothing was found), then the warnings."""
+    r = found.reading
+    if not found.found:
+        since = "the earliest" if r.since_ms is None else iso(r.since_ms)
+        span = f"{since} .. {'now' if r.until_ms is None else iso(r.until_ms)}"
+        yield _alarm(
+            "not found", f": no record of {found.proposal_id} in {span} on {', '.join(r.topics)}"
+        )
+    else:
+        table = Table("time (UTC)", "record", "what", "gist")
+        for e in found.entries:
+            style = "red" if e.kind == "dead letter" else "magenta" if e.compensation else ""
+            table.add_row(
+                Text(iso(e.time_ms)), Text(e.position), Text(e.what, style), Text(e.gist_text())
+            )
+        yield table
+        last = found.final
+        answer = "none in range" if last is None else f"{last.gist_text()} at {iso(last.time_ms)}"
+        yield Text.assemble(("final answer: ", "bold"), answer)
+    for warning in found.warnings:
+        yield _alarm("warning", f": {warning}")
+
+
+def _alarm(head: str, rest: str) -> Text:
+    return Text.assemble((head, "red"), rest)
