@@ -345,8 +345,11 @@ def _refused(
     next_action: str,
     allowed: tuple[str, ...] = (),
 ) -> Decision:
-    errors = (*d.rejection.errors, error) if d.rejection is not None else (error,)
-    d.rejection = Rejection(taxonomy, gate, errors, next_action, allowed)
+    # A refused proposal keeps what its gates found wrong. A parked one's only "error" is
+    # its parking notice (a request is waiting), which stops being true here: no request
+    # is written for a call Redis refuses.
+    kept = d.rejection.errors if d.rejection is not None and d.outcome is Outcome.REJECTED else ()
+    d.rejection = Rejection(taxonomy, gate, (*kept, error), next_action, allowed)
     d.outcome = Outcome.REJECTED
     d.gate = gate
     d.call = None

@@ -350,3 +350,33 @@ def test_a_call_and_its_release_name_the_version_they_are_routed_as(
     assert released is not None
     _, release = release_item(released)
     assert release["version"] == d.call.tool_version
+
+
+def test_a_parked_call_refused_by_its_budget_no_longer_says_a_request_is_waiting(
+    contracts: ContractSet,
+) -> None:
+    """A parked call's only error is its parking notice; refused by admission, no request
+    is written for it, so the refusal must not tell the model one is waiting."""
+    d = _decide(contracts, "refund_order")
+    assert d.outcome is Outcome.PARKED and d.rejection is not None
+    assert [e.code for e in d.rejection.errors] == ["approval_required"]
+    refused = apply_verdict(d, {"ok": False, "why": "class_budget"}, BUDGETS,
+                            _contract(contracts, d))  # fmt: skip
+    assert refused.outcome is Outcome.REJECTED and refused.approval_request is None
+    assert refused.rejection is not None
+    assert [e.code for e in refused.rejection.errors] == ["class_budget"]
+
+
+def test_a_refused_proposal_refused_again_by_admission_keeps_what_was_wrong(
+    contracts: ContractSet,
+) -> None:
+    """A schema refusal that admission stops as a repair loop still tells the model which
+    field was wrong: the repair it needs is the same."""
+    d = _decide(contracts, "search_kb", arguments={"query": "q", "limit": "10"})
+    assert d.outcome is Outcome.REJECTED and d.rejection is not None
+    first = [e.code for e in d.rejection.errors]
+    refused = apply_verdict(d, {"ok": False, "why": "repair_loop"}, BUDGETS,
+                            _contract(contracts, d))  # fmt: skip
+    assert refused.rejection is not None
+    assert refused.rejection.taxonomy is TaxonomyClass.BUDGET_EXHAUSTED
+    assert [e.code for e in refused.rejection.errors] == [*first, "repair_loop"]
