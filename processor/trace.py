@@ -58,6 +58,8 @@ GIST_TEXT = 160
 """Free text in a gist (a next action, result data, a reason) is cut here: the table
 is for finding the record, not for reading it whole."""
 
+_COMPENSATION_BYTES = COMPENSATION_ID_PREFIX.encode()
+
 _RANK: dict[str, int] = {
     "proposal": 0,
     "dead letter": 1,
@@ -263,16 +265,34 @@ def read_trace(
 def collect(
     proposal_id: str, records: Iterable[Raw], roles: dict[str, Role], undecodable: Counter[str]
 ) -> Iterator[Entry]:
-    """The records that may belong to the proposal's life; those that cannot be read at
-    all are counted by topic in ``undecodable`` (any of them may have been about it)."""
+    """The records that may belong to the proposal's life. Those whose bytes cannot name
+    it are not decoded at all (``may_name``); those that may but cannot be read are
+    counted by topic in ``undecodable``."""
+    needle = proposal_id.encode()
     for r in records:
+        role = roles[r.topic]
+        if not may_name(role, r.value or b"", needle):
+            continue
         try:
-            e = sight(roles[r.topic], r)
+            e = sight(role, r)
         except ValueError:
             undecodable[r.topic] += 1
             continue
         if e is not None and _may_belong(e, proposal_id):
             yield e
+
+
+def may_name(role: Role, value: bytes, needle: bytes) -> bool:
+    """Whether a record's bytes may name the proposal or a compensation. An id is written
+    verbatim both in Avro (a string is its UTF-8 bytes) and in JSON without escapes, so a
+    record holding neither the id nor ``comp_`` (nor, in JSON, a backslash) cannot be
+    about it: most of a busy range is passed over without being decoded. Approvals and
+    dead letters name a request, or keep a record that names one: they are always read."""
+    if role in ("approvals", "dead_letters"):
+        return True
+    if needle in value or _COMPENSATION_BYTES in value:
+        return True
+    return role == "proposals" and b"\\" in value
 
 
 def _may_belong(e: Entry, proposal_id: str) -> bool:
@@ -600,8 +620,8 @@ def _reading_warnings(r: Reading) -> list[str]:
         counts = ", ".join(f"{t}: {n}" for t, n in r.undecodable.items())
         total = sum(r.undecodable.values())
         out.append(
-            f"{total} record(s) in range could not be decoded ({counts}); "
-            "any of them may be about this proposal"
+            f"{total} record(s) that may name it could not be decoded ({counts}): "
+            "they hold its id or a compensation's, or are approvals or dead letters"
         )
     if r.incomplete:
         out.append(f"partitions not read to their end: {', '.join(r.incomplete)}")

@@ -185,26 +185,34 @@ def test_a_rejected_proposal_is_its_proposal_and_one_rejection(contracts: Contra
     assert warnings == []
 
 
-def test_what_cannot_be_read_is_counted_and_reported_never_raised(contracts: ContractSet) -> None:
+def test_what_names_the_proposal_but_cannot_be_read_is_counted_never_raised(
+    contracts: ContractSet,
+) -> None:
     d = _decided(_proposal(), contracts)
     observation = encode_observation(d, None)
+    named = PID.encode()
     garbage = [
-        _raw(T.proposals, 1, NOW_MS, b"\xff\xfe not json"),
-        _raw(T.proposals, 2, NOW_MS, b'{"tool": {"name": "lookup_order"}}'),  # no proposal id
+        _raw(T.proposals, 1, NOW_MS, b"\xff\xfe not json " + named),
+        _raw(T.proposals, 2, NOW_MS, b'{"tool": {"name": "lookup_order"}, "note": "%s"}' % named),
         _raw(T.observations, 3, NOW_MS, observation[:-7]),  # cut short
         _raw(T.observations, 4, NOW_MS, encode_approved_call(d, None)),  # another schema
-        _raw(T.observations, 5, NOW_MS, None),
-        _raw(EXEC, 6, NOW_MS, b"\xc3\x01" + b"\x00" * 8 + b"junk"),
+        _raw(EXEC, 6, NOW_MS, b"\xc3\x01" + b"\x00" * 8 + b"junk " + named),
         _raw(T.results, 7, NOW_MS, observation),
-        _raw(T.approval_requests, 8, NOW_MS, b"[]"),
-        _raw(T.approvals, 9, NOW_MS, b'["request_id"]'),
+        _raw(T.approval_requests, 8, NOW_MS, b'["%s"]' % named),
+        _raw(T.approvals, 9, NOW_MS, b'["request_id"]'),  # approvals are always read
         _raw(T.dlq, 10, NOW_MS, b"\x00\x01 garbage that names nobody"),
     ]
-    entries, warnings, bad = _trace([*garbage, _raw(T.observations, 11, NOW_MS, observation)])
+    elsewhere = [  # cannot be about it: not decoded, not counted
+        _raw(T.observations, 5, NOW_MS, None),
+        _raw(T.observations, 12, NOW_MS, b"\xc3\x01 another proposal's garbage"),
+        _raw(T.proposals, 13, NOW_MS, b"\xff\xfe not json, no id"),
+    ]
+    every = [*garbage, *elsewhere, _raw(T.observations, 11, NOW_MS, observation)]
+    entries, warnings, bad = _trace(every)
     assert [e.offset for e in entries] == [11]
     assert bad == {
         T.proposals: 2,
-        T.observations: 3,
+        T.observations: 2,
         EXEC: 1,
         T.results: 1,
         T.approval_requests: 1,
@@ -212,7 +220,16 @@ def test_what_cannot_be_read_is_counted_and_reported_never_raised(contracts: Con
     }
     reading = Reading(list(ROLES), None, None, undecodable=dict(bad))
     _, warnings, _ = _trace([_raw(T.observations, 11, NOW_MS, observation)], reading)
-    assert any(w.startswith("9 record(s) in range could not be decoded") for w in warnings)
+    assert any(w.startswith("8 record(s) that may name it could not be decoded") for w in warnings)
+
+
+def test_a_proposal_written_with_json_escapes_is_still_found(contracts: ContractSet) -> None:
+    """JSON may spell an id with escapes, so its bytes need not hold the id: a proposal
+    with a backslash anywhere is decoded whatever it holds."""
+    escaped = orjson.dumps(_proposal()).replace(b'"prop-traced"', b'"prop\\u002dtraced"')
+    assert PID.encode() not in escaped
+    entries, _, bad = _trace([_raw(T.proposals, 1, NOW_MS, escaped)])
+    assert [e.kind for e in entries] == ["proposal"] and bad == {}
 
 
 def test_the_compensation_the_processor_proposed_is_followed_one_level(
