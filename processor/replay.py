@@ -10,8 +10,10 @@ approve later and what executors return are not decided again. Nothing is writte
 topics are read through ``RetainedReader`` (no group, nothing committed), and Redis is
 only asked for reference data.
 
-Each proposal is decided at its own record's time, so a token that has expired since, or
-a version sunsetted since, is judged as it stood then. What was decided is the
+Each proposal is decided at the time the processor decided it (its observation's
+timestamp; its record's time where nothing recorded says), so a token that has expired
+since, or a version sunsetted since, is judged as it stood then, a backlog's delay
+included. The recorded answers are read first for that reason. What was decided is the
 observation that answered the proposal's own record, found by its id (a digest of the
 record's position, see ``codec.records.observation_id``), not by ``proposal_id``: an
 agent may reuse a proposal id in another run, and a parked call's end or a routed call's
@@ -38,7 +40,7 @@ from rich.text import Text
 
 from processor.approvals import load_approvers
 from processor.codec.avro import codec
-from processor.codec.records import dlq_headers, observation_id, observation_record
+from processor.codec.records import dlq_headers, observation_id, observation_record, position_id
 from processor.config import Settings
 from processor.contracts.registry import load_contracts
 from processor.gates.parse import Limits
@@ -97,11 +99,14 @@ class Verdict:
 
 @dataclass(frozen=True, slots=True)
 class Recorded:
-    """What was decided then. ``admission``: decided by Redis, after every gate."""
+    """What was decided then, and when. ``admission``: decided by Redis, after every
+    gate. ``decided_ms``: the time the processor decided at, which the replay decides at
+    too (None for a dead letter, which no time changes)."""
 
     verdict: Verdict
     admission: bool
     contract_set: str | None = None
+    decided_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +149,9 @@ def recorded_observation(obs: dict[str, Any]) -> Recorded:
     verdict = Verdict(obs["decision"], obs["status"]["taxonomy_class"], obs["gate"])
     codes = {e["code"] for e in obs["result_payload"]["errors"]}
     admission = verdict.gate in ADMISSION_GATES or APPROVAL_REUSED in codes
-    return Recorded(verdict, admission, obs.get("contract_set"))
+    decided = obs["execution_metadata"]["timestamp"]
+    decided_ms = int(decided.timestamp() * 1000) if isinstance(decided, datetime) else decided
+    return Recorded(verdict, admission, obs.get("contract_set"), decided_ms)
 
 
 Headers = list[tuple[str, str | bytes | None]] | dict[str, str | bytes | None]
@@ -362,15 +369,25 @@ def unknown_references(keys: set[RefKey]) -> RefAnswers:
     return {}
 
 
-def decide_at_record_time(srcs: list[SourceRecord], gates: Gates, lookup: Lookup) -> list[Decision]:
-    """``pipeline.decide_batch`` with each record decided at its own time, not the batch's."""
-    prepared = [prepare(s, gates, s.timestamp_ms) for s in srcs]
+Then = Callable[[SourceRecord], int]
+"""The time to decide a record at."""
+
+
+def decide_as_then(
+    srcs: list[SourceRecord], gates: Gates, lookup: Lookup, then: Then
+) -> list[Decision]:
+    """``pipeline.decide_batch`` with each record decided at its own time (``then``), not
+    the batch's."""
+    prepared = [prepare(s, gates, then(s)) for s in srcs]
     keys = {k for x in prepared if isinstance(x, Pending) for k in x.keys}
     answers = lookup(keys) if keys else {}
     return [
-        x if isinstance(x, Decision) else finish(x, gates, answers, x.src.timestamp_ms)
-        for x in prepared
+        x if isinstance(x, Decision) else finish(x, gates, answers, then(x.src)) for x in prepared
     ]
+
+
+def at_record_time(src: SourceRecord) -> int:
+    return src.timestamp_ms
 
 
 def _source(m: Message) -> SourceRecord:
@@ -415,26 +432,32 @@ def _read_reach(report: Report, reader: RetainedReader) -> None:
 
 
 def decide_range(
-    settings: Settings, gates: Gates, lookup: Lookup, report: Report, wanted: Select
-) -> list[Replayed]:
-    """Every proposal of the range decided again, those ``wanted`` kept."""
+    settings: Settings,
+    gates: Gates,
+    lookup: Lookup,
+    report: Report,
+    wanted: Select,
+    answers: Answers,
+) -> None:
+    """Every proposal of the range decided again, at the time it was decided then (its
+    record's time when nothing recorded says), and those ``wanted`` compared."""
     reader = RetainedReader(
         settings, [settings.topics.proposals], since_ms=report.since_ms, until_ms=report.until_ms
     )
     fingerprint = gates.contracts.fingerprint
-    out: list[Replayed] = []
     for batch in _batches(reader):
         report.read += len(batch)
-        out += [replayed(d, fingerprint) for d in decide_at_record_time(batch, gates, lookup)
-                if wanted(d)]  # fmt: skip
+        for d in decide_as_then(batch, gates, lookup, answers.decided_at):
+            if wanted(d):
+                again = replayed(d, fingerprint)
+                report.add(again, answers.of(again))
     _read_reach(report, reader)
-    return out
 
 
 @dataclass
 class Answers:
-    """The recorded decisions of the proposals replayed, by observation id and, for dead
-    letters, by position."""
+    """The recorded decisions of the range: observations by id, dead letters by the
+    position of the record they stand for."""
 
     observations: dict[str, Recorded] = field(default_factory=dict)
     dead_letters: dict[tuple[str, int, int], Recorded] = field(default_factory=dict)
@@ -442,16 +465,19 @@ class Answers:
     def of(self, r: Replayed) -> Recorded | None:
         return self.observations.get(r.observation_id) or self.dead_letters.get(r.position)
 
+    def decided_at(self, src: SourceRecord) -> int:
+        """When the record was decided then: its observation's time, else its own."""
+        recorded = self.observations.get(position_id(src.topic, src.partition, src.offset))
+        if recorded is None or recorded.decided_ms is None:
+            return src.timestamp_ms
+        return recorded.decided_ms
 
-def read_answers(
-    settings: Settings, replayed: list[Replayed], report: Report, slack_ms: int
-) -> Answers:
-    """The observations and dead letters that answered the replayed proposals; the first
-    of each, as a record decided again after an aborted transaction is never read
-    (``read_committed``) and a later observation of the same record does not exist."""
+
+def read_answers(settings: Settings, report: Report, slack_ms: int) -> Answers:
+    """The observations and dead letters written over the range (and ``slack_ms`` after
+    it); the first of each id, as a record decided again after an aborted transaction is
+    never read (``read_committed``)."""
     topics = settings.topics
-    ids = {r.observation_id for r in replayed}
-    positions = {r.position for r in replayed}
     until = None if report.until_ms is None else report.until_ms + slack_ms
     reader = RetainedReader(
         settings, [topics.observations, topics.dlq], since_ms=report.since_ms, until_ms=until
@@ -463,8 +489,7 @@ def read_answers(
         try:
             if m.topic() == topics.dlq:
                 position, recorded = recorded_dead_letter(m.headers() or [])
-                if position in positions:
-                    answers.dead_letters.setdefault(position, recorded)
+                answers.dead_letters.setdefault(position, recorded)
                 continue
             if value is None:
                 raise ValueError("no value")
@@ -473,8 +498,7 @@ def read_answers(
             report.unreadable += 1
             logger.warning("%s/%s@%s unreadable: %s", m.topic(), m.partition(), m.offset(), exc)
             continue
-        if obs["observation_id"] in ids:
-            answers.observations.setdefault(obs["observation_id"], recorded_observation(obs))
+        answers.observations.setdefault(obs["observation_id"], recorded_observation(obs))
     _read_reach(report, reader)
     return answers
 
@@ -488,11 +512,10 @@ def replay(
     wanted: Select | None = None,
     slack_ms: int = DEFAULT_SLACK_MS,
 ) -> Report:
-    """Decide the range again and compare: the whole of ``toolsentry replay``."""
-    decided = decide_range(settings, gates, lookup, report, wanted or selection(None, None))
-    answers = read_answers(settings, decided, report, slack_ms)
-    for r in decided:
-        report.add(r, answers.of(r))
+    """Read what was decided, decide the range again and compare: the whole of
+    ``toolsentry replay``."""
+    answers = read_answers(settings, report, slack_ms)
+    decide_range(settings, gates, lookup, report, wanted or selection(None, None), answers)
     return report
 
 

@@ -43,7 +43,13 @@ def _clip(text: str | None, limit: int = _TEXT) -> str | None:
 
 def observation_id(d: Decision) -> str:
     s = d.source
-    return hashlib.sha256(f"{s.topic}/{s.partition}/{s.offset}".encode()).hexdigest()[:32]
+    return position_id(s.topic, s.partition, s.offset)
+
+
+def position_id(topic: str, partition: int, offset: int) -> str:
+    """The id of the observation that answers the record at this position: the same on
+    every replay of it, so a consumer can drop a copy."""
+    return hashlib.sha256(f"{topic}/{partition}/{offset}".encode()).hexdigest()[:32]
 
 
 def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from processor.codec.avro import codec
-from processor.codec.records import dlq_record, encode_observation
+from processor.codec.records import dlq_record, encode_observation, position_id
 from processor.contracts.registry import ContractSet
 from processor.gates.budget import apply_verdict
 from processor.model import Decision, Gate, Outcome, SourceRecord
@@ -21,12 +21,14 @@ from processor.pipeline import decide
 from processor.policy import Budgets
 from processor.replay import (
     DEAD_LETTER,
+    Answers,
     Match,
     Recorded,
     Report,
     Verdict,
+    at_record_time,
     compare,
-    decide_at_record_time,
+    decide_as_then,
     recorded_dead_letter,
     recorded_observation,
     render,
@@ -214,10 +216,23 @@ def test_each_record_is_decided_at_its_own_time(contracts: ContractSet) -> None:
     env = orjson.dumps({**envelope(c.name), "tool": {"name": c.name, "version": c.version}})
     at = [int((sunset + timedelta(days=days)).timestamp() * 1000) for days in (-2, 2)]
     srcs = [SourceRecord("tool.proposals", 0, n, b"run-1", env, t) for n, t in enumerate(at)]
-    before, after = decide_at_record_time(srcs, gates(contracts), unknown_references)
+    before, after = decide_as_then(srcs, gates(contracts), unknown_references, at_record_time)
     assert before.gate is not Gate.RESOLVE, before.rejection
     assert after.gate is Gate.RESOLVE
     assert after.rejection is not None and after.rejection.errors[0].code == "tool_sunsetted"
+    # Decided then after the sunset (a backlog): the recorded time wins over the record's.
+    answers = Answers()
+    answers.observations[position_id("tool.proposals", 0, 0)] = Recorded(
+        Verdict("REJECTED", "STRUCTURAL_VIOLATION", "resolve"), False, FP, at[1]
+    )
+    late, _ = decide_as_then(srcs, gates(contracts), unknown_references, answers.decided_at)
+    assert late.gate is Gate.RESOLVE
+
+
+def test_the_recorded_decision_keeps_the_time_it_was_decided_at(contracts: ContractSet) -> None:
+    d = _search(contracts)
+    assert _recorded(d).decided_ms == d.decided_at_ms
+    assert Answers().decided_at(d.source) == d.source.timestamp_ms
 
 
 def test_tenant_and_tool_select_on_what_the_proposal_claims(contracts: ContractSet) -> None:
