@@ -664,11 +664,18 @@ def trace(
 ) -> None:
     """The life of one proposal, read from the retained topics: its decision, approval,
     call, result and final observation, any compensation, any dead letters. Exit status 1
-    when the range holds no record of it."""
+    when the range holds no record of it, 2 when the broker cannot be read."""
+    from confluent_kafka import KafkaException
+
     from processor.trace import read_trace, render
 
     since_ms, until_ms = _time_range(since, until)
-    found = read_trace(_settings(config), proposal_id, since_ms, until_ms, run_id)
+    try:
+        found = read_trace(_settings(config), proposal_id, since_ms, until_ms, run_id)
+    except KafkaException as exc:
+        # Not exit status 1, which says the range holds no record of it.
+        _alarm("trace failed", f": {exc}")
+        raise typer.Exit(2) from exc
     if as_json:
         typer.echo(json.dumps(found.as_json(), indent=2))
     else:

@@ -51,7 +51,7 @@ from processor.kafka.retained import BATCH, RetainedReader
 from processor.model import Decision, Gate, Outcome, SourceRecord
 from processor.pipeline import Gates, Lookup, Pending, finish, prepare
 from processor.policy import load_policy
-from processor.results import is_compensation
+from processor.results import ADMITTED, is_compensation, refused_compensation
 from processor.state.connection import REDIS_ERRORS, connect
 from processor.state.references import ReferencesLoading, ReferenceStore
 
@@ -198,6 +198,13 @@ def replayed(d: Decision, contract_set: str) -> Replayed:
             observation_id(d), where, None, None, "(dead letter)", False, verdict,
             f"dead letter: {d.dlq_reason}",
         )  # fmt: skip
+    if d.outcome is Outcome.REJECTED and is_compensation(d.proposal):
+        # As the processor answers a refusal of its own compensating call: admission takes
+        # every proposal whose principal verified (Processor._admit marks it), after which
+        # the refusal is a failed compensation (what Redis says of it is not replayed).
+        if d.principal is not None:
+            d.extra[ADMITTED] = True
+        refused_compensation(d)
     datum = observation_record(d, contract_set)
     verdict = Verdict(datum["decision"], datum["status"]["taxonomy_class"], datum["gate"])
     return Replayed(

@@ -126,7 +126,12 @@ class Entry:
         return f"compensation {self.kind}" if self.compensation else self.kind
 
     def gist_text(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.gist.items() if v not in (None, ""))
+        """The gist as the table shows it: text from a record (a tool name, a reason) is
+        anyone's, so a character that is not printable (a terminal's escape, a line break,
+        a lone surrogate that no terminal encoding takes) is shown as its code."""
+        return " ".join(
+            f"{k}={_printable(str(v))}" for k, v in self.gist.items() if v not in (None, "")
+        )
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -519,6 +524,10 @@ def _json_object(value: bytes) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
+
+
 def _text(value: Any) -> str | None:
     return _clip(value) if isinstance(value, str) else None
 
@@ -545,7 +554,9 @@ def link(proposal_id: str, kept: Iterable[Entry]) -> list[Entry]:
     the order they happened."""
     seen = list(kept)
     own = [e for e in seen if e.proposal_id == proposal_id]
-    keys = {e.idempotency_key for e in own if e.idempotency_key and e.kind != "proposal"}
+    # Only a call's key: the processor writes calls, and compensates only what one ran.
+    # An observation repeats whatever key the agent sent, another call's included.
+    keys = {e.idempotency_key for e in own if e.idempotency_key and e.kind == "call"}
     compensations = {compensation_proposal_id(k) for k in keys} - {proposal_id}
     theirs = [replace(e, compensation=True) for e in seen if e.proposal_id in compensations]
     requests = {e.request_id: e.compensation for e in (*own, *theirs) if e.request_id}

@@ -114,7 +114,9 @@ class RetainedReader:
     ) -> int:
         """The first offset whose record is at or after ``at_ms``: ``low`` for None,
         ``high`` when every record is older."""
-        if at_ms is None:
+        if at_ms is None or at_ms <= 0:
+            # Every record is at or after such a time; and the broker reads a negative
+            # time as a sentinel (-1: the end, -2: the start), not as a time.
             return low
         found = consumer.offsets_for_times([TopicPartition(topic, partition, at_ms)], timeout=10)
         offset = int(found[0].offset)
@@ -167,6 +169,9 @@ class RetainedReader:
 
 
 _AGO = {"s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_LATEST_MS = 253_402_300_799_999
+"""9999-12-31T23:59:59.999Z, the last time ISO 8601 can name: beyond it an epoch or a
+duration is not a time (and would not fit the broker's 64-bit timestamps)."""
 
 
 def parse_time(text: str, now_ms: int) -> int:
@@ -175,10 +180,10 @@ def parse_time(text: str, now_ms: int) -> int:
     without a zone is UTC) or epoch milliseconds. ValueError, saying what is accepted,
     for anything else."""
     t = text.strip()
-    if len(t) > 1 and t[-1] in _AGO and t[:-1].isdigit():
-        return now_ms - int(t[:-1]) * _AGO[t[-1]]
-    if t.isdigit():
-        return int(t)
+    if len(t) > 1 and t[-1] in _AGO and t[:-1].isascii() and t[:-1].isdigit():
+        return _bounded(text, now_ms - int(t[:-1]) * _AGO[t[-1]])
+    if t.isascii() and t.isdigit():
+        return _bounded(text, int(t))
     try:
         when = datetime.fromisoformat(t)
     except ValueError:
@@ -189,3 +194,11 @@ def parse_time(text: str, now_ms: int) -> int:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return int(when.timestamp() * 1000)
+
+
+def _bounded(text: str, ms: int) -> int:
+    """``ms``, unless it is later than any time ISO 8601 names, or earlier than the
+    negative of that (a duration longer than the epoch is an earlier time: all of it)."""
+    if abs(ms) > _LATEST_MS:
+        raise ValueError(f"{text!r} is not a time: it is beyond the year 9999")
+    return ms

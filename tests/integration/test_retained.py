@@ -97,3 +97,15 @@ def test_a_transaction_open_when_reading_begins_is_not_waited_for(
         assert reader.incomplete == []
     finally:
         p.abort_transaction(30)
+
+
+def test_a_since_before_the_epoch_reads_from_the_start(stack_settings: Settings) -> None:
+    """``--since 30000d`` is before 1970: every record is after it. The broker reads a
+    negative time as a sentinel (-1: the end, -2: the start), never as a time."""
+    s = isolated(stack_settings, f"retained-{uuid.uuid4().hex[:6]}")
+    p = _producer(s)
+    _put(p, s.topics.proposals, ["a", "b"], commit=True)
+    for since in (-1, -3, -86_400_000):
+        assert _values(RetainedReader(s, [s.topics.proposals], since_ms=since)) == ["a", "b"]
+    before = RetainedReader(s, [s.topics.proposals], since_ms=-5, until_ms=-2)
+    assert _values(before) == []

@@ -36,7 +36,12 @@ from processor.replay import (
     selection,
     unknown_references,
 )
-from processor.results import compensation_key
+from processor.results import (
+    ADMITTED,
+    compensation_key,
+    compensation_proposal_id,
+    refused_compensation,
+)
 from tests.unit.helpers import NOW_MS, decide_arguments, envelope, gates, record
 
 FP = "sha256:0123456789abcdef"
@@ -281,3 +286,30 @@ def test_the_printed_report_names_each_change_and_what_was_not_seen(
     assert "p-0:" in text and "search_kb" in text
     assert "not read to its end: tool.proposals/2 at 5 of 9" in text
     assert "same 0, changed 1," in text
+
+
+def test_a_refused_compensation_is_compared_as_the_processor_answered_it(
+    contracts: ContractSet,
+) -> None:
+    """The processor answers a gate's refusal of its own compensating call as a failed
+    compensation (``refused_compensation``: COMPENSATION_FAILED, same gate), once
+    admission has taken it as a step of its run, which it does for every verified one.
+    The same refusal replayed is the same decision, not a change."""
+    key = "ik:abc"
+
+    def compensation() -> Decision:
+        d = _search(contracts, limit=0, proposal_id=compensation_proposal_id(key),
+                    idempotency_key=compensation_key(key))  # fmt: skip
+        assert d.outcome is Outcome.REJECTED and d.principal is not None
+        return d
+
+    then = compensation()
+    then.extra[ADMITTED] = True  # as Processor._admit marks it
+    recorded = _recorded(refused_compensation(then))
+    assert recorded.verdict == Verdict("REJECTED", "COMPENSATION_FAILED", "schema")
+    again = replayed(compensation(), FP)
+    assert again.compensation and again.verdict == recorded.verdict
+    assert compare(recorded, again.verdict) is Match.SAME
+    # Anyone's proposal that only borrows the key keeps its own answer, then as now.
+    borrowed = _search(contracts, limit=0, idempotency_key=compensation_key(key))
+    assert replayed(borrowed, FP).verdict == Verdict("REJECTED", "OUT_OF_BOUNDS", "schema")

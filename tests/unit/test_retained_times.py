@@ -32,3 +32,15 @@ def test_a_time_is_a_duration_before_now_an_iso_time_or_epoch_millis(
 def test_anything_else_is_refused_saying_what_is_accepted(text: str) -> None:
     with pytest.raises(ValueError, match="duration before now"):
         parse_time(text, NOW)
+
+
+@pytest.mark.parametrize("text", ["99999999999999999999", "99999999999999999d", "2²h", "2\u0663h"])
+def test_a_time_beyond_what_a_timestamp_holds_is_refused_not_a_crash(text: str) -> None:
+    """A timestamp past the year 9999 does not fit the broker's clients (OverflowError),
+    and a digit that is not ASCII is no digit of a time."""
+    with pytest.raises(ValueError, match="not a time"):
+        parse_time(text, NOW)
+
+
+def test_a_duration_longer_than_the_epoch_is_a_time_before_it() -> None:
+    assert parse_time("30000d", NOW) == NOW - 30000 * 86_400_000 < 0

@@ -6,10 +6,14 @@ to what the processor writes shows up here.
 
 from __future__ import annotations
 
+import io
 from collections import Counter
 from typing import Any
 
 import orjson
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+from rich.console import Console
 from typer.testing import CliRunner
 
 from processor.cli import app
@@ -33,6 +37,7 @@ from processor.trace import (
     Reading,
     assemble,
     collect,
+    render,
     sight,
     topic_roles,
 )
@@ -253,6 +258,27 @@ def test_the_compensation_the_processor_proposed_is_followed_one_level(
     assert all(e.proposal_id != stranger for e in entries)
 
 
+def test_a_key_borrowed_from_another_call_does_not_bring_its_compensation(
+    contracts: ContractSet,
+) -> None:
+    """A rejected proposal's observation repeats the key its agent sent, which may be
+    another call's: that call's compensation is not this proposal's."""
+    comp_id = compensation_proposal_id(KEY)
+    comp_env = _proposal(comp_id, idempotency_key=compensation_key(KEY))
+    refused = _decided(_proposal(arguments={"not": "an order"}), contracts)
+    entries, _, _ = _trace(
+        [
+            _raw(
+                T.proposals, 1, NOW_MS - 5, orjson.dumps(_proposal(arguments={"not": "an order"}))
+            ),
+            _raw(T.observations, 2, NOW_MS, encode_observation(refused, None)),
+            _raw(T.proposals, 3, NOW_MS + 40, orjson.dumps(comp_env)),
+        ]
+    )
+    assert [e.kind for e in entries] == ["proposal", "observation"]
+    assert not any(e.compensation for e in entries)
+
+
 def test_approvals_and_dead_letters_join_by_the_request_they_answer(
     contracts: ContractSet,
 ) -> None:
@@ -367,3 +393,38 @@ def test_a_bad_time_is_refused_with_its_reason_before_anything_is_read() -> None
     result = CliRunner().invoke(app, ["trace", PID, "--since", "1h", "--until", "2h"])
     assert result.exit_code == 2
     assert "is before --since" in result.output
+
+
+def test_text_from_a_hostile_record_cannot_reach_the_terminal_or_stop_the_print() -> None:
+    """A proposal under the traced id may be anyone's: an escape sequence in its tool name
+    would drive the analyst's terminal, and a lone surrogate (which the lenient JSON
+    reader lets in) cannot be written to a UTF-8 terminal at all."""
+    env = _proposal(tool="x\x1b]0;owned\x07\x1b[2J")
+    value = orjson.dumps(env).replace(b'"run-1"', b'"run\\ud800\\n1"')
+    entries, _, bad = _trace([_raw(T.proposals, 1, NOW_MS, value)])
+    assert bad == {} and [e.kind for e in entries] == ["proposal"]
+    shown = entries[0].gist_text()
+    assert "\x1b" not in shown and "\n" not in shown and "\\u001b" in shown
+    assert "run=run\\ud800\\u000a1" in shown
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    console = Console(file=out, width=300, color_system=None)
+    t = assemble(PID, entries, READING)
+    for part in render(t):
+        console.print(part)
+    out.flush()
+    printed = out.buffer.getvalue().decode()
+    assert "\x1b" not in printed and "tool=x\\u001b]0;owned" in printed
+
+
+def test_a_broker_that_cannot_be_read_is_not_reported_as_not_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Exit status 1 says the range holds no record of it: a failed read is not that."""
+
+    def unreachable(*args: object, **kwargs: object) -> None:
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "all brokers down"))
+
+    monkeypatch.setattr("processor.trace.read_trace", unreachable)
+    result = CliRunner().invoke(app, ["trace", PID, "--since", "1h"])
+    assert result.exit_code == 2, result.output
+    assert "trace failed" in result.output and "all brokers down" in result.output
