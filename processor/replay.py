@@ -25,6 +25,7 @@ its headers, is what was decided.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -178,11 +179,11 @@ def recorded_dead_letter(headers: Headers) -> tuple[tuple[str, int, int], Record
     return position, Recorded(Verdict(DEAD_LETTER, _header(h, "error.class"), gate.value), False)
 
 
-def _printable(text: str) -> str:
-    """A name from a proposal as a report may show it: a hostile one cannot reach the
+def _printable(text: str, limit: int = _LABEL) -> str:
+    """Text from a proposal as a report may show it: a hostile one cannot reach the
     terminal's control sequences or take a line of its own."""
     shown = "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
-    return shown if len(shown) <= _LABEL else shown[: _LABEL - 1] + "\u2026"
+    return shown if len(shown) <= limit else shown[: limit - 1] + "\u2026"
 
 
 def replayed(d: Decision, contract_set: str) -> Replayed:
@@ -520,7 +521,10 @@ def replay(
     slack_ms: int = DEFAULT_SLACK_MS,
 ) -> Report:
     """Read what was decided, decide the range again and compare: the whole of
-    ``toolsentry replay``."""
+    ``toolsentry replay``. A range open at its end is closed now, before anything is read:
+    proposals made while the replay reads would find no answer written yet."""
+    if report.until_ms is None:
+        report.until_ms = int(time.time() * 1000)
     answers = read_answers(settings, report, slack_ms)
     decide_range(settings, gates, lookup, report, wanted or selection(None, None), answers)
     return report
@@ -543,7 +547,7 @@ def render(doc: dict[str, Any]) -> Iterator[RenderableType]:
         for c in doc["changes"]:
             tool = c["tool"] + (" (compensation)" if c["compensation"] else "")
             shown = "\n".join(
-                f"{e['proposal_id']}: {e['next_action'][:160]}" for e in c["examples"]
+                _printable(f"{e['proposal_id']}: {e['next_action']}", 160) for e in c["examples"]
             )
             table.add_row(
                 Text(tool), Text(_verdict(c["recorded"])),

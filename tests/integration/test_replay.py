@@ -94,11 +94,12 @@ def recorded(
     )  # fmt: skip
 
 
-def _replay(r: Recorded, contracts: Path) -> Report:
+def _replay(r: Recorded, contracts: Path, *, open_ended: bool = False) -> Report:
     s = r.settings
     gates = replay_gates(s, contracts, s.policy_file)
     fingerprint = gates.contracts.fingerprint
-    report = Report(r.since_ms, r.until_ms, str(contracts), fingerprint, None, True, examples=5)
+    until = None if open_ended else r.until_ms
+    report = Report(r.since_ms, until, str(contracts), fingerprint, None, True, examples=5)
     return replay(s, gates, reference_lookup(s), report, slack_ms=60_000)
 
 
@@ -120,6 +121,13 @@ def test_the_same_contracts_decide_every_proposal_the_same(recorded: Recorded) -
     assert report.changes == {}
     assert report.recorded_sets == {report.contract_set: 8}  # the dead letter names none
     assert (report.unreadable, report.incomplete, report.missing) == (0, [], [])
+
+
+def test_a_range_open_at_its_end_is_closed_when_the_replay_starts(recorded: Recorded) -> None:
+    started = int(time.time() * 1000)
+    report = _replay(recorded, ROOT / "contracts", open_ended=True)
+    assert report.until_ms is not None and started <= report.until_ms <= time.time() * 1000
+    assert report.counts == {Match.SAME: 9}
 
 
 def test_a_tightened_contract_changes_exactly_the_calls_it_now_refuses(

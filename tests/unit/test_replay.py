@@ -3,6 +3,7 @@ comparison (the admission rule among them), grouping and totals."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from datetime import UTC, datetime, timedelta
@@ -274,8 +275,9 @@ def test_the_printed_report_names_each_change_and_what_was_not_seen(
     contracts: ContractSet,
 ) -> None:
     report = _report()
-    report.add(replayed(_search(contracts, limit=0, proposal_id="p-0"), FP),
-               _recorded(_search(contracts)))  # fmt: skip
+    again = replayed(_search(contracts, limit=0, proposal_id="p-0"), FP)
+    hostile = dataclasses.replace(again, next_action="quoted \x1b[2J\nline")
+    report.add(hostile, _recorded(_search(contracts)))
     report.incomplete.append("tool.proposals/2 at 5 of 9")
     out = io.StringIO()
     console = Console(file=out, width=200, color_system=None)
@@ -286,6 +288,7 @@ def test_the_printed_report_names_each_change_and_what_was_not_seen(
     assert "p-0:" in text and "search_kb" in text
     assert "not read to its end: tool.proposals/2 at 5 of 9" in text
     assert "same 0, changed 1," in text
+    assert "\x1b" not in text and "quoted \\u001b[2J\\u000aline" in text
 
 
 def test_a_refused_compensation_is_compared_as_the_processor_answered_it(
