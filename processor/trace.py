@@ -316,6 +316,15 @@ def sight(role: Role, r: Raw) -> Entry | None:
     return _READERS[role](r, r.value)
 
 
+def _entry(
+    r: Raw, kind: Kind, decided_ms: int | None, proposal_id: str | None, gist: Gist, **links: Any
+) -> Entry:
+    """The entry a record makes, at the record's own place and time."""
+    return Entry(
+        kind, r.topic, r.partition, r.offset, r.time_ms, decided_ms, proposal_id, gist, **links
+    )
+
+
 def _proposal(r: Raw, value: bytes) -> Entry:
     doc = _json_object(value)
     pid = doc.get("proposal_id") if doc is not None else None
@@ -332,17 +341,7 @@ def _proposal(r: Raw, value: bytes) -> Entry:
         "tenant": _text(doc.get("tenant_id")),
         "key": key,
     }
-    return Entry(
-        "proposal",
-        r.topic,
-        r.partition,
-        r.offset,
-        r.time_ms,
-        None,
-        pid,
-        gist,
-        idempotency_key=key,
-    )
+    return _entry(r, "proposal", None, pid, gist, idempotency_key=key)
 
 
 def _observation(r: Raw, value: bytes) -> Entry:
@@ -360,12 +359,9 @@ def _observation(r: Raw, value: bytes) -> Entry:
         gist["data"] = _clip(payload["data"])
     else:
         gist["next"] = _clip(d["next_action"])
-    return Entry(
+    return _entry(
+        r,
         "observation",
-        r.topic,
-        r.partition,
-        r.offset,
-        r.time_ms,
         _millis(meta["timestamp"]),
         d["proposal_id"],
         gist,
@@ -384,12 +380,9 @@ def _approval_request(r: Raw, value: bytes) -> Entry:
         "expires": iso(_millis(d["expires_at"])),
         "request": d["request_id"],
     }
-    return Entry(
+    return _entry(
+        r,
         "approval request",
-        r.topic,
-        r.partition,
-        r.offset,
-        r.time_ms,
         _millis(d["created_at"]),
         d["proposal_id"],
         gist,
@@ -413,9 +406,7 @@ def _approval(r: Raw, value: bytes) -> Entry:
             "reason": _clip(_text(doc.get("reason"))),
             "request": _clip(rid),
         }
-    return Entry(
-        "approval", r.topic, r.partition, r.offset, r.time_ms, None, None, gist, request_id=rid
-    )
+    return _entry(r, "approval", None, None, gist, request_id=rid)
 
 
 def _call(r: Raw, value: bytes) -> Entry:
@@ -426,12 +417,9 @@ def _call(r: Raw, value: bytes) -> Entry:
         "attempt": d["attempt"],
         "key": d["idempotency_key"],
     }
-    return Entry(
+    return _entry(
+        r,
         "call",
-        r.topic,
-        r.partition,
-        r.offset,
-        r.time_ms,
         d["created_at"],
         d["proposal_id"],
         gist,
@@ -449,12 +437,9 @@ def _result(r: Raw, value: bytes) -> Entry:
         "attempt": d["attempt"],
         "executor": d["executor_id"],
     }
-    return Entry(
+    return _entry(
+        r,
         "result",
-        r.topic,
-        r.partition,
-        r.offset,
-        r.time_ms,
         None,
         d["proposal_id"],
         gist,
@@ -475,17 +460,7 @@ def _dead_letter(r: Raw) -> Entry | None:
         "reason": _text(h.get(_DLQ_REASON, b"").decode("utf-8", "replace")) or "unknown",
         "source": source,
     }
-    return Entry(
-        "dead letter",
-        r.topic,
-        r.partition,
-        r.offset,
-        r.time_ms,
-        None,
-        pid,
-        gist,
-        request_id=rid,
-    )
+    return _entry(r, "dead letter", None, pid, gist, request_id=rid)
 
 
 def _named_ids(value: bytes) -> tuple[str | None, str | None]:
