@@ -664,11 +664,11 @@ class Admission:
         replayed = seen.codes == {"approval_reused"}
         if seen.taxonomy == "SUCCESS" or parked or replayed:
             assert contract is not None, p.where
-            base = seen if parked else Outcome("SUCCESS", "route")
             refused = self._call(p, run, run_id, gated, contract, budgets, who, parked, replayed)
             if refused is None or refused == "approval_reused":
                 return seen
-            return self._refusal(base, refused, budgets, contract)
+            # A parked call's one code is its parking notice; refused, it parks nowhere.
+            return self._refusal(Outcome("SUCCESS", "route"), refused, budgets, contract)
         code = self._step(p, run, gated, budgets, repair=seen.taxonomy in REPAIRS)
         return seen if code is None else self._refusal(seen, code, budgets, None)
 
@@ -776,7 +776,7 @@ class Admission:
     def _refusal(
         self, seen: Outcome, code: str, budgets: Budgets, contract: Contract | None
     ) -> Outcome:
-        """The earlier gates' errors are kept; admission's is added."""
+        """A refused proposal keeps the earlier gates' errors; admission's is added."""
         taxonomy, gate, fields = "BUDGET_EXHAUSTED", "budget", set(seen.fields)
         if code == "rate_limited":
             taxonomy = "RATE_LIMITED"
