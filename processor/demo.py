@@ -276,6 +276,7 @@ def play(
     tally: Counter[str] = Counter()
     mismatches = 0
     n = 0
+    traced: str | None = None
     try:
         with (
             ToolsentryClient(settings, tenant, principal_token=token) as client,
@@ -297,6 +298,8 @@ def play(
                     mismatches += cls != step.expect
                     board.row(n, step, Text(obs["decision"]), Text(cls, _STYLE.get(cls, "yellow")),
                               _said(obs, step))  # fmt: skip
+                    if len(step.approvers) > 1 and obs["decision"] == "COMPLETED":
+                        traced = str(obs["proposal_id"])
     finally:
         if executor is not None and thread is not None:
             executor.stop()
@@ -309,6 +312,9 @@ def play(
         console.print(Text(f"{mismatches} decision(s) differed from the script", "red"))
     else:
         console.print(Text(f"all {STEPS} decisions as expected", "green"))
+    if traced is not None:
+        console.print(f"the dual-control refund's whole life, read back from the topics: "
+                      f"toolsentry trace {traced}", soft_wrap=True)  # fmt: skip
     return mismatches == 0
 
 

@@ -3,6 +3,8 @@ with the shipped policy, identity verification on, and the reference executor.""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +43,15 @@ def test_the_demo_plays_every_step_as_scripted(stack_settings: Settings, tmp_pat
     assert "decisions as expected" in out
     for seen in ("BUDGET_EXHAUSTED", "COMPLETED", "idempotency hit", "PERMISSION_DENIED"):
         assert seen in out, seen
+    # The command it ends with reads the refund's life back from the topics.
+    [command] = re.findall(r"toolsentry trace (\S+)", out)
+    traced = subprocess.run(
+        [sys.executable, "-m", "processor", "trace", command, "--since", "1h", "--json"],
+        cwd=ROOT, env=settings_env(settings, "demo-trace"), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert traced.returncode == 0, traced.stdout[-3000:] + traced.stderr[-3000:]
+    life = json.loads(traced.stdout)
+    kinds = [e["kind"] for e in life["entries"]]
+    assert kinds.count("approval") == 2 and "call" in kinds and "result" in kinds, kinds
+    assert life["final"]["gist"]["decision"] == "COMPLETED"
