@@ -252,7 +252,10 @@ def read_trace(
         settings, list(roles), since_ms=since_ms, until_ms=until_ms, partitions=partitions
     )
     undecodable: Counter[str] = Counter()
-    kept = list(collect(proposal_id, (raw(m) for m in reader), roles, undecodable))
+    needle = proposal_id.encode()
+    # The same test collect() makes, before a Raw is built for every record of the range.
+    near = (m for m in reader if may_name(roles[m.topic() or ""], m.value() or b"", needle))
+    kept = list(collect(proposal_id, (raw(m) for m in near), roles, undecodable))
     reading = Reading(
         topics=list(roles),
         since_ms=since_ms,
