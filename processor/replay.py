@@ -72,6 +72,10 @@ NOT_REPLAYED = (
     "executors' results",
 )
 
+_ANSWERS_OF_OTHER_RECORDS = frozenset({Gate.APPROVAL.value, Gate.RESULT.value})
+"""Gates of observations that answer an approval or an executor's result, whose ids come
+from those records' positions: never a proposal's decision, so not held in memory."""
+
 DEFAULT_SLACK_MS = 300_000
 """How long after ``until`` an answer is still looked for: a proposal near the end of the
 range is answered a little later, more so under a backlog."""
@@ -505,6 +509,8 @@ def read_answers(settings: Settings, report: Report, slack_ms: int) -> Answers:
         except (KeyError, ValueError) as exc:
             report.unreadable += 1
             logger.warning("%s/%s@%s unreadable: %s", m.topic(), m.partition(), m.offset(), exc)
+            continue
+        if obs["gate"] in _ANSWERS_OF_OTHER_RECORDS:
             continue
         answers.observations.setdefault(obs["observation_id"], recorded_observation(obs))
     _read_reach(report, reader)
