@@ -652,26 +652,43 @@ def _print_all(parts: Iterable[RenderableType]) -> None:
 
 @app.command("trace")
 def trace(
-    proposal_id: Annotated[str, typer.Argument(help="The proposal to follow.")],
+    proposal_id: Annotated[
+        str | None,
+        typer.Argument(help="The proposal to follow; without it, --run-id's proposals."),
+    ] = None,
     since: SinceOpt = "24h",
     until: UntilOpt = None,
     run_id: Annotated[
         str | None,
-        typer.Option("--run-id", help="Its run: read only the run's partition where keyed by run."),
+        typer.Option(
+            "--run-id",
+            help="Its run: read only the run's partition where keyed by run. Alone: the "
+            "run's proposals, one row each.",
+        ),
     ] = None,
     as_json: JsonOpt = False,
     config: ConfigOpt = None,
 ) -> None:
     """The life of one proposal, read from the retained topics: its decision, approval,
-    call, result and final observation, any compensation, any dead letters. Exit status 1
-    when the range holds no record of it, 2 when the broker cannot be read."""
+    call, result and final observation, any compensation, any dead letters. With --run-id
+    alone, the run's proposals, each with its decision and last answer. Exit status 1
+    when the range holds no record of it (or no proposal of the run), 2 for a bad option
+    or when the broker cannot be read."""
     from confluent_kafka import KafkaException
 
-    from processor.trace import read_trace, render
+    from processor.trace import RunView, Trace, read_run, read_trace, render, render_run
 
     since_ms, until_ms = _time_range(since, until)
+    s = _settings(config)
+    found: Trace | RunView
     try:
-        found = read_trace(_settings(config), proposal_id, since_ms, until_ms, run_id)
+        if proposal_id is not None:
+            found = read_trace(s, proposal_id, since_ms, until_ms, run_id)
+        elif run_id is not None:
+            found = read_run(s, run_id, since_ms, until_ms)
+        else:
+            raise typer.BadParameter("give a proposal id, or --run-id for a run's proposals",
+                                     param_hint="PROPOSAL_ID")  # fmt: skip
     except KafkaException as exc:
         # Not exit status 1, which says the range holds no record of it.
         _alarm("trace failed", f": {exc}")
@@ -679,7 +696,7 @@ def trace(
     if as_json:
         typer.echo(json.dumps(found.as_json(), indent=2))
     else:
-        _print_all(render(found))
+        _print_all(render(found) if isinstance(found, Trace) else render_run(found))
     raise typer.Exit(0 if found.found else 1)
 
 

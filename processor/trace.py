@@ -10,6 +10,11 @@ approvals belong is known only once the proposal's own records have been read.
 
 A compensation is followed one level deep; its own compensation is not. Reading,
 linking and the summary are separate so that only the first touches Kafka.
+
+A run's view starts where an analyst usually does, from a run id: one row per proposal
+of the run, each with the answer to its own record (the observation whose id is that
+record's position, or the dead letter whose headers name it) and the last observation
+under its id. It reads proposals, observations and the proposals' dead letters only.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ from rich.text import Text
 from processor.approval_flow import EXPIRY_CHECK
 from processor.approvals import iso
 from processor.codec.avro import codec, decode_any
-from processor.codec.records import decode_approved_call, decode_result
+from processor.codec.records import decode_approved_call, decode_result, position_id
 from processor.config import SIDE_EFFECT_TOPIC_SUFFIXES, Settings, Topics
 from processor.kafka.partitioner import partition_for
 from processor.kafka.retained import RetainedReader
 from processor.kafka.topics import topic_partitions
+from processor.replay import recorded_dead_letter
 from processor.results import compensation_proposal_id
 
 Kind = Literal[
@@ -81,6 +87,7 @@ _ANSWERED_BY_OTHERS = ("approval", "result")
 """Gates of observations that answer an approval or a result, not the proposal itself."""
 
 _DLQ_REASON = "toolsentry.error.reason"
+_DLQ_CUT = "toolsentry.value.truncated_from"
 _DLQ_SOURCE = ("toolsentry.source.topic", "toolsentry.source.partition", "toolsentry.source.offset")
 
 Gist = dict[str, str | int | None]
@@ -102,7 +109,9 @@ class Raw:
 class Entry:
     """One record of a life: where it is, what it is, and as much of it as a reader needs
     to find it. ``decided_ms`` is the decision time the processor wrote into it, which
-    ties an observation to the approval request or call of the same decision."""
+    ties an observation to the approval request or call of the same decision.
+    ``answers`` is the position id of the record an observation or a dead letter
+    answers, which ties a decision to the very proposal record it decided."""
 
     kind: Kind
     topic: str
@@ -116,6 +125,8 @@ class Entry:
     idempotency_key: str | None = None
     attempt: int | None = None
     compensation: bool = False
+    run_id: str | None = None
+    answers: str | None = None
 
     @property
     def position(self) -> str:
@@ -125,12 +136,14 @@ class Entry:
     def what(self) -> str:
         return f"compensation {self.kind}" if self.compensation else self.kind
 
-    def gist_text(self) -> str:
-        """The gist as the table shows it: text from a record (a tool name, a reason) is
-        anyone's, so a character that is not printable (a terminal's escape, a line break,
-        a lone surrogate that no terminal encoding takes) is shown as its code."""
+    def gist_text(self, keys: tuple[str, ...] | None = None) -> str:
+        """The gist as the table shows it (``keys`` of it only, when given): text from a
+        record (a tool name, a reason) is anyone's, so a character that is not printable
+        (a terminal's escape, a line break, a lone surrogate that no terminal encoding
+        takes) is shown as its code."""
+        shown = self.gist if keys is None else {k: self.gist.get(k) for k in keys}
         return " ".join(
-            f"{k}={_printable(str(v))}" for k, v in self.gist.items() if v not in (None, "")
+            f"{k}={_printable(str(v))}" for k, v in shown.items() if v not in (None, "")
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -256,10 +269,16 @@ def read_trace(
     # The same test collect() makes, before a Raw is built for every record of the range.
     near = (m for m in reader if may_name(roles[m.topic() or ""], m.value() or b"", needle))
     kept = list(collect(proposal_id, (raw(m) for m in near), roles, undecodable))
-    reading = Reading(
-        topics=list(roles),
-        since_ms=since_ms,
-        until_ms=until_ms,
+    reading = _reading(reader, undecodable)
+    return assemble(proposal_id, kept, reading)
+
+
+def _reading(reader: RetainedReader, undecodable: Counter[str]) -> Reading:
+    """What a finished read searched, and what of it could not be seen."""
+    return Reading(
+        topics=list(reader.topics),
+        since_ms=reader.since_ms,
+        until_ms=reader.until_ms,
         undecodable=dict(sorted(undecodable.items())),
         incomplete=[
             f"{r.topic}/{r.partition} (at {r.reached} of {r.end})" for r in reader.incomplete
@@ -267,7 +286,6 @@ def read_trace(
         missing=list(reader.missing),
         errors=reader.errors,
     )
-    return assemble(proposal_id, kept, reading)
 
 
 def collect(
@@ -344,7 +362,16 @@ def _proposal(r: Raw, value: bytes) -> Entry:
         "tenant": _text(doc.get("tenant_id")),
         "key": key,
     }
-    return _entry(r, "proposal", None, pid, gist, idempotency_key=key)
+    run = doc.get("run_id")
+    return _entry(
+        r,
+        "proposal",
+        None,
+        pid,
+        gist,
+        idempotency_key=key,
+        run_id=run if isinstance(run, str) else None,
+    )
 
 
 def _observation(r: Raw, value: bytes) -> Entry:
@@ -371,6 +398,8 @@ def _observation(r: Raw, value: bytes) -> Entry:
         request_id=d["approval_request_id"],
         idempotency_key=meta["idempotency_key"],
         attempt=meta["attempt_number"],
+        run_id=d["run_id"],
+        answers=d["observation_id"],
     )
 
 
@@ -603,14 +632,17 @@ def _unanswered(call: Entry) -> str:
     )
 
 
-def _reading_warnings(r: Reading) -> list[str]:
+def _reading_warnings(
+    r: Reading,
+    named: str = "it",
+    why: str = "they hold its id or a compensation's, or are approvals or dead letters",
+) -> list[str]:
     out: list[str] = []
     if r.undecodable:
         counts = ", ".join(f"{t}: {n}" for t, n in r.undecodable.items())
         total = sum(r.undecodable.values())
         out.append(
-            f"{total} record(s) that may name it could not be decoded ({counts}): "
-            "they hold its id or a compensation's, or are approvals or dead letters"
+            f"{total} record(s) that may name {named} could not be decoded ({counts}): {why}"
         )
     if r.incomplete:
         out.append(f"partitions not read to their end: {', '.join(r.incomplete)}")
@@ -629,10 +661,9 @@ def render(found: Trace) -> Iterator[RenderableType]:
     (or what was searched, when nothing was found), then the warnings."""
     r = found.reading
     if not found.found:
-        since = "the earliest" if r.since_ms is None else iso(r.since_ms)
-        span = f"{since} .. {'now' if r.until_ms is None else iso(r.until_ms)}"
         yield _alarm(
-            "not found", f": no record of {found.proposal_id} in {span} on {', '.join(r.topics)}"
+            "not found",
+            f": no record of {found.proposal_id} in {_span(r)} on {', '.join(r.topics)}",
         )
     else:
         table = Table("time (UTC)", "record", "what", "gist")
@@ -649,5 +680,236 @@ def render(found: Trace) -> Iterator[RenderableType]:
         yield _alarm("warning", f": {warning}")
 
 
+def _span(r: Reading) -> str:
+    since = "the earliest" if r.since_ms is None else iso(r.since_ms)
+    return f"{since} .. {'now' if r.until_ms is None else iso(r.until_ms)}"
+
+
 def _alarm(head: str, rest: str) -> Text:
     return Text.assemble((head, "red"), rest)
+
+
+# -- a run's view -------------------------------------------------------------------------
+
+DECISION_KEYS = ("decision", "class", "gate")
+"""What a row shows of the answer to a proposal's record."""
+
+ANSWER_KEYS = (*DECISION_KEYS, "next", "data", "reason")
+"""What a row shows of its last answer: what the model was told to do next, the data a
+completed call returned, or why its record was dead-lettered."""
+
+UNDECIDED = "undecided"
+"""The final class of a proposal nothing in range answered."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    """One proposal record of a run, the answer to that very record (an observation or a
+    dead letter), and the last observation under its id (an approval's end, a result's),
+    else that answer."""
+
+    proposal: Entry
+    decision: Entry | None
+    last: Entry | None
+
+    @property
+    def final_class(self) -> str:
+        return UNDECIDED if self.last is None else str(self.last.gist["class"])
+
+    def as_json(self) -> dict[str, Any]:
+        p = self.proposal
+        return {
+            "time": iso(p.time_ms),
+            "time_ms": p.time_ms,
+            "topic": p.topic,
+            "partition": p.partition,
+            "offset": p.offset,
+            "proposal_id": p.proposal_id,
+            "tool": p.gist["tool"],
+            "decision": None if self.decision is None else self.decision.as_json(),
+            "last": None if self.last is None else self.last.as_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RunView:
+    """A run's proposals as found in the range, in the order they were written."""
+
+    run_id: str
+    rows: list[RunRow]
+    reading: Reading
+    warnings: list[str]
+
+    @property
+    def found(self) -> bool:
+        return bool(self.rows)
+
+    def finals(self) -> dict[str, int]:
+        """How many proposals ended in each taxonomy class, the commonest first."""
+        return dict(Counter(row.final_class for row in self.rows).most_common())
+
+    def as_json(self) -> dict[str, Any]:
+        r = self.reading
+        return {
+            "run_id": self.run_id,
+            "found": self.found,
+            "since": None if r.since_ms is None else iso(r.since_ms),
+            "until": None if r.until_ms is None else iso(r.until_ms),
+            "topics": r.topics,
+            "rows": [row.as_json() for row in self.rows],
+            "summary": {"proposals": len(self.rows), "final_classes": self.finals()},
+            "warnings": self.warnings,
+            "undecodable": r.undecodable,
+        }
+
+
+def run_roles(t: Topics) -> dict[str, Role]:
+    """The topics a run's view reads: what was proposed, and what answered it."""
+    return {t.proposals: "proposals", t.observations: "observations", t.dlq: "dead_letters"}
+
+
+def read_run(
+    settings: Settings, run_id: str, since_ms: int | None, until_ms: int | None
+) -> RunView:
+    """Read the range once and make the run's view of it."""
+    roles = run_roles(settings.topics)
+    reader = RetainedReader(
+        settings,
+        list(roles),
+        since_ms=since_ms,
+        until_ms=until_ms,
+        partitions=run_partitions(settings, run_id),
+    )
+    undecodable: Counter[str] = Counter()
+    needle = run_id.encode()
+    # The test collect_run() makes on the bytes, before a Raw is built for every record
+    # of the range; a dead letter's headers are needed to finish it.
+    near = (
+        m
+        for m in reader
+        if roles[m.topic() or ""] == "dead_letters"
+        or may_name_run(roles[m.topic() or ""], m.value() or b"", needle)
+    )
+    kept = list(collect_run(run_id, (raw(m) for m in near), roles, undecodable))
+    reading = _reading(reader, undecodable)
+    return assemble_run(run_id, kept, reading)
+
+
+def collect_run(
+    run_id: str, records: Iterable[Raw], roles: dict[str, Role], undecodable: Counter[str]
+) -> Iterator[Entry]:
+    """The run's proposals and observations, and the dead letters that may answer its
+    proposals. Records whose bytes cannot name the run are not decoded at all
+    (``may_name_run``); those that may but cannot be read are counted by topic in
+    ``undecodable``; those that are read and name another run are dropped."""
+    needle = run_id.encode()
+    for r in records:
+        role = roles[r.topic]
+        cut = role == "dead_letters" and _DLQ_CUT in r.headers
+        if not may_name_run(role, r.value or b"", needle, cut):
+            continue
+        try:
+            e = _answering_dead_letter(r) if role == "dead_letters" else sight(role, r)
+        except ValueError:
+            undecodable[r.topic] += 1
+            continue
+        if e is not None and (role == "dead_letters" or e.run_id == run_id):
+            yield e
+
+
+def may_name_run(role: Role, value: bytes, needle: bytes, cut: bool = False) -> bool:
+    """Whether a record's bytes may name the run. A run id is written verbatim in Avro, so
+    an observation without it is another run's. A proposal is JSON, which may spell it
+    with escapes (a backslash); a dead letter keeps the proposal's bytes, escapes and
+    all, or only their start when they were too big (``cut``)."""
+    if needle in value:
+        return True
+    if role == "observations":
+        return False
+    return b"\\" in value or cut
+
+
+def _answering_dead_letter(r: Raw) -> Entry:
+    """A dead letter as the answer to the record whose position its headers name, worded
+    as replay words it. ValueError for headers that do not say."""
+    pairs: list[tuple[str, str | bytes | None]] = [*r.headers.items()]
+    try:
+        (topic, partition, offset), recorded = recorded_dead_letter(pairs)
+    except KeyError:
+        raise ValueError("a dead letter without its source") from None
+    v = recorded.verdict
+    gist: Gist = {
+        "decision": v.decision,
+        "class": v.taxonomy,
+        "gate": v.gate,
+        "reason": _text(r.headers.get(_DLQ_REASON, b"").decode("utf-8", "replace")),
+    }
+    return _entry(r, "dead letter", None, None, gist, answers=position_id(topic, partition, offset))
+
+
+def assemble_run(run_id: str, kept: Iterable[Entry], reading: Reading) -> RunView:
+    """One row per proposal record of the run, in the order written; its decision is the
+    first answer to that very record, so a proposal sent twice under one id gets each
+    record's own."""
+    seen = sorted(kept, key=lambda e: (e.time_ms, e.topic, e.partition, e.offset))
+    first: dict[str, Entry] = {}
+    last: dict[str | None, Entry] = {}
+    for e in seen:
+        if e.answers is not None:
+            first.setdefault(e.answers, e)
+        if e.kind == "observation":
+            last[e.proposal_id] = e
+    rows = []
+    for p in seen:
+        if p.kind == "proposal":
+            decision = first.get(position_id(p.topic, p.partition, p.offset))
+            rows.append(RunRow(p, decision, last.get(p.proposal_id, decision)))
+    return RunView(run_id, rows, reading, run_warnings(rows, reading))
+
+
+def run_warnings(rows: list[RunRow], reading: Reading) -> list[str]:
+    """What an analyst should not take the run's table for granted on."""
+    out: list[str] = []
+    undecided = sum(row.decision is None for row in rows)
+    if undecided:
+        out.append(
+            f"{undecided} proposal(s) with no decision in range: not decided yet, or after --until"
+        )
+    return out + _reading_warnings(reading, "the run", "they hold its id, or JSON escapes")
+
+
+def render_run(view: RunView) -> Iterator[RenderableType]:
+    """The run's view as the command prints it: its table and a summary (or what was
+    searched, when nothing was found), the warnings, and how to see one row whole."""
+    r = view.reading
+    run = _printable(view.run_id)
+    if not view.found:
+        yield _alarm(
+            "not found", f": no proposal of run {run} in {_span(r)} on {', '.join(r.topics)}"
+        )
+    else:
+        table = Table("time (UTC)", "proposal", "tool", "decision", "last answer")
+        for row in view.rows:
+            p = row.proposal
+            table.add_row(
+                Text(iso(p.time_ms)),
+                Text(_printable(p.proposal_id or "")),
+                Text(_printable(str(p.gist["tool"]))),
+                _answer_text(row.decision, DECISION_KEYS),
+                _answer_text(row.last, ANSWER_KEYS),
+            )
+        yield table
+        finals = ", ".join(f"{c} {n}" for c, n in view.finals().items())
+        yield Text.assemble(
+            ("summary: ", "bold"), f"{len(view.rows)} proposal(s), by final class: {finals}"
+        )
+    for warning in view.warnings:
+        yield _alarm("warning", f": {warning}")
+    if view.found:
+        yield Text(f"the whole life of one: toolsentry trace PROPOSAL_ID --run-id {run}")
+
+
+def _answer_text(e: Entry | None, keys: tuple[str, ...]) -> Text:
+    if e is None:
+        return Text("none in range", "red")
+    return Text(e.gist_text(keys), "red" if e.kind == "dead letter" else "")

@@ -2,7 +2,8 @@
 
 A processor (``toolsentry run``) decides, an executor driven from the test runs the
 routed calls, and the trace is read back from the committed topics: in process for the
-order of a life, and once as a user runs it, ``python -m processor trace ... --json``.
+order of a life, and once as a user runs it, ``python -m processor trace ... --json``; a
+run's view as a user runs it, ``python -m processor trace --run-id RUN --json``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from processor.client import ToolsentryClient
 from processor.config import Settings
 from processor.executor import Call, Executor, Failed, Succeeded
 from processor.reference_data import publish_references, wait_until_loaded
-from processor.trace import Trace, read_trace
+from processor.trace import RunView, Trace, read_run, read_trace
 from tests.integration.harness import (
     ROOT,
     ProcessorProcess,
@@ -61,8 +62,18 @@ class Bench:
     def trace(self, pid: str, run_id: str | None = None) -> Trace:
         return read_trace(self.settings, pid, self.started_ms, None, run_id)
 
+    def run_view(self, run_id: str) -> RunView:
+        return read_run(self.settings, run_id, self.started_ms, None)
+
     def env(self) -> dict[str, str]:
         return settings_env(self.settings, "trace-cli")
+
+    def command(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+        """``toolsentry trace`` as a user runs it."""
+        return subprocess.run(
+            [sys.executable, "-m", "processor", "trace", *args],
+            cwd=ROOT, env=self.env(), capture_output=True, timeout=120, check=False,
+        )  # fmt: skip
 
 
 def _lookup(call: Call) -> Succeeded | Failed:
@@ -148,3 +159,43 @@ def test_the_command_prints_one_json_document_as_a_user_runs_it(bench: Bench) ->
     assert doc["final"]["gist"]["decision"] == "COMPLETED"
     assert doc["warnings"] == [] and doc["undecodable"] == {}
     assert all(e["proposal_id"] == pid for e in doc["entries"])
+
+
+def test_a_run_is_shown_one_row_per_proposal_as_a_user_runs_it(bench: Bench) -> None:
+    run = _run()
+    completed = bench.completed(run)
+    rejected = bench.client.propose("lookup_order", {"order": "not the field"}, run_id=run)
+    assert bench.client.wait(rejected, 60)["decision"] == "REJECTED"
+    dead = f"prop-{uuid.uuid4().hex[:10]}"
+    twice = {"proposal_id": dead, "run_id": run, "tool": {"name": "lookup_order"}}
+    # A key given twice: the processor dead-letters it, a reader can still read it.
+    value = orjson.dumps(twice).replace(b'"run_id"', b'"run_id":"%s","run_id"' % run.encode())
+    bench.client.send_raw(value, run.encode())
+    bench.client.flush(30)
+    deadline = time.monotonic() + 60
+    while len(rows := bench.run_view(run).rows) < 3 or rows[2].decision is None:
+        assert time.monotonic() < deadline, "the dead letter was not written"
+        time.sleep(0.5)
+    done = bench.command("--run-id", run, "--since", "1h", "--json")
+    assert done.returncode == 0, done.stderr.decode()
+    doc = orjson.loads(done.stdout)
+    assert doc["run_id"] == run and doc["found"] is True
+    assert [r["proposal_id"] for r in doc["rows"]] == [completed, rejected, dead]
+    assert [r["tool"] for r in doc["rows"]] == ["lookup_order@newest"] * 3
+    said = [(r["decision"]["gist"], r["last"]["gist"]) for r in doc["rows"]]
+    assert [(d["decision"], d["gate"], last["decision"], last["gate"]) for d, last in said] == [
+        ("ROUTED", "route", "COMPLETED", "result"),
+        ("REJECTED", "schema", "REJECTED", "schema"),
+        ("DEAD_LETTER", "parse", "DEAD_LETTER", "parse"),
+    ]
+    assert said[0][1]["data"] is not None and said[2][1]["reason"] == "duplicate_key"
+    assert doc["summary"] == {
+        "proposals": 3,
+        "final_classes": {"SUCCESS": 1, "STRUCTURAL_VIOLATION": 1, "SYNTACTIC_PARSE_FAIL": 1},
+    }
+    assert doc["warnings"] == [] and doc["undecodable"] == {}
+    unknown = _run()
+    missing = bench.command("--run-id", unknown, "--since", "1h")
+    assert missing.returncode == 1, missing.stderr.decode()
+    assert f"no proposal of run {unknown}" in missing.stdout.decode()
+    assert bench.settings.topics.proposals in missing.stdout.decode()

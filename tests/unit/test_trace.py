@@ -1,4 +1,5 @@
-"""``trace``'s pure parts: records read back, linked into one proposal's life, summed up.
+"""``trace``'s pure parts: records read back, linked into one proposal's life or laid out
+as a run's proposals, summed up.
 
 Every record is made by the processor's own encoders from a real decision, so a change
 to what the processor writes shows up here.
@@ -16,32 +17,41 @@ from confluent_kafka import KafkaError, KafkaException
 from rich.console import Console
 from typer.testing import CliRunner
 
+from processor.approvals import iso
 from processor.cli import app
 from processor.codec.avro import codec
 from processor.codec.records import (
     dlq_headers,
+    dlq_record,
     encode_approval_request,
     encode_approved_call,
     encode_observation,
     encode_result,
     observation_record,
+    position_id,
 )
 from processor.config import Topics
 from processor.contracts.registry import ContractSet
-from processor.model import Decision
+from processor.model import Decision, Outcome
+from processor.pipeline import decide
 from processor.results import compensation_key, compensation_proposal_id
 from processor.trace import (
     COMPENSATION_ID_PREFIX,
     Entry,
     Raw,
     Reading,
+    RunView,
     assemble,
+    assemble_run,
     collect,
+    collect_run,
     render,
+    render_run,
+    run_roles,
     sight,
     topic_roles,
 )
-from tests.unit.helpers import NOW_MS, decide_envelope, envelope
+from tests.unit.helpers import NOW_MS, PARTITION, decide_envelope, envelope, gates, record
 
 T = Topics()
 ROLES = topic_roles(T)
@@ -426,5 +436,180 @@ def test_a_broker_that_cannot_be_read_is_not_reported_as_not_found(
 
     monkeypatch.setattr("processor.trace.read_trace", unreachable)
     result = CliRunner().invoke(app, ["trace", PID, "--since", "1h"])
+    assert result.exit_code == 2, result.output
+    assert "trace failed" in result.output and "all brokers down" in result.output
+
+
+# -- a run's view -------------------------------------------------------------------------
+
+RUN = "run-7"
+RUN_ROLES = run_roles(T)
+RUN_READING = Reading(topics=list(RUN_ROLES), since_ms=NOW_MS - 60_000, until_ms=None)
+TWICE = b'{"proposal_id": "prop-dead", "run_id": "run-7", "run_id": "run-7", "tool": {}}'
+"""A proposal of the run that the processor dead-letters (a key given twice) but a reader
+can still read."""
+
+
+def _proposed(offset: int, time_ms: int, value: bytes) -> Raw:
+    """A proposal record at the position ``decide_envelope`` says it was read from."""
+    return Raw(T.proposals, PARTITION, offset, time_ms, value)
+
+
+def _observed(offset: int, time_ms: int, value: bytes) -> Raw:
+    return Raw(T.observations, 1, offset, time_ms, value)
+
+
+def _dead_lettered(contracts: ContractSet, value: bytes, offset: int, time_ms: int) -> list[Raw]:
+    """A proposal record and the dead letter the processor writes for it."""
+    d = decide(record(value, offset=offset), gates(contracts), NOW_MS, {})
+    assert d.outcome is Outcome.DEAD_LETTER
+    _, kept, headers = dlq_record(b"k", d, 1_000_000)
+    named = {k: v for k, v in headers if isinstance(v, bytes)}
+    return [_proposed(offset, time_ms, value), Raw(T.dlq, 0, offset, time_ms + 1, kept, named)]
+
+
+def _run_life(contracts: ContractSet) -> list[Raw]:
+    """Three proposals of the run: a lookup routed and completed, one rejected and one
+    dead-lettered; then the lookup sent again under its id, not decided yet."""
+    looked = _proposal("prop-a", run_id=RUN)
+    routed = decide_envelope(looked, contracts, offset=10)
+    refused_env = _proposal("prop-b", run_id=RUN, arguments={"not": "an order"})
+    refused = decide_envelope(refused_env, contracts, offset=11)
+    completed = _final(routed, NOW_MS + 20, observation_id=position_id(T.results, 0, 9))
+    return [
+        _proposed(10, NOW_MS, orjson.dumps(looked)),
+        _observed(1, NOW_MS + 2, encode_observation(routed, None)),
+        _proposed(11, NOW_MS + 3, orjson.dumps(refused_env)),
+        _observed(2, NOW_MS + 4, encode_observation(refused, None)),
+        *_dead_lettered(contracts, TWICE, 12, NOW_MS + 5),
+        _proposed(14, NOW_MS + 8, orjson.dumps(looked)),
+        _observed(5, NOW_MS + 40, completed),
+    ]
+
+
+def _run_view(raws: list[Raw], reading: Reading = RUN_READING) -> tuple[RunView, Counter[str]]:
+    bad: Counter[str] = Counter()
+    return assemble_run(RUN, collect_run(RUN, raws, RUN_ROLES, bad), reading), bad
+
+
+def _said(e: Entry | None) -> tuple[Any, ...] | None:
+    return None if e is None else (e.gist["decision"], e.gist["class"], e.gist["gate"])
+
+
+def test_a_run_reads_as_its_proposals_each_with_the_answer_to_its_own_record(
+    contracts: ContractSet,
+) -> None:
+    neighbour = _proposal("prop-c", run_id=RUN + "7")  # holds the run's bytes: read, dropped
+    decided = decide_envelope(neighbour, contracts, offset=13)
+    noise = [
+        _proposed(13, NOW_MS + 6, orjson.dumps(neighbour)),
+        _observed(3, NOW_MS + 7, encode_observation(decided, None)),
+    ]
+    view, bad = _run_view([*reversed(_run_life(contracts)), *noise])
+    assert [(r.proposal.proposal_id, r.proposal.offset) for r in view.rows] == [
+        ("prop-a", 10),
+        ("prop-b", 11),
+        ("prop-dead", 12),
+        ("prop-a", 14),
+    ]
+    assert [(_said(r.decision), _said(r.last)) for r in view.rows] == [
+        (("ROUTED", "SUCCESS", "route"), ("COMPLETED", "SUCCESS", "result")),
+        (("REJECTED", "STRUCTURAL_VIOLATION", "schema"),) * 2,
+        (("DEAD_LETTER", "SYNTACTIC_PARSE_FAIL", "parse"),) * 2,
+        # Sent again under its id: no answer to this record, though its id has one.
+        (None, ("COMPLETED", "SUCCESS", "result")),
+    ]
+    assert view.rows[2].decision is not None
+    assert view.rows[2].decision.gist["reason"] == "duplicate_key"
+    assert view.rows[0].proposal.gist["tool"] == "lookup_order@newest"
+    assert view.finals() == {"SUCCESS": 2, "STRUCTURAL_VIOLATION": 1, "SYNTACTIC_PARSE_FAIL": 1}
+    assert view.warnings == [
+        "1 proposal(s) with no decision in range: not decided yet, or after --until"
+    ]
+    assert bad == {}
+
+
+def test_what_may_name_the_run_but_cannot_be_read_is_counted_never_raised(
+    contracts: ContractSet,
+) -> None:
+    looked = decide_envelope(_proposal("prop-a", run_id=RUN), contracts, offset=10)
+    observation = encode_observation(looked, None)
+    cut = {"toolsentry.value.truncated_from": b"9999999"}
+    garbage = [
+        _proposed(1, NOW_MS, b'{"proposal_id": "prop-x", "run_id": "run-7", "arguments": {'),
+        _proposed(2, NOW_MS, b'{"run_id": "run-7"}'),  # no proposal id
+        _proposed(3, NOW_MS, b'"\\u0072un-7"'),  # may spell it with escapes
+        _observed(4, NOW_MS, observation[:-7]),  # cut short
+        Raw(T.dlq, 0, 5, NOW_MS, b"run-7 and no headers"),
+        Raw(T.dlq, 0, 6, NOW_MS, b"cut before the run", cut),  # and no source either
+    ]
+    elsewhere = [  # cannot name it: not decoded, not counted
+        _proposed(7, NOW_MS, b"\xff\xfe not json"),
+        _proposed(8, NOW_MS, None),
+        _observed(9, NOW_MS, b"\xc3\x01 another run's garbage"),
+        Raw(T.dlq, 0, 10, NOW_MS, b"another run's dead letter, no headers"),
+    ]
+    view, bad = _run_view([*garbage, *elsewhere])
+    assert not view.found
+    assert bad == {T.proposals: 3, T.observations: 1, T.dlq: 2}
+    reading = Reading(list(RUN_ROLES), None, None, undecodable=dict(bad))
+    view, _ = _run_view([], reading)
+    assert view.warnings == [
+        f"6 record(s) that may name the run could not be decoded ({T.proposals}: 3, "
+        f"{T.observations}: 1, {T.dlq}: 2): they hold its id, or JSON escapes"
+    ]
+
+
+def test_a_run_is_printed_as_a_table_a_summary_and_how_to_see_a_row_whole(
+    contracts: ContractSet,
+) -> None:
+    hostile = _proposal("prop-\x1b[2J", tool="x\x1b]0;owned\x07", run_id=RUN)
+    raws = [*_run_life(contracts), _proposed(20, NOW_MS + 50, orjson.dumps(hostile))]
+    view, _ = _run_view(raws)
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    console = Console(file=out, width=400, color_system=None)
+    for part in render_run(view):
+        console.print(part)
+    out.flush()
+    printed = out.buffer.getvalue().decode()
+    assert "\x1b" not in printed
+    assert "prop-\\u001b[2J" in printed and "x\\u001b]0;owned\\u0007@newest" in printed
+    lines = printed.splitlines()
+    row = next(line for line in lines if "lookup_order@newest" in line)
+    assert "decision=ROUTED class=SUCCESS gate=route " in row
+    assert 'decision=COMPLETED class=SUCCESS gate=result data={"match_count": 1}' in row
+    refused = next(line for line in lines if "prop-b" in line)
+    assert refused.count("decision=REJECTED") == 2 and "next=" in refused
+    summary = "summary: 5 proposal(s), by final class: SUCCESS 2, STRUCTURAL_VIOLATION 1, "
+    assert any(line.startswith(summary) for line in lines)
+    assert "warning: 2 proposal(s) with no decision in range" in printed
+    assert lines[-1] == f"the whole life of one: toolsentry trace PROPOSAL_ID --run-id {RUN}"
+    doc = view.as_json()
+    assert orjson.loads(orjson.dumps(doc)) == doc
+    assert [r["proposal_id"] for r in doc["rows"]][:3] == ["prop-a", "prop-b", "prop-dead"]
+    assert doc["rows"][0]["last"]["gist"]["decision"] == "COMPLETED"
+    assert doc["rows"][3]["decision"] is None
+    assert doc["summary"]["proposals"] == 5 and doc["found"] is True
+
+
+def test_a_run_with_no_proposal_in_range_says_what_was_searched() -> None:
+    view, _ = _run_view([])
+    assert not view.found and view.as_json()["rows"] == []
+    shown = [str(part) for part in render_run(view)]
+    assert shown == [
+        f"not found: no proposal of run {RUN} in {iso(NOW_MS - 60_000)} .. now on "
+        + ", ".join(RUN_ROLES)
+    ]
+
+
+def test_a_trace_needs_a_proposal_or_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = CliRunner().invoke(app, ["trace", "--since", "1h"])
+    assert result.exit_code == 2 and "give a proposal id, or --run-id" in result.output
+
+    def unreachable(*args: object, **kwargs: object) -> None:
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "all brokers down"))
+
+    monkeypatch.setattr("processor.trace.read_run", unreachable)
+    result = CliRunner().invoke(app, ["trace", "--run-id", RUN, "--since", "1h"])
     assert result.exit_code == 2, result.output
     assert "trace failed" in result.output and "all brokers down" in result.output
