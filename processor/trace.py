@@ -173,6 +173,14 @@ class Reading:
     missing: list[str] = field(default_factory=list)
     errors: int = 0
 
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "since": None if self.since_ms is None else iso(self.since_ms),
+            "until": None if self.until_ms is None else iso(self.until_ms),
+            "topics": self.topics,
+            "undecodable": self.undecodable,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class Trace:
@@ -189,17 +197,13 @@ class Trace:
         return any(not e.compensation for e in self.entries)
 
     def as_json(self) -> dict[str, Any]:
-        r = self.reading
         return {
             "proposal_id": self.proposal_id,
             "found": self.found,
-            "since": None if r.since_ms is None else iso(r.since_ms),
-            "until": None if r.until_ms is None else iso(r.until_ms),
-            "topics": r.topics,
+            **self.reading.as_json(),
             "entries": [e.as_json() for e in self.entries],
             "final": None if self.final is None else self.final.as_json(),
             "warnings": self.warnings,
-            "undecodable": r.undecodable,
         }
 
 
@@ -749,17 +753,13 @@ class RunView:
         return dict(Counter(row.final_class for row in self.rows).most_common())
 
     def as_json(self) -> dict[str, Any]:
-        r = self.reading
         return {
             "run_id": self.run_id,
             "found": self.found,
-            "since": None if r.since_ms is None else iso(r.since_ms),
-            "until": None if r.until_ms is None else iso(r.until_ms),
-            "topics": r.topics,
+            **self.reading.as_json(),
             "rows": [row.as_json() for row in self.rows],
             "summary": {"proposals": len(self.rows), "final_classes": self.finals()},
             "warnings": self.warnings,
-            "undecodable": r.undecodable,
         }
 
 
