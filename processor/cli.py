@@ -679,6 +679,12 @@ def trace(
     from processor.trace import RunView, Trace, read_run, read_trace, render, render_run
 
     since_ms, until_ms = _time_range(since, until)
+    for given, hint in ((proposal_id, "PROPOSAL_ID"), (run_id, "--run-id")):
+        # Bytes that are not UTF-8 reach argv as lone surrogates: no record can hold them.
+        try:
+            (given or "").encode()
+        except UnicodeEncodeError:
+            raise typer.BadParameter("is not UTF-8 text", param_hint=hint) from None
     s = _settings(config)
     found: Trace | RunView
     try:

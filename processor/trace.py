@@ -37,6 +37,7 @@ from processor.approvals import iso
 from processor.codec.avro import codec, decode_any
 from processor.codec.records import decode_approved_call, decode_result, position_id
 from processor.config import SIDE_EFFECT_TOPIC_SUFFIXES, Settings, Topics
+from processor.gates.parse import unidentified_id
 from processor.kafka.partitioner import partition_for
 from processor.kafka.retained import RetainedReader
 from processor.kafka.topics import topic_partitions
@@ -352,9 +353,12 @@ def _entry(
 
 def _proposal(r: Raw, value: bytes) -> Entry:
     doc = _json_object(value)
-    pid = doc.get("proposal_id") if doc is not None else None
-    if doc is None or not isinstance(pid, str):
+    if doc is None:
         raise ValueError("not a proposal")
+    pid = doc.get("proposal_id")
+    if not isinstance(pid, str):
+        # A proposal without an id is still answered, under the id the processor gives it.
+        pid = unidentified_id(r.topic, r.partition, r.offset)
     tool = doc.get("tool")
     name, version = (
         (tool.get("name"), tool.get("version")) if isinstance(tool, dict) else (None, None)

@@ -162,8 +162,12 @@ def _json_error(exc: Exception, text: bytes | str) -> tuple[str, str]:
 
 
 def _proposal_id(src: SourceRecord) -> str:
-    """Stable id for a proposal that did not carry a usable one."""
-    return f"unidentified:{src.topic}:{src.partition}:{src.offset}"
+    return unidentified_id(src.topic, src.partition, src.offset)
+
+
+def unidentified_id(topic: str, partition: int, offset: int) -> str:
+    """Stable id for a proposal that did not carry a usable one: its record's position."""
+    return f"unidentified:{topic}:{partition}:{offset}"
 
 
 def trace_id_for(proposal_id: str, traceparent: str | None) -> str:

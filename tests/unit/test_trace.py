@@ -226,7 +226,7 @@ def test_what_names_the_proposal_but_cannot_be_read_is_counted_never_raised(
     entries, warnings, bad = _trace(every)
     assert [e.offset for e in entries] == [11]
     assert bad == {
-        T.proposals: 2,
+        T.proposals: 1,  # the one without an id is another proposal: read, dropped
         T.observations: 2,
         EXEC: 1,
         T.results: 1,
@@ -235,7 +235,7 @@ def test_what_names_the_proposal_but_cannot_be_read_is_counted_never_raised(
     }
     reading = Reading(list(ROLES), None, None, undecodable=dict(bad))
     _, warnings, _ = _trace([_raw(T.observations, 11, NOW_MS, observation)], reading)
-    assert any(w.startswith("8 record(s) that may name it could not be decoded") for w in warnings)
+    assert any(w.startswith("7 record(s) that may name it could not be decoded") for w in warnings)
 
 
 def test_a_proposal_written_with_json_escapes_is_still_found(contracts: ContractSet) -> None:
@@ -537,7 +537,6 @@ def test_what_may_name_the_run_but_cannot_be_read_is_counted_never_raised(
     cut = {"toolsentry.value.truncated_from": b"9999999"}
     garbage = [
         _proposed(1, NOW_MS, b'{"proposal_id": "prop-x", "run_id": "run-7", "arguments": {'),
-        _proposed(2, NOW_MS, b'{"run_id": "run-7"}'),  # no proposal id
         _proposed(3, NOW_MS, b'"\\u0072un-7"'),  # may spell it with escapes
         _observed(4, NOW_MS, observation[:-7]),  # cut short
         Raw(T.dlq, 0, 5, NOW_MS, b"run-7 and no headers"),
@@ -551,11 +550,11 @@ def test_what_may_name_the_run_but_cannot_be_read_is_counted_never_raised(
     ]
     view, bad = _run_view([*garbage, *elsewhere])
     assert not view.found
-    assert bad == {T.proposals: 3, T.observations: 1, T.dlq: 2}
+    assert bad == {T.proposals: 2, T.observations: 1, T.dlq: 2}
     reading = Reading(list(RUN_ROLES), None, None, undecodable=dict(bad))
     view, _ = _run_view([], reading)
     assert view.warnings == [
-        f"6 record(s) that may name the run could not be decoded ({T.proposals}: 3, "
+        f"5 record(s) that may name the run could not be decoded ({T.proposals}: 2, "
         f"{T.observations}: 1, {T.dlq}: 2): they hold its id, or JSON escapes"
     ]
 
@@ -613,3 +612,31 @@ def test_a_trace_needs_a_proposal_or_a_run(monkeypatch: pytest.MonkeyPatch) -> N
     result = CliRunner().invoke(app, ["trace", "--run-id", RUN, "--since", "1h"])
     assert result.exit_code == 2, result.output
     assert "trace failed" in result.output and "all brokers down" in result.output
+
+
+def test_an_id_that_is_not_utf8_is_a_bad_option_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Bytes that are not UTF-8 reach argv as lone surrogates ($'run-\xff' in a shell).
+    monkeypatch.setattr("processor.trace.topic_partitions", lambda *args: 3)
+    for args in (["--run-id", "run-\udcff"], ["prop-\udcff"], ["prop-a", "--run-id", "\udcff"]):
+        result = CliRunner().invoke(app, ["trace", *args, "--since", "1h"])
+        assert result.exit_code == 2, (args, result.exception)
+        assert "is not UTF-8 text" in result.output
+
+
+def test_a_proposal_of_the_run_without_an_id_is_a_row_answered_under_the_processors_id(
+    contracts: ContractSet,
+) -> None:
+    nameless = {k: v for k, v in _proposal("x", run_id=RUN).items() if k != "proposal_id"}
+    value = orjson.dumps(nameless)
+    d = decide(record(value, offset=30), gates(contracts), NOW_MS, {})
+    assert d.proposal is not None and d.proposal.run_id == RUN  # the processor answers it
+    view, bad = _run_view(
+        [_proposed(30, NOW_MS, value), _observed(1, NOW_MS + 1, encode_observation(d, None))]
+    )
+    assert bad == {}
+    [row] = view.rows
+    assert row.proposal.proposal_id == d.proposal.proposal_id
+    assert _said(row.decision) == ("REJECTED", "SYNTACTIC_PARSE_FAIL", "parse")
+    assert row.last is row.decision
