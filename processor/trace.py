@@ -20,6 +20,7 @@ under its id. It reads proposals, observations and the proposals' dead letters o
 from __future__ import annotations
 
 import json
+import shlex
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -879,7 +880,8 @@ def run_warnings(rows: list[RunRow], reading: Reading) -> list[str]:
         out.append(
             f"{undecided} proposal(s) with no decision in range: not decided yet, or after --until"
         )
-    return out + _reading_warnings(reading, "the run", "they hold its id, or JSON escapes")
+    why = "they hold its id or JSON escapes, or are dead letters cut short"
+    return out + _reading_warnings(reading, "the run", why)
 
 
 def render_run(view: RunView) -> Iterator[RenderableType]:
@@ -910,7 +912,8 @@ def render_run(view: RunView) -> Iterator[RenderableType]:
     for warning in view.warnings:
         yield _alarm("warning", f": {warning}")
     if view.found:
-        yield Text(f"the whole life of one: toolsentry trace PROPOSAL_ID --run-id {run}")
+        again = shlex.quote(view.run_id) if view.run_id.isprintable() else run
+        yield Text(f"the whole life of one: toolsentry trace PROPOSAL_ID --run-id {again}")
 
 
 def _answer_text(e: Entry | None, keys: tuple[str, ...]) -> Text:

@@ -555,7 +555,8 @@ def test_what_may_name_the_run_but_cannot_be_read_is_counted_never_raised(
     view, _ = _run_view([], reading)
     assert view.warnings == [
         f"5 record(s) that may name the run could not be decoded ({T.proposals}: 2, "
-        f"{T.observations}: 1, {T.dlq}: 2): they hold its id, or JSON escapes"
+        f"{T.observations}: 1, {T.dlq}: 2): they hold its id or JSON escapes, or are dead "
+        "letters cut short"
     ]
 
 
@@ -640,3 +641,14 @@ def test_a_proposal_of_the_run_without_an_id_is_a_row_answered_under_the_process
     assert row.proposal.proposal_id == d.proposal.proposal_id
     assert _said(row.decision) == ("REJECTED", "SYNTACTIC_PARSE_FAIL", "parse")
     assert row.last is row.decision
+
+
+def test_the_hint_quotes_a_run_id_a_shell_would_split(contracts: ContractSet) -> None:
+    run = "run 7; rm"
+    raws = [_proposed(1, NOW_MS, orjson.dumps(_proposal("prop-q", run_id=run)))]
+    view = assemble_run(run, collect_run(run, raws, RUN_ROLES, Counter()), RUN_READING)
+    assert [row.proposal.proposal_id for row in view.rows] == ["prop-q"]
+    out = io.StringIO()
+    for part in render_run(view):
+        Console(file=out, width=400, color_system=None).print(part)
+    assert out.getvalue().splitlines()[-1].endswith("--run-id 'run 7; rm'")
