@@ -30,14 +30,14 @@ import orjson
 from confluent_kafka import Consumer, Message, Producer
 from jsonschema import Draft202012Validator
 
-from processor.app import Output, Processor, _source, consumer_config, producer_config
+from processor.app import Output, Processor, consumer_config, producer_config
 from processor.codec.avro import codec
 from processor.config import Settings
 from processor.contracts.registry import ContractSet, load_contracts
 from processor.gates.parse import DeadLetter, Limits, parse_proposal
 from processor.gates.resolve import resolve_tool
 from processor.gates.schema import check_arguments
-from processor.kafka.offsets import next_offsets
+from processor.kafka.offsets import next_offsets, source_record
 from processor.model import Decision, Gate, Outcome, Rejection, SourceRecord
 from processor.pipeline import _route
 
@@ -111,7 +111,7 @@ class Foundation(Timed):
     def decide_batch(self, records: list[Message]) -> list[Decision]:
         if self.first is None:
             self.first = time.perf_counter()
-        return [foundation_decide(_source(m), self.contracts, self.limits) for m in records]
+        return [foundation_decide(source_record(m), self.contracts, self.limits) for m in records]
 
 
 class Passthrough(Timed):

@@ -94,8 +94,8 @@ from processor.kafka.offsets import (
     records_of,
     rewind,
     rewind_to,
+    source_record,
     span,
-    where,
 )
 from processor.kafka.produce import send
 from processor.metrics import BatchTally, Metrics, tally
@@ -104,7 +104,6 @@ from processor.model import (
     FieldError,
     Gate,
     Outcome,
-    SourceRecord,
     TaxonomyClass,
 )
 from processor.pipeline import Gates, decide_batch, internal_error
@@ -775,7 +774,7 @@ class Processor:
         return any(v.get("status") == "voided" for v in verdicts)
 
     def _internal_error(self, m: Message, exc: Exception) -> Decision:
-        src = _source(m)
+        src = source_record(m)
         topics = self.settings.topics
         if src.topic == topics.results:
             return dead_letter(src, "internal_error", type(exc).__name__, Gate.RESULT)
@@ -786,7 +785,7 @@ class Processor:
     def _decide(self, records: list[Message]) -> list[Decision]:
         now_ms = int(time.time() * 1000)
         self._admitted, self._events, self._parked = [], Counter(), []
-        srcs = [_source(m) for m in records]
+        srcs = [source_record(m) for m in records]
         topics = self.settings.topics
         proposals = [s for s in srcs if s.topic not in (topics.approvals, topics.results)]
         try:
@@ -1567,9 +1566,3 @@ class ExpirySweeper(threading.Thread):
 def _failed_for_good(exc: KafkaException) -> bool:
     err = exc.args[0] if exc.args else None
     return isinstance(err, KafkaError) and (err.fatal() or err.code() == KafkaError._FATAL)
-
-
-def _source(m: Message) -> SourceRecord:
-    topic, partition, offset = where(m)
-    ts = m.timestamp()
-    return SourceRecord(topic, partition, offset, m.key(), m.value(), ts[1] if ts else 0)

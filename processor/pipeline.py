@@ -214,10 +214,23 @@ def decide_batch(
     records: Iterable[SourceRecord], gates: Gates, now_ms: int, lookup: Lookup
 ) -> list[Decision]:
     """A batch: one reference lookup for all of it, however many records need one."""
-    prepared = [prepare(r, gates, now_ms) for r in records]
+    return decide_batch_at(records, gates, lambda _: now_ms, lookup)
+
+
+def decide_batch_at(
+    records: Iterable[SourceRecord],
+    gates: Gates,
+    then: Callable[[SourceRecord], int],
+    lookup: Lookup,
+) -> list[Decision]:
+    """``decide_batch`` with each record decided at its own time, ``then(record)``: a
+    replay decides each at the time it was decided first."""
+    prepared = [prepare(r, gates, then(r)) for r in records]
     keys = {k for x in prepared if isinstance(x, Pending) for k in x.keys}
     answers = lookup(keys) if keys else {}
-    return [x if isinstance(x, Decision) else finish(x, gates, answers, now_ms) for x in prepared]
+    return [
+        x if isinstance(x, Decision) else finish(x, gates, answers, then(x.src)) for x in prepared
+    ]
 
 
 def _prepare(src: SourceRecord, gates: Gates, now_ms: int, started: float) -> Decision | Pending:

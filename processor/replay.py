@@ -41,16 +41,23 @@ from rich.text import Text
 
 from processor.approvals import load_approvers
 from processor.codec.avro import codec
-from processor.codec.records import dlq_headers, observation_id, observation_record, position_id
+from processor.codec.records import (
+    dlq_headers,
+    millis,
+    observation_id,
+    observation_record,
+    position_id,
+    printable,
+)
 from processor.config import Settings
 from processor.contracts.registry import load_contracts
 from processor.gates.parse import Limits
 from processor.gates.semantic import RefAnswers, RefKey
 from processor.identity import Verifier
-from processor.kafka.offsets import where
+from processor.kafka.offsets import source_record
 from processor.kafka.retained import BATCH, RetainedReader
 from processor.model import Decision, Gate, Outcome, SourceRecord
-from processor.pipeline import Gates, Lookup, Pending, finish, prepare
+from processor.pipeline import Gates, Lookup, decide_batch_at
 from processor.policy import load_policy
 from processor.results import ADMITTED, is_compensation, refused_compensation
 from processor.state.connection import REDIS_ERRORS, connect
@@ -154,8 +161,7 @@ def recorded_observation(obs: dict[str, Any]) -> Recorded:
     verdict = Verdict(obs["decision"], obs["status"]["taxonomy_class"], obs["gate"])
     codes = {e["code"] for e in obs["result_payload"]["errors"]}
     admission = verdict.gate in ADMISSION_GATES or APPROVAL_REUSED in codes
-    decided = obs["execution_metadata"]["timestamp"]
-    decided_ms = int(decided.timestamp() * 1000) if isinstance(decided, datetime) else decided
+    decided_ms = millis(obs["execution_metadata"]["timestamp"])
     return Recorded(verdict, admission, obs.get("contract_set"), decided_ms)
 
 
@@ -181,13 +187,6 @@ def recorded_dead_letter(headers: Headers) -> tuple[tuple[str, int, int], Record
     reason = _header(h, "error.reason")
     gate = Gate.INTERNAL if reason == "internal_error" else Gate.PARSE
     return position, Recorded(Verdict(DEAD_LETTER, _header(h, "error.class"), gate.value), False)
-
-
-def _printable(text: str, limit: int = _LABEL) -> str:
-    """Text from a proposal as a report may show it: a hostile one cannot reach the
-    terminal's control sequences or take a line of its own."""
-    shown = "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
-    return shown if len(shown) <= limit else shown[: limit - 1] + "\u2026"
 
 
 def replayed(d: Decision, contract_set: str) -> Replayed:
@@ -217,7 +216,7 @@ def replayed(d: Decision, contract_set: str) -> Replayed:
         where,
         datum["proposal_id"],
         datum["run_id"],
-        _printable(datum["tool_identity"]["name"]) or "(no tool)",
+        printable(datum["tool_identity"]["name"], _LABEL) or "(no tool)",
         is_compensation(d.proposal),
         verdict,
         datum["next_action"],
@@ -381,36 +380,14 @@ def unknown_references(keys: set[RefKey]) -> RefAnswers:
     return {}
 
 
-Then = Callable[[SourceRecord], int]
-"""The time to decide a record at."""
-
-
-def decide_as_then(
-    srcs: list[SourceRecord], gates: Gates, lookup: Lookup, then: Then
-) -> list[Decision]:
-    """``pipeline.decide_batch`` with each record decided at its own time (``then``), not
-    the batch's."""
-    prepared = [prepare(s, gates, then(s)) for s in srcs]
-    keys = {k for x in prepared if isinstance(x, Pending) for k in x.keys}
-    answers = lookup(keys) if keys else {}
-    return [
-        x if isinstance(x, Decision) else finish(x, gates, answers, then(x.src)) for x in prepared
-    ]
-
-
 def at_record_time(src: SourceRecord) -> int:
     return src.timestamp_ms
-
-
-def _source(m: Message) -> SourceRecord:
-    ts = m.timestamp()
-    return SourceRecord(*where(m), m.key(), m.value(), ts[1] if ts else 0)
 
 
 def _batches(messages: Iterable[Message]) -> Iterator[list[SourceRecord]]:
     batch: list[SourceRecord] = []
     for m in messages:
-        batch.append(_source(m))
+        batch.append(source_record(m))
         if len(batch) >= BATCH:
             yield batch
             batch = []
@@ -459,7 +436,7 @@ def decide_range(
     fingerprint = gates.contracts.fingerprint
     for batch in _batches(reader):
         report.read += len(batch)
-        for d in decide_as_then(batch, gates, lookup, answers.decided_at):
+        for d in decide_batch_at(batch, gates, answers.decided_at, lookup):
             if wanted(d):
                 again = replayed(d, fingerprint)
                 report.add(again, answers.of(again))
@@ -553,7 +530,7 @@ def render(doc: dict[str, Any]) -> Iterator[RenderableType]:
         for c in doc["changes"]:
             tool = c["tool"] + (" (compensation)" if c["compensation"] else "")
             shown = "\n".join(
-                _printable(f"{e['proposal_id']}: {e['next_action']}", 160) for e in c["examples"]
+                printable(f"{e['proposal_id']}: {e['next_action']}", 160) for e in c["examples"]
             )
             table.add_row(
                 Text(tool), Text(_verdict(c["recorded"])),

@@ -19,12 +19,10 @@ under its id. It reads proposals, observations and the proposals' dead letters o
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 import orjson
@@ -36,9 +34,15 @@ from rich.text import Text
 from processor.approval_flow import EXPIRY_CHECK
 from processor.approvals import iso
 from processor.codec.avro import codec, decode_any
-from processor.codec.records import decode_approved_call, decode_result, position_id
+from processor.codec.records import (
+    decode_approved_call,
+    decode_result,
+    millis,
+    position_id,
+    printable,
+)
 from processor.config import SIDE_EFFECT_TOPIC_SUFFIXES, Settings, Topics
-from processor.gates.parse import unidentified_id
+from processor.gates.parse import lenient_loads, unidentified_id
 from processor.kafka.partitioner import partition_for
 from processor.kafka.retained import RetainedReader
 from processor.kafka.topics import topic_partitions
@@ -144,9 +148,7 @@ class Entry:
         (a terminal's escape, a line break, a lone surrogate that no terminal encoding
         takes) is shown as its code."""
         shown = self.gist if keys is None else {k: self.gist.get(k) for k in keys}
-        return " ".join(
-            f"{k}={_printable(str(v))}" for k, v in shown.items() if v not in (None, "")
-        )
+        return " ".join(f"{k}={printable(str(v))}" for k, v in shown.items() if v not in (None, ""))
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -401,7 +403,7 @@ def _observation(r: Raw, value: bytes) -> Entry:
     return _entry(
         r,
         "observation",
-        _millis(meta["timestamp"]),
+        millis(meta["timestamp"]),
         d["proposal_id"],
         gist,
         request_id=d["approval_request_id"],
@@ -418,13 +420,13 @@ def _approval_request(r: Raw, value: bytes) -> Entry:
         "tool": f"{d['tool_name']}@{d['tool_version']}",
         "class": d["side_effect_class"],
         "approvals_required": d["approvals_required"],
-        "expires": iso(_millis(d["expires_at"])),
+        "expires": iso(millis(d["expires_at"])),
         "request": d["request_id"],
     }
     return _entry(
         r,
         "approval request",
-        _millis(d["created_at"]),
+        millis(d["created_at"]),
         d["proposal_id"],
         gist,
         request_id=d["request_id"],
@@ -534,14 +536,10 @@ def _json_object(value: bytes) -> dict[str, Any] | None:
         doc = orjson.loads(value)
     except orjson.JSONDecodeError:
         try:
-            doc = json.loads(value)
-        except (ValueError, RecursionError):
+            doc = lenient_loads(value)
+        except ValueError:
             return None
     return doc if isinstance(doc, dict) else None
-
-
-def _printable(text: str) -> str:
-    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
 
 
 def _text(value: Any) -> str | None:
@@ -552,13 +550,6 @@ def _clip(text: str | None) -> str | None:
     if text is None or len(text) <= GIST_TEXT:
         return text
     return text[: GIST_TEXT - 1] + "\u2026"
-
-
-def _millis(value: Any) -> int:
-    """fastavro reads timestamp-millis as aware datetimes."""
-    if isinstance(value, datetime):
-        return int(value.astimezone(UTC).timestamp() * 1000)
-    return int(value)
 
 
 # -- linking and the summary -------------------------------------------------------------
@@ -888,7 +879,7 @@ def render_run(view: RunView) -> Iterator[RenderableType]:
     """The run's view as the command prints it: its table and a summary (or what was
     searched, when nothing was found), the warnings, and how to see one row whole."""
     r = view.reading
-    run = _printable(view.run_id)
+    run = printable(view.run_id)
     if not view.found:
         yield _alarm(
             "not found", f": no proposal of run {run} in {_span(r)} on {', '.join(r.topics)}"
@@ -899,8 +890,8 @@ def render_run(view: RunView) -> Iterator[RenderableType]:
             p = row.proposal
             table.add_row(
                 Text(iso(p.time_ms)),
-                Text(_printable(p.proposal_id or "")),
-                Text(_printable(str(p.gist["tool"]))),
+                Text(printable(p.proposal_id or "")),
+                Text(printable(str(p.gist["tool"]))),
                 _answer_text(row.decision, DECISION_KEYS),
                 _answer_text(row.last, ANSWER_KEYS),
             )

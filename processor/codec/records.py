@@ -372,15 +372,29 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _MILLISECOND = dt.timedelta(milliseconds=1)
 
 
+def millis(value: Any) -> int:
+    """A timestamp-millis field in epoch milliseconds: fastavro reads them as aware
+    datetimes, the encoders take ints. Converted exactly, without float rounding, so a
+    decoded record can be encoded again unchanged and compared with the clock as an int."""
+    if isinstance(value, dt.datetime):
+        return (value - _EPOCH) // _MILLISECOND
+    return int(value)
+
+
 def _as_millis(datum: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
-    """fastavro reads timestamp-millis as aware datetimes; the encoders take epoch
-    milliseconds. Converting back (exactly, without float rounding) lets a decoded
-    record be encoded again unchanged and compared with the clock as an int."""
     for name in fields:
-        value = datum[name]
-        if isinstance(value, dt.datetime):
-            datum[name] = (value - _EPOCH) // _MILLISECOND
+        datum[name] = millis(datum[name])
     return datum
+
+
+def printable(text: str, limit: int | None = None) -> str:
+    """Text read from a record as a terminal may show it: anyone may have written it, so a
+    character that is not printable (an escape sequence, a line break, a lone surrogate
+    no terminal encoding takes) is shown as its code; cut at ``limit``."""
+    shown = "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
+    if limit is None or len(shown) <= limit:
+        return shown
+    return shown[: limit - 1] + "\u2026"
 
 
 def decode_approved_call(value: bytes) -> dict[str, Any]:

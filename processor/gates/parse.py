@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -115,6 +116,22 @@ def strict_loads(text: bytes | str, max_depth: int, brackets: int | None = None)
 _RECOVERY_MAX_BRACKETS = 256
 
 
+def lenient_loads(
+    raw: bytes, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None
+) -> Any:
+    """What Python's parser reads of a text the strict parser refused (NaN, duplicate
+    keys, nesting): ValueError when it cannot be read. Never one with more than
+    ``_RECOVERY_MAX_BRACKETS`` brackets: the parser recurses, how deep it gets depends on
+    the caller's stack, and replay must read the same way everywhere."""
+    if raw.count(b"{") + raw.count(b"[") > _RECOVERY_MAX_BRACKETS:
+        raise ValueError("nested too deeply to be read leniently")
+    try:
+        # Decoded here, not by json.loads: given bytes it would also accept UTF-16/32.
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=object_pairs_hook)
+    except RecursionError as exc:
+        raise ValueError("nested too deeply to be read leniently") from exc
+
+
 def _identity_only(raw: bytes) -> dict[str, Any] | None:
     """Who sent a record the strict parser refused, or None if even that is unclear.
 
@@ -123,10 +140,6 @@ def _identity_only(raw: bytes) -> dict[str, Any] | None:
     answer, never enough to decide on. A duplicate among the envelope's own
     keys makes the identity itself ambiguous, so that record stays unanswered.
     """
-    if raw.count(b"{") + raw.count(b"[") > _RECOVERY_MAX_BRACKETS:
-        # Python's parser recurses; how deep it gets depends on the caller's stack,
-        # and replay must decide the same way everywhere, so deep texts are not tried.
-        return None
     top: list[list[tuple[str, Any]]] = [[]]
 
     def keep_last(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -134,9 +147,8 @@ def _identity_only(raw: bytes) -> dict[str, Any] | None:
         return dict(pairs)
 
     try:
-        # Decoded here, not by json.loads: given bytes it would also accept UTF-16/32.
-        value = json.loads(raw.decode("utf-8"), object_pairs_hook=keep_last)
-    except (ValueError, RecursionError):
+        value = lenient_loads(raw, keep_last)
+    except ValueError:
         return None
     keys = [k for k, _ in top[0]]
     if type(value) is not dict or len(set(keys)) != len(keys):

@@ -9,10 +9,18 @@ from typing import cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
+from processor.model import SourceRecord
+
 
 def where(m: Message) -> tuple[str, int, int]:
     """(topic, partition, offset) of a consumed record (never None for one without error)."""
     return cast(str, m.topic()), cast(int, m.partition()), cast(int, m.offset())
+
+
+def source_record(m: Message) -> SourceRecord:
+    """A consumed record as the gates read it: its position, key, value and time."""
+    ts = m.timestamp()
+    return SourceRecord(*where(m), m.key(), m.value(), ts[1] if ts else 0)
 
 
 def next_offsets(records: list[Message]) -> list[TopicPartition]:

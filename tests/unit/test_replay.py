@@ -18,7 +18,7 @@ from processor.codec.records import dlq_record, encode_observation, position_id
 from processor.contracts.registry import ContractSet
 from processor.gates.budget import apply_verdict
 from processor.model import Decision, Gate, Outcome, SourceRecord
-from processor.pipeline import decide
+from processor.pipeline import decide, decide_batch_at
 from processor.policy import Budgets
 from processor.replay import (
     DEAD_LETTER,
@@ -29,7 +29,6 @@ from processor.replay import (
     Verdict,
     at_record_time,
     compare,
-    decide_as_then,
     recorded_dead_letter,
     recorded_observation,
     render,
@@ -222,7 +221,7 @@ def test_each_record_is_decided_at_its_own_time(contracts: ContractSet) -> None:
     env = orjson.dumps({**envelope(c.name), "tool": {"name": c.name, "version": c.version}})
     at = [int((sunset + timedelta(days=days)).timestamp() * 1000) for days in (-2, 2)]
     srcs = [SourceRecord("tool.proposals", 0, n, b"run-1", env, t) for n, t in enumerate(at)]
-    before, after = decide_as_then(srcs, gates(contracts), unknown_references, at_record_time)
+    before, after = decide_batch_at(srcs, gates(contracts), at_record_time, unknown_references)
     assert before.gate is not Gate.RESOLVE, before.rejection
     assert after.gate is Gate.RESOLVE
     assert after.rejection is not None and after.rejection.errors[0].code == "tool_sunsetted"
@@ -231,7 +230,7 @@ def test_each_record_is_decided_at_its_own_time(contracts: ContractSet) -> None:
     answers.observations[position_id("tool.proposals", 0, 0)] = Recorded(
         Verdict("REJECTED", "STRUCTURAL_VIOLATION", "resolve"), False, FP, at[1]
     )
-    late, _ = decide_as_then(srcs, gates(contracts), unknown_references, answers.decided_at)
+    late, _ = decide_batch_at(srcs, gates(contracts), answers.decided_at, unknown_references)
     assert late.gate is Gate.RESOLVE
 
 
