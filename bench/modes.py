@@ -20,6 +20,7 @@ and logs as the processor does).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -49,23 +50,85 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
+STACK_PIDS = "BENCH_STACK_PIDS"
+"""``name=pid,...``: the stack's processes (the broker, redis-server) whose CPU time each
+reading takes as well, when the benchmark started them."""
+
+
+def stack_pids() -> dict[str, int]:
+    pairs = (item.split("=") for item in os.environ.get(STACK_PIDS, "").split(",") if item)
+    return {name: int(pid) for name, pid in pairs}
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system, every thread) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Clocks:
+    """Wall time, this process's CPU time (every thread: the loop's, the committer's and
+    librdkafka's), the calling thread's own CPU time, and the stack's CPU time, read
+    together."""
+
+    __slots__ = ("process", "stack", "thread", "wall")
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.process = time.process_time()
+        self.thread = time.thread_time()
+        self.stack = {name: cpu_seconds(pid) for name, pid in PIDS.items()}
+
+
+PIDS = stack_pids()
+
+
+def spent(first: Clocks, last: Clocks, records: int, loop_cpu: float) -> dict[str, Any]:
+    """Throughput between two readings, with the CPU each record cost: the process's, and
+    the loop thread's alone (``loop_cpu`` seconds), which bounds a loop of one thread
+    however idle the other cores are."""
+    elapsed = last.wall - first.wall
+    return {
+        "records": records,
+        "seconds": elapsed,
+        "per_second": records / elapsed,
+        "cpu_us": (last.process - first.process) / records * 1e6,
+        "loop_cpu_us": loop_cpu / records * 1e6,
+        "stack_cpu_us": {
+            name: (last.stack[name] - first.stack[name]) / records * 1e6 for name in first.stack
+        },
+        "rss_mb": peak_rss_mb(),
+    }
+
+
 class Timed(Processor):
-    """The shipped processor, stopping itself after ``count`` records."""
+    """The shipped processor, stopping itself after ``count`` records. Timed from its
+    first batch to its last commit (on the committer thread); the loop thread's CPU time
+    is read on that thread, when it takes a batch's commit as done."""
 
     def __init__(self, settings: Settings, count: int) -> None:
         super().__init__(settings)
         self.count = count
-        self.first: float | None = None
-        self.last = 0.0
+        self.first: Clocks | None = None
+        self.last: Clocks | None = None
+        self.loop_cpu_last = 0.0
+
+    def started(self) -> None:
+        if self.first is None:
+            self.first = Clocks()
 
     def decide_batch(self, records: list[Message]) -> list[Decision]:
-        if self.first is None:
-            self.first = time.perf_counter()
+        self.started()
         return super().decide_batch(records)
 
     def _commit(self, producer: Producer) -> None:
         super()._commit(producer)
-        self.last = time.perf_counter()
+        self.last = Clocks()
+
+    def _settle_inflight(self, consumer: Consumer, after: list[Message] | None = None) -> bool:
+        settled = super()._settle_inflight(consumer, after)
+        self.loop_cpu_last = time.thread_time()
+        return settled
 
     def watch(self) -> None:
         while self.records_committed < self.count:
@@ -109,15 +172,13 @@ def foundation_decide(src: SourceRecord, contracts: ContractSet, limits: Limits)
 
 class Foundation(Timed):
     def decide_batch(self, records: list[Message]) -> list[Decision]:
-        if self.first is None:
-            self.first = time.perf_counter()
+        self.started()
         return [foundation_decide(source_record(m), self.contracts, self.limits) for m in records]
 
 
 class Passthrough(Timed):
     def decide_batch(self, records: list[Message]) -> list[Decision]:
-        if self.first is None:
-            self.first = time.perf_counter()
+        self.started()
         return []
 
     def encode_batch(self, records: list[Message], decisions: list[Decision]) -> list[Output]:
@@ -128,14 +189,9 @@ class Passthrough(Timed):
 def run_loop(processor: Timed) -> dict[str, Any]:
     threading.Thread(target=processor.watch, daemon=True).start()
     processor.run()
-    assert processor.first is not None
-    elapsed = processor.last - processor.first
-    return {
-        "records": processor.records_committed,
-        "seconds": elapsed,
-        "per_second": processor.records_committed / elapsed,
-        "rss_mb": peak_rss_mb(),
-    }
+    first, last = processor.first, processor.last
+    assert first is not None and last is not None
+    return spent(first, last, processor.records_committed, processor.loop_cpu_last - first.thread)
 
 
 def run_naive(settings: Settings, count: int) -> dict[str, Any]:
@@ -146,14 +202,14 @@ def run_naive(settings: Settings, count: int) -> dict[str, Any]:
     producer = Producer(producer_config(settings))
     producer.init_transactions(30)
     consumer.subscribe([settings.topics.proposals])
-    done, first, last = 0, None, 0.0
+    done, first, last = 0, None, Clocks()
     while done < count:
         msgs = consumer.consume(1, 0.5)
         if not msgs or msgs[0].error() is not None:
             continue
         m = msgs[0]
         if first is None:
-            first = time.perf_counter()
+            first = Clocks()
         try:
             env = orjson.loads(m.value() or b"")
             v = validators.get(env["tool"]["name"])
@@ -172,15 +228,10 @@ def run_naive(settings: Settings, count: int) -> dict[str, Any]:
         )
         producer.commit_transaction()
         done += 1
-        last = time.perf_counter()
+        last = Clocks()
     consumer.close()
     assert first is not None
-    return {
-        "records": done,
-        "seconds": last - first,
-        "per_second": done / (last - first),
-        "rss_mb": peak_rss_mb(),
-    }
+    return spent(first, last, done, last.thread - first.thread)
 
 
 def _naive_observation(env: dict[str, Any], errors: list[str]) -> dict[str, Any]:

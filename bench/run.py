@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry
 
-from bench.modes import foundation_decide
+from bench.modes import STACK_PIDS, foundation_decide
 from processor.approvals import load_approvers
 from processor.client import ToolsentryClient, next_messages, observations_consumer
 from processor.config import IdentitySettings, Settings, Topics
@@ -185,15 +185,24 @@ def child_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def throughput(settings: Settings, mode: str, records: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+def throughput(
+    settings: Settings,
+    mode: str,
+    records: list[tuple[bytes, bytes]],
+    services: dict[str, int],
+) -> dict[str, Any]:
+    """One mode's run in its own process. ``services``: the pids of the stack's processes
+    (none with ``--bootstrap``), whose CPU time the mode reads with its own clocks."""
     s = isolated(settings, f"bench-{mode}-{int(time.time())}")
     if mode == "toolsentry":
         load_references(s, len(records))
     preload(s, records)
+    env = child_env(s)
+    env[STACK_PIDS] = ",".join(f"{name}={pid}" for name, pid in services.items())
     out = subprocess.run(
         [sys.executable, "-m", "bench.modes", mode, str(len(records))],
         cwd=ROOT,
-        env=child_env(s),
+        env=env,
         capture_output=True,
         text=True,
         timeout=900,
@@ -222,10 +231,11 @@ class RawArrivals:
             messages = next_messages(self._consumer)
             now = time.monotonic()
             for m in messages:
-                if m.error() is not None or not m.value():
+                value = m.value()
+                if m.error() is not None or not value:
                     continue
                 try:
-                    pid = orjson.loads(m.value())["proposal_id"]
+                    pid = orjson.loads(value)["proposal_id"]
                 except (ValueError, TypeError, KeyError):
                     continue  # not one of the corpus's proposals: never waited for
                 self.arrivals.setdefault(pid, now)
@@ -404,6 +414,36 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return ordered[len(ordered) // 2]
 
 
+def print_cpu(runs: dict[str, dict[str, Any]]) -> None:
+    """Where each mode's CPU goes, per proposal, and what it bounds. The processor's loop is
+    one thread: it cannot commit proposals faster than its own CPU per proposal allows,
+    whatever the other threads and the other core do. Every process here shares the
+    machine's cores, so a mode's total CPU per proposal bounds it too."""
+    cores = os.cpu_count() or 1
+    print(
+        f"\nCPU per proposal (us; loop: the processor's loop thread; processor: all its threads; "
+        f"stack: the broker and redis-server; {cores} cores)"
+    )
+    a_wall = 1e6 / runs["(a) passthrough"]["per_second"]
+    for name, r in runs.items():
+        stack = r["stack_cpu_us"]
+        total = r["cpu_us"] + sum(stack.values())
+        print(
+            f"  {name:<16} wall {1e6 / r['per_second']:7.1f}   loop {r['loop_cpu_us']:7.1f}   "
+            f"processor {r['cpu_us']:7.1f}   "
+            + "   ".join(f"{svc} {us:6.1f}" for svc, us in sorted(stack.items()))
+            + f"   total {total:7.1f}"
+        )
+    for name in ("(b) foundation", "(e) all gates"):
+        r = runs[name]
+        total = r["cpu_us"] + sum(r["stack_cpu_us"].values())
+        print(
+            f"  {name[:3]}/(a) at most {a_wall / r['loop_cpu_us']:.2f} with this loop thread's CPU "
+            f"per proposal; at most {a_wall * cores / total:.2f} on {cores} cores "
+            f"with all the CPU it costs"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -421,6 +461,7 @@ def main() -> None:
     print("(d) decision core, cancel_order, in process ...", flush=True)
     core = decision_core()
     stack = None
+    services: dict[str, int] = {}
     if args.bootstrap:
         settings = Settings(bootstrap_servers=args.bootstrap, metrics_port=0)
     else:
@@ -429,6 +470,9 @@ def main() -> None:
         settings = private_stack_settings(Path(tempfile.mkdtemp(prefix="bench-stack-")))
         stack = LocalStack(settings)
         stack.up()
+        services = {
+            name: status.pid for name, status in stack.status().items() if status.pid is not None
+        }
     settings = settings.model_copy(update={"contracts_dir": ROOT / "contracts"})
     settings, tokens = with_identity(settings, Path(tempfile.mkdtemp(prefix="bench-keys-")))
     try:
@@ -441,9 +485,9 @@ def main() -> None:
                 print(
                     f"round {n + 1}/{args.rounds}: {mode}, {args.count} proposals ...", flush=True
                 )
-                runs[mode].append(throughput(settings, mode, records))
+                runs[mode].append(throughput(settings, mode, records, services))
         print(f"(c) naive, {args.naive_count} proposals ...", flush=True)
-        c = throughput(settings, "naive", records[: args.naive_count])
+        c = throughput(settings, "naive", records[: args.naive_count], services)
         lat: dict[str, dict[str, Any]] = {}
         for mode in MODES:
             print(f"latency at {args.rate}/s for {args.seconds:.0f}s, {mode} ...", flush=True)
@@ -500,6 +544,7 @@ def main() -> None:
         f"and approval cost <= 30%)   {'met' if ratio_eb >= 0.7 else 'NOT met'}"
         f"   rounds: {', '.join(f'{r:.2f}' for r in gate_ratios)}"
     )
+    print_cpu({"(a) passthrough": a, "(b) foundation": b, "(e) all gates": e, "(c) naive": c})
     for name, figures in core.items():
         target = (
             f"   target median <= 20 us   {'met' if figures['median_us'] <= 20 else 'NOT met'}"
