@@ -67,12 +67,7 @@ from processor.approval_flow import (
     verify_decision,
 )
 from processor.approvals import load_approvers
-from processor.codec.records import (
-    dlq_record,
-    encode_approval_request,
-    encode_approved_call,
-    encode_observation,
-)
+from processor.codec.records import dlq_record, encode_outputs, unencodable
 from processor.config import Settings
 from processor.contracts.registry import ContractSet
 from processor.contracts.watch import (
@@ -292,6 +287,19 @@ def producer_config(settings: Settings) -> dict[str, Any]:
     return _enforce(conf, fixed, "producer")
 
 
+MESSAGE_MAX_BYTES = 1_000_000
+"""librdkafka's own message.max.bytes, where the settings give none."""
+RECORD_OVERHEAD = 4096
+"""Room left under message.max.bytes for the key, headers and record overhead."""
+
+
+def max_output_bytes(settings: Settings) -> int:
+    """The largest value the processor produces: librdkafka's message.max.bytes, less room
+    for the key, headers and record overhead it counts too. Replay encodes against it."""
+    conf = producer_config(settings)
+    return int(conf.get("message.max.bytes", MESSAGE_MAX_BYTES)) - RECORD_OVERHEAD
+
+
 class Processor:
     """One processor instance. ``run()`` blocks until ``stop()`` or a signal."""
 
@@ -361,11 +369,7 @@ class Processor:
         self._redis_backoff = 0.0
         self._early_limit_s = settings.transaction_timeout_ms / 1000 / 3
         """The longest a batch may take to decide inside the transaction opened for it."""
-        self._max_message_bytes = (
-            int(producer_config(settings).get("message.max.bytes", 1_000_000)) - 4096
-        )
-        """The largest value produced: librdkafka's message.max.bytes, less room for the
-        key, headers and record overhead it counts too."""
+        self._max_message_bytes = max_output_bytes(settings)
         self._inflight: _Batch | None = None
         """The batch whose transaction the committer thread runs, if any."""
         self._rebalanced = False
@@ -1164,40 +1168,26 @@ class Processor:
             return
         key = d.proposal.run_id.encode() if d.proposal else m.key()
         try:
-            if faults.POISON_ENCODING:
-                faults.poison_encoding(m.value())
-            call = request = None
-            if d.outcome is Outcome.ROUTED and d.side_effect_class is not None:
-                call = encode_approved_call(d, fp)
-            if d.outcome is Outcome.PARKED:
-                request = encode_approval_request(d, fp)
-            observation = encode_observation(d, fp)
-            compensation = d.extra.get("compensation")
-            largest = max(len(observation), len(call or b""), len(request or b""),
-                          len(compensation or b""))  # fmt: skip
-            if largest > self._max_message_bytes:
-                # The broker would refuse it, and the batch would abort and come back
-                # for ever: one record must not stop its partition.
-                raise ValueError(f"an output of {largest} bytes, over message.max.bytes")
+            outputs = encode_outputs(d, fp, self._max_message_bytes)
         except Exception as exc:
             # Not expected; but a record we cannot encode must neither stop the
-            # consumer nor be routed: it is parked in the DLQ with the reason.
+            # consumer nor be routed: it is parked in the DLQ with the reason (and an
+            # output the broker would refuse would abort the batch for ever).
             # What its admission took in Redis is given back, as for a record that fails
             # alone while it is decided (a DependencyDown here decides the batch again).
             logger.exception("cannot encode the outputs of %s@%s", m.partition(), m.offset())
-            d.dlq_reason, d.dlq_detail = "encoding_failed", f"{type(exc).__name__}: {exc}"[:500]
-            d.outcome = Outcome.DEAD_LETTER
+            unencodable(d, exc)
             self._void(position(d.source))
             out.append((topics.dlq, *dlq_record(m.key(), d, self._max_message_bytes)))
             return
-        if call is not None and d.side_effect_class is not None:
-            out.append((topics.execution(d.side_effect_class.value), key, call, None))
-        if request is not None:
-            out.append((topics.approval_requests, key, request, None))
-        if compensation is not None:
-            out.append((topics.proposals, key, compensation, None))
+        if outputs.call is not None and d.side_effect_class is not None:
+            out.append((topics.execution(d.side_effect_class.value), key, outputs.call, None))
+        if outputs.request is not None:
+            out.append((topics.approval_requests, key, outputs.request, None))
+        if outputs.compensation is not None:
+            out.append((topics.proposals, key, outputs.compensation, None))
             self._count("compensations")
-        out.append((topics.observations, key, observation, None))
+        out.append((topics.observations, key, outputs.observation, None))
 
     def _commit(self, producer: Producer) -> None:
         """Commit, retrying what librdkafka calls retriable, but not past the transaction's

@@ -623,6 +623,7 @@ UntilOpt = Annotated[
     str | None, typer.Option(help="Latest record time, as --since (default: now).")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document, for tooling.")]
+DEFAULT_SINCE = "24h"
 
 
 def _time_range(since: str, until: str | None) -> tuple[int, int | None]:
@@ -656,7 +657,7 @@ def trace(
         str | None,
         typer.Argument(help="The proposal to follow; without it, --run-id's proposals."),
     ] = None,
-    since: SinceOpt = "24h",
+    since: SinceOpt = DEFAULT_SINCE,
     until: UntilOpt = None,
     run_id: Annotated[
         str | None,
@@ -706,10 +707,76 @@ def trace(
     raise typer.Exit(0 if found.found else 1)
 
 
+_OFFSET_HINTS = {"partition": "--partition", "first": "--from-offset", "last": "--to-offset"}
+"""The option each bound of an offset range comes from (see ``OutOfRange.what``)."""
+
+
+def _replay_range(
+    since: str | None,
+    until: str | None,
+    partition: int | None,
+    from_offset: int | None,
+    to_offset: int | None,
+) -> tuple[int | None, int | None]:
+    """Replay's time range, None for an offset range: a time range (which ``--partition``
+    narrows to one partition), or an offset range of one partition instead. Options that
+    contradict each other are a usage error; whether the partition holds the offsets is
+    known once the broker is asked."""
+    if from_offset is None:
+        if to_offset is not None:
+            raise typer.BadParameter("needs --from-offset", param_hint="--to-offset")
+        return _time_range(since or DEFAULT_SINCE, until)
+    if partition is None:
+        raise typer.BadParameter("needs --partition: offsets are one partition's",
+                                 param_hint="--from-offset")  # fmt: skip
+    for given, hint in ((since, "--since"), (until, "--until")):
+        if given is not None:
+            raise typer.BadParameter(
+                "cannot be given with --from-offset: an offset range is replayed whole, "
+                "whatever its records' times", param_hint=hint,
+            )  # fmt: skip
+    if to_offset is not None and to_offset < from_offset:
+        raise typer.BadParameter("is before --from-offset", param_hint="--to-offset")
+    return None, None
+
+
 @app.command("replay")
 def replay_command(
-    since: SinceOpt = "24h",
-    until: UntilOpt = None,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            help="Earliest record time: a duration before now (2h, 7d), ISO 8601 "
+            f"(UTC unless it says) or epoch ms (default: {DEFAULT_SINCE}). Not with "
+            "--from-offset."
+        ),
+    ] = None,
+    until: Annotated[
+        str | None,
+        typer.Option(help="Latest record time, as --since (default: now). Not with --from-offset."),
+    ] = None,
+    partition: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Only this partition of tool.proposals; the partition "
+            "--from-offset and --to-offset are in.",
+        ),
+    ] = None,
+    from_offset: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Replay --partition from this offset: an offset range, instead of a time range.",
+        ),
+    ] = None,
+    to_offset: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="The last offset of --partition to replay, included "
+            "(default: the partition's end as the replay starts).",
+        ),
+    ] = None,
     contracts: Annotated[
         Path | None,
         typer.Option(help="Contracts to replay against (default: the settings' contracts_dir)."),
@@ -722,7 +789,12 @@ def replay_command(
     tool: Annotated[str | None, typer.Option(help="Only proposals of this tool.")] = None,
     examples: Annotated[int, typer.Option(min=0, help="Example proposals per change.")] = 3,
     slack_s: Annotated[
-        float, typer.Option(min=0, help="Seconds after --until to look for the answers.")
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds after --until (or the offset range's latest record "
+            "time) to look for the answers.",
+        ),
     ] = 300.0,
     no_references: Annotated[
         bool, typer.Option("--no-references", help="No Redis: every referenced id unknown.")
@@ -733,13 +805,16 @@ def replay_command(
     ] = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Decide a time range of tool.proposals again (dry run: nothing written) against these
-    contracts and policy, and report what would change against what was decided."""
+    """Decide a time range of tool.proposals, or an offset range of one of its partitions,
+    again (dry run: nothing written) against these contracts and policy, and report what
+    would change against what was decided. Exit status 2 for a bad option (a partition or
+    offsets the topic does not hold among them)."""
     from confluent_kafka import KafkaException
 
     from processor.approvals import ApproverError
     from processor.contracts.registry import ContractError
     from processor.identity import KeyError_
+    from processor.kafka.retained import OffsetRange, OutOfRange
     from processor.policy import PolicyError
     from processor.replay import (
         ReplayError,
@@ -752,8 +827,11 @@ def replay_command(
         unknown_references,
     )
 
-    since_ms, until_ms = _time_range(since, until)
+    since_ms, until_ms = _replay_range(since, until, partition, from_offset, to_offset)
     s = _settings(config)
+    offsets = None
+    if partition is not None:
+        offsets = OffsetRange(s.topics.proposals, partition, from_offset, to_offset)
     _logging(s.log_level)
     contracts_dir = contracts if contracts is not None else s.contracts_dir
     policy_file = policy if policy is not None else s.policy_file
@@ -768,12 +846,15 @@ def replay_command(
     report = Report(
         since_ms, until_ms, str(contracts_dir), gates.contracts.fingerprint,
         None if policy_file is None else str(policy_file), not no_references, examples,
+        offsets=offsets,
     )  # fmt: skip
     try:
         lookup = unknown_references if no_references else reference_lookup(s)
         replay(
             s, gates, lookup, report, wanted=selection(tenant, tool), slack_ms=int(slack_s * 1000)
         )
+    except OutOfRange as exc:
+        raise typer.BadParameter(str(exc), param_hint=_OFFSET_HINTS[exc.what]) from exc
     except (ReplayError, KafkaException, ValueError) as exc:
         _alarm("replay failed", f": {exc}")
         raise typer.Exit(2) from exc

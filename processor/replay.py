@@ -1,5 +1,5 @@
-"""Replay: the retained proposals of a time range decided again, in dry run, and compared
-with what was decided then.
+"""Replay: the retained proposals of a time range, or of an offset range of one
+partition, decided again, in dry run, and compared with what was decided then.
 
 The decision is a pure function of the record, the gates' configuration and the reference
 data (see ``pipeline``), so deciding a retained proposal again against other contracts or
@@ -11,19 +11,26 @@ topics are read through ``RetainedReader`` (no group, nothing committed), and Re
 only asked for reference data.
 
 Each proposal is decided at the time the processor decided it (its observation's
-timestamp; its record's time where nothing recorded says), so a token that has expired
-since, or a version sunsetted since, is judged as it stood then, a backlog's delay
-included. The recorded answers are read first for that reason. What was decided is the
-observation that answered the proposal's own record, found by its id (a digest of the
-record's position, see ``codec.records.observation_id``), not by ``proposal_id``: an
-agent may reuse a proposal id in another run, and a parked call's end or a routed call's
-result answers the same proposal id from another record. A proposal the processor
-dead-lettered has no observation: its dead letter, which names the record's position in
-its headers, is what was decided.
+timestamp, or its dead letter's; its record's time where nothing recorded says), so a
+token that has expired since, or a version sunsetted since, is judged as it stood then,
+a backlog's delay included. The recorded answers are read first for that reason. What
+was decided is the observation that answered the proposal's own record, found by its id
+(a digest of the record's position, see ``codec.records.observation_id``), not by
+``proposal_id``: an agent may reuse a proposal id in another run, and a parked call's end
+or a routed call's result answers the same proposal id from another record. A proposal
+the processor dead-lettered has no observation: its dead letter, which names the
+record's position and the gate that decided it in its headers, is what was decided. A
+decision is encoded as the processor encodes it (``encode_outputs``), so one whose
+outputs the processor could not write is replayed as the same dead letter.
+
+An offset range is read twice: once for its records' earliest and latest times, which
+bound when their answers were written (producers stamp their own records, so times need
+not follow offsets, and a range's ends alone would miss answers), then to decide it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -34,20 +41,26 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Message
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Message
 from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from processor.app import MESSAGE_MAX_BYTES, RECORD_OVERHEAD, max_output_bytes
 from processor.approvals import load_approvers
 from processor.codec.avro import codec
 from processor.codec.records import (
+    ENCODING_FAILED,
+    PLATFORM_FAULTS,
     dlq_headers,
+    encode_outputs,
     millis,
     observation_id,
     observation_record,
     position_id,
     printable,
+    tool_name,
+    unencodable,
 )
 from processor.config import Settings
 from processor.contracts.registry import load_contracts
@@ -55,8 +68,8 @@ from processor.gates.parse import Limits
 from processor.gates.semantic import RefAnswers, RefKey
 from processor.identity import Verifier
 from processor.kafka.offsets import source_record
-from processor.kafka.retained import BATCH, RetainedReader
-from processor.model import Decision, Gate, Outcome, SourceRecord
+from processor.kafka.retained import BATCH, OffsetRange, RetainedReader
+from processor.model import Decision, Gate, Outcome, SourceRecord, TaxonomyClass
 from processor.pipeline import Gates, Lookup, decide_batch_at
 from processor.policy import load_policy
 from processor.results import ADMITTED, is_compensation, refused_compensation
@@ -87,6 +100,14 @@ DEFAULT_SLACK_MS = 300_000
 """How long after ``until`` an answer is still looked for: a proposal near the end of the
 range is answered a little later, more so under a backlog."""
 
+DEFAULT_MAX_OUTPUT_BYTES = MESSAGE_MAX_BYTES - RECORD_OVERHEAD
+"""The largest output of a processor whose settings leave message.max.bytes alone."""
+
+UNKNOWN_GATE = "unknown"
+"""The gate of a dead letter that does not name its own (written before dead letters
+did) and whose reason does not imply one: an output that could not be encoded, after
+whichever gate decided it."""
+
 _LABEL = 64
 
 
@@ -113,7 +134,8 @@ class Verdict:
 class Recorded:
     """What was decided then, and when. ``admission``: decided by Redis, after every
     gate. ``decided_ms``: the time the processor decided at, which the replay decides at
-    too (None for a dead letter, which no time changes)."""
+    too; for a dead letter, the time it was written, in the transaction of its decision
+    (an output that could not be encoded was decided by gates that read the clock)."""
 
     verdict: Verdict
     admission: bool
@@ -153,7 +175,11 @@ def compare(recorded: Recorded | None, replayed: Verdict) -> Match:
         return Match.UNRECORDED
     if recorded.admission and replayed.decision != DEAD_LETTER:
         return Match.ADMISSION
-    return Match.SAME if recorded.verdict == replayed else Match.CHANGED
+    then = recorded.verdict
+    if then.gate == UNKNOWN_GATE:
+        # All the record says; the gate is not held against the replay.
+        then = dataclasses.replace(then, gate=replayed.gate)
+    return Match.SAME if then == replayed else Match.CHANGED
 
 
 def recorded_observation(obs: dict[str, Any]) -> Recorded:
@@ -176,7 +202,8 @@ def _header(headers: dict[str, str | bytes], name: str) -> str:
 def recorded_dead_letter(headers: Headers) -> tuple[tuple[str, int, int], Recorded]:
     """The position of the record a dead letter stands for, and the verdict it carries.
     KeyError or ValueError (UnicodeDecodeError among them) for a record whose headers do
-    not say."""
+    not say. A dead letter after an admission gate (an output that could not be encoded
+    once Redis had decided) is admission's, as its observation would have been."""
     pairs = headers.items() if isinstance(headers, dict) else headers
     h = {k: v for k, v in pairs if v is not None}
     position = (
@@ -184,24 +211,40 @@ def recorded_dead_letter(headers: Headers) -> tuple[tuple[str, int, int], Record
         int(_header(h, "source.partition")),
         int(_header(h, "source.offset")),
     )
-    reason = _header(h, "error.reason")
-    gate = Gate.INTERNAL if reason == "internal_error" else Gate.PARSE
-    return position, Recorded(Verdict(DEAD_LETTER, _header(h, "error.class"), gate.value), False)
+    taxonomy, reason = _header(h, "error.class"), _header(h, "error.reason")
+    gate = _dead_letter_gate(h, reason, taxonomy)
+    if reason in PLATFORM_FAULTS and "toolsentry.error.gate" not in h:
+        # Written before dead letters named their gate, when the platform's own faults
+        # were classed as parse failures: read as today's processor classes them.
+        taxonomy = TaxonomyClass.UNKNOWN_ERROR.value
+    verdict = Verdict(DEAD_LETTER, taxonomy, gate)
+    return position, Recorded(verdict, gate in ADMISSION_GATES)
 
 
-def replayed(d: Decision, contract_set: str) -> Replayed:
-    """The replayed decision worded as the processor would have answered it: through the
-    observation's own builder, or the dead letter's headers."""
+def _dead_letter_gate(h: dict[str, str | bytes], reason: str, taxonomy: str) -> str:
+    """The gate a dead letter names; for one written before dead letters named it, the
+    gate its reason and class imply (an unusable approval is a confirmation problem, the
+    results' reasons all start ``result_``)."""
+    if "toolsentry.error.gate" in h:
+        return _header(h, "error.gate")
+    if taxonomy == TaxonomyClass.CONFIRMATION_MISSING.value:
+        return Gate.APPROVAL.value
+    if reason == "internal_error":
+        return Gate.INTERNAL.value
+    if reason == ENCODING_FAILED:
+        return UNKNOWN_GATE
+    if reason.startswith("result_"):
+        return Gate.RESULT.value
+    return Gate.PARSE.value
+
+
+def replayed(d: Decision, contract_set: str, max_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> Replayed:
+    """The replayed decision worded as the processor would have answered it: encoded by
+    the processor's own function against its output limit (``max_bytes``), so outputs it
+    could not write are the same dead letter; then worded through the observation's own
+    builder, or the dead letter's headers."""
     src = d.source
     where = (src.topic, src.partition, src.offset)
-    if d.outcome is Outcome.DEAD_LETTER:
-        cls = dict(dlq_headers(d))["toolsentry.error.class"]
-        text = cls.decode() if isinstance(cls, bytes) else str(cls)
-        verdict = Verdict(DEAD_LETTER, text, d.gate.value)
-        return Replayed(
-            observation_id(d), where, None, None, "(dead letter)", False, verdict,
-            f"dead letter: {d.dlq_reason}",
-        )  # fmt: skip
     if d.outcome is Outcome.REJECTED and is_compensation(d.proposal):
         # As the processor answers a refusal of its own compensating call: admission takes
         # every proposal whose principal verified (Processor._admit marks it), after which
@@ -209,6 +252,26 @@ def replayed(d: Decision, contract_set: str) -> Replayed:
         if d.principal is not None:
             d.extra[ADMITTED] = True
         refused_compensation(d)
+    if d.outcome is not Outcome.DEAD_LETTER:
+        try:
+            encode_outputs(d, contract_set, max_bytes)
+        except Exception as exc:  # as Processor._encode: whatever the encoders raise
+            logger.warning("%s/%s@%s: outputs that would not be encoded: %r",
+                           src.topic, src.partition, src.offset, exc)  # fmt: skip
+            unencodable(d, exc)
+    if d.outcome is Outcome.DEAD_LETTER:
+        _, as_written = recorded_dead_letter(dlq_headers(d))
+        p = d.proposal
+        if p is None:
+            return Replayed(
+                observation_id(d), where, None, None, "(dead letter)", False,
+                as_written.verdict, f"dead letter: {d.dlq_reason}",
+            )  # fmt: skip
+        return Replayed(
+            observation_id(d), where, p.proposal_id, p.run_id,
+            printable(tool_name(d), _LABEL) or "(no tool)", is_compensation(p),
+            as_written.verdict, f"dead letter: {d.dlq_reason}",
+        )  # fmt: skip
     datum = observation_record(d, contract_set)
     verdict = Verdict(datum["decision"], datum["status"]["taxonomy_class"], datum["gate"])
     return Replayed(
@@ -283,6 +346,16 @@ class Report:
     consume_errors: int = 0
     incomplete: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    offsets: OffsetRange | None = None
+    """A partition of tool.proposals to replay alone, within the time range; or, with a
+    first offset, an offset range of it instead of a time range, closed at its end when
+    the replay starts. ``since_ms`` and ``until_ms`` are then its records' earliest and
+    latest times (None while it is not read, or holds no record)."""
+
+    @property
+    def by_offsets(self) -> bool:
+        """Whether the range is an offset range, not a time range."""
+        return self.offsets is not None and self.offsets.first is not None
 
     @property
     def replayed(self) -> int:
@@ -312,12 +385,18 @@ class Report:
         return sorted(self.changes.values(), key=lambda c: (c.tool, c.compensation, -c.count))
 
     def as_dict(self) -> dict[str, Any]:
+        o = self.offsets
         return {
             "range": {
                 "since": _iso(self.since_ms),
                 "until": _iso(self.until_ms),
                 "since_ms": self.since_ms,
                 "until_ms": self.until_ms,
+                "by_offsets": self.by_offsets,
+                "topic": None if o is None else o.topic,
+                "partition": None if o is None else o.partition,
+                "from_offset": None if o is None else o.first,
+                "to_offset": None if o is None else o.last,
             },
             "contracts": self.contracts,
             "contract_set": {"replayed": self.contract_set, "recorded": dict(self.recorded_sets)},
@@ -399,8 +478,8 @@ Select = Callable[[Decision], bool]
 
 
 def selection(tenant: str | None, tool: str | None) -> Select:
-    """``--tenant`` and ``--tool``, on what the proposal claims (a dead letter claims
-    nothing, so either option leaves it out)."""
+    """``--tenant`` and ``--tool``, on what the proposal claims (a record that could not
+    be parsed claims nothing, so either option leaves it out)."""
 
     def wanted(d: Decision) -> bool:
         p = d.proposal
@@ -429,18 +508,44 @@ def decide_range(
     answers: Answers,
 ) -> None:
     """Every proposal of the range decided again, at the time it was decided then (its
-    record's time when nothing recorded says), and those ``wanted`` compared."""
+    record's time when nothing recorded says), encoded against the processor's output
+    limit, and those ``wanted`` compared."""
+    timed = not report.by_offsets
     reader = RetainedReader(
-        settings, [settings.topics.proposals], since_ms=report.since_ms, until_ms=report.until_ms
+        settings,
+        [settings.topics.proposals],
+        since_ms=report.since_ms if timed else None,
+        until_ms=report.until_ms if timed else None,
+        offsets=report.offsets,
     )
     fingerprint = gates.contracts.fingerprint
+    limit = max_output_bytes(settings)
     for batch in _batches(reader):
         report.read += len(batch)
         for d in decide_batch_at(batch, gates, answers.decided_at, lookup):
             if wanted(d):
-                again = replayed(d, fingerprint)
+                again = replayed(d, fingerprint, limit)
                 report.add(again, answers.of(again))
     _read_reach(report, reader)
+
+
+def span_offsets(settings: Settings, report: Report) -> None:
+    """Read an offset range once before it is replayed: close it at its end as it stands
+    now (a proposal written later would find no answer read), and take its records'
+    earliest and latest times as the report's range, over which their answers are read.
+    Every record's time counts, not the range's ends: producers stamp their own records.
+    OutOfRange for a range the partition does not hold."""
+    assert report.offsets is not None
+    reader = RetainedReader(settings, [report.offsets.topic], offsets=report.offsets)
+    earliest = latest = None
+    for m in reader:
+        kind, t = m.timestamp()
+        if kind != TIMESTAMP_NOT_AVAILABLE:
+            earliest = t if earliest is None else min(earliest, t)
+            latest = t if latest is None else max(latest, t)
+    for reach in reader.planned:  # the range's one partition, unless its topic is missing
+        report.offsets = dataclasses.replace(report.offsets, last=reach.end - 1)
+    report.since_ms, report.until_ms = earliest, latest
 
 
 @dataclass
@@ -455,8 +560,11 @@ class Answers:
         return self.observations.get(r.observation_id) or self.dead_letters.get(r.position)
 
     def decided_at(self, src: SourceRecord) -> int:
-        """When the record was decided then: its observation's time, else its own."""
-        recorded = self.observations.get(position_id(src.topic, src.partition, src.offset))
+        """When the record was decided then: its observation's or its dead letter's time,
+        else its own."""
+        recorded = self.observations.get(
+            position_id(src.topic, src.partition, src.offset)
+        ) or self.dead_letters.get((src.topic, src.partition, src.offset))
         if recorded is None or recorded.decided_ms is None:
             return src.timestamp_ms
         return recorded.decided_ms
@@ -478,6 +586,9 @@ def read_answers(settings: Settings, report: Report, slack_ms: int) -> Answers:
         try:
             if m.topic() == topics.dlq:
                 position, recorded = recorded_dead_letter(m.headers() or [])
+                kind, written_ms = m.timestamp()
+                if kind != TIMESTAMP_NOT_AVAILABLE:
+                    recorded = dataclasses.replace(recorded, decided_ms=written_ms)
                 answers.dead_letters.setdefault(position, recorded)
                 continue
             if value is None:
@@ -505,10 +616,16 @@ def replay(
 ) -> Report:
     """Read what was decided, decide the range again and compare: the whole of
     ``toolsentry replay``. A range open at its end is closed now, before anything is read:
-    proposals made while the replay reads would find no answer written yet."""
-    if report.until_ms is None:
+    proposals made while the replay reads would find no answer written yet. OutOfRange
+    for an offset range the partition does not hold."""
+    if report.by_offsets:
+        span_offsets(settings, report)
+    elif report.until_ms is None:
         report.until_ms = int(time.time() * 1000)
-    answers = read_answers(settings, report, slack_ms)
+    if report.by_offsets and report.since_ms is None:
+        answers = Answers()  # no record in the range: nothing can have answered it
+    else:
+        answers = read_answers(settings, report, slack_ms)
     decide_range(settings, gates, lookup, report, wanted or selection(None, None), answers)
     return report
 
@@ -518,8 +635,8 @@ def render(doc: dict[str, Any]) -> Iterator[RenderableType]:
     what, the changes by tool, then the totals."""
     span, sets, t = doc["range"], doc["contract_set"], doc["totals"]
     yield Text(
-        f"replay {span['since']} .. {span['until'] or 'now'}: {doc['proposals']['read']} "
-        f"proposals read, {doc['proposals']['replayed']} replayed"
+        f"replay {_range(span)}: {doc['proposals']['read']} proposals read, "
+        f"{doc['proposals']['replayed']} replayed"
     )
     recorded = ", ".join(f"{fp} ({n})" for fp, n in sets["recorded"].items()) or "none"
     yield Text(f"contracts {doc['contracts']} ({sets['replayed']}); recorded with {recorded}")
@@ -547,6 +664,17 @@ def render(doc: dict[str, Any]) -> Iterator[RenderableType]:
         f"unreadable records {t['unreadable_records']}, partitions not read to their end "
         f"{len(doc['partitions_not_read_to_end'])}"
     )
+
+
+def _range(span: dict[str, Any]) -> str:
+    times = f"{span['since']} .. {span['until'] or 'now'}"
+    if span["partition"] is None:
+        return times
+    where = f"{span['topic']}/{span['partition']}"
+    if not span["by_offsets"]:
+        return f"{times}, {where}"
+    records = f"records {times}" if span["since"] is not None else "no record"
+    return f"{where} offsets {span['from_offset']}..{span['to_offset']} ({records})"
 
 
 def _verdict(v: dict[str, str]) -> str:

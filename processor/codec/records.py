@@ -9,8 +9,9 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from functools import cache, lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
+from processor import faults
 from processor.codec.avro import _DOUBLE, _timestamp_varint, codec
 from processor.codec.avro import _zigzag_varint as _varint
 from processor.gates.policy_scan import quotable
@@ -75,9 +76,7 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
         "decision": kind,
         "gate": d.gate.value,
         "tool_identity": {
-            # A name no contract has is the model's own text: quoted back only when it
-            # does not look like a credential.
-            "name": (p.tool_name or "") if d.contract_name else quotable(p.tool_name or ""),
+            "name": tool_name(d),
             "version": d.contract_version,
             "call_id": p.proposal_id,
             "side_effect_class": d.side_effect_class.value if d.side_effect_class else None,
@@ -129,6 +128,14 @@ def observation_record(d: Decision, contract_set: str | None) -> dict[str, Any]:
         "approval_request_id": d.approval_request["request_id"] if parked else None,
         "retry_after_ms": d.retry_after_ms,
     }
+
+
+def tool_name(d: Decision) -> str:
+    """The tool a decision's observation names. A name no contract has is the model's own
+    text: quoted back only when it does not look like a credential."""
+    p = d.proposal
+    assert p is not None, "dead letters have no observation"
+    return (p.tool_name or "") if d.contract_name else quotable(p.tool_name or "")
 
 
 def _success_action(d: Decision) -> str:
@@ -305,6 +312,51 @@ def encode_approved_call(d: Decision, contract_set: str | None) -> bytes:
     return codec("approved_call").encode(approved_call_record(d, contract_set))
 
 
+class Outputs(NamedTuple):
+    """What a decision writes besides a dead letter, encoded: its observation, and the
+    approved call, the approval request and the compensating proposal where it has one.
+    A tuple: one is made for every record the processor answers."""
+
+    observation: bytes
+    call: bytes | None = None
+    request: bytes | None = None
+    compensation: bytes | None = None
+
+
+ENCODING_FAILED = "encoding_failed"
+"""The reason of the dead letter of a decision whose outputs cannot be written."""
+
+
+def encode_outputs(d: Decision, contract_set: str | None, max_bytes: int) -> Outputs:
+    """Every output of a decision that is not a dead letter, as the processor writes them
+    and replay words them: one function, so a decision replayed fails to encode exactly
+    where the processor's did. Raises whatever the encoders raise, and ValueError for an
+    output over ``max_bytes``, which the broker would refuse."""
+    if faults.POISON_ENCODING:
+        faults.poison_encoding(d.source.value)
+    call = request = None
+    if d.outcome is Outcome.ROUTED and d.side_effect_class is not None:
+        call = encode_approved_call(d, contract_set)
+    if d.outcome is Outcome.PARKED:
+        request = encode_approval_request(d, contract_set)
+    observation = encode_observation(d, contract_set)
+    compensation: bytes | None = d.extra.get("compensation")
+    largest = max(len(observation), len(call or b""), len(request or b""),
+                  len(compensation or b""))  # fmt: skip
+    if largest > max_bytes:
+        raise ValueError(f"an output of {largest} bytes, over message.max.bytes")
+    return Outputs(observation, call, request, compensation)
+
+
+def unencodable(d: Decision, exc: Exception) -> Decision:
+    """``d`` turned into the dead letter of a record whose outputs cannot be written: it
+    must neither stop its partition nor be routed. It keeps the gate that decided it, which
+    its dead letter names."""
+    d.dlq_reason, d.dlq_detail = ENCODING_FAILED, f"{type(exc).__name__}: {exc}"[:500]
+    d.outcome = Outcome.DEAD_LETTER
+    return d
+
+
 DLQ_MAX_VALUE_BYTES = 512 * 1024
 """A dead letter keeps at most this much of the original value, so that value plus
 headers always fits under the broker's default message size limit (1 MB); a
@@ -340,8 +392,16 @@ def dlq_record(
     return key, dlq_value(d.source.value, limit), [*extra, *dlq_headers(d, limit)]
 
 
+PLATFORM_FAULTS = frozenset({"internal_error", ENCODING_FAILED})
+"""Dead letters that say nothing of the record, only that the platform failed on it."""
+
+
 def _dlq_class(d: Decision) -> bytes:
-    """An unusable approval decision is a confirmation problem; anything else, a parse one."""
+    """A record the platform failed on (a defect while deciding it, outputs it could not
+    write) is an ``UNKNOWN_ERROR``, as the taxonomy classes internal faults; an unusable
+    approval decision is a confirmation problem; anything else, a parse one."""
+    if d.dlq_reason in PLATFORM_FAULTS:
+        return TaxonomyClass.UNKNOWN_ERROR.value.encode()
     if d.gate is Gate.APPROVAL:
         return TaxonomyClass.CONFIRMATION_MISSING.value.encode()
     return TaxonomyClass.SYNTACTIC_PARSE_FAIL.value.encode()
@@ -350,6 +410,9 @@ def _dlq_class(d: Decision) -> bytes:
 def dlq_headers(
     d: Decision, limit: int = DLQ_MAX_VALUE_BYTES
 ) -> list[tuple[str, str | bytes | None]]:
+    """Why and where: the taxonomy class, the gate that decided the record (``parse``,
+    ``internal``, ``approval``, ``result``; for an output that could not be encoded, the
+    gate whose decision it was), the reason and its detail, and the record's position."""
     s = d.source
     extra: list[tuple[str, str | bytes | None]] = []
     if s.value is not None and len(s.value) > limit:
@@ -360,6 +423,7 @@ def dlq_headers(
     return [
         *extra,
         ("toolsentry.error.class", _dlq_class(d)),
+        ("toolsentry.error.gate", d.gate.value.encode()),
         ("toolsentry.error.reason", (d.dlq_reason or "unknown").encode()),
         ("toolsentry.error.detail", (d.dlq_detail or "").encode("utf-8", "replace")[:1000]),
         ("toolsentry.source.topic", s.topic.encode()),

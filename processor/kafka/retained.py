@@ -7,6 +7,12 @@ partition is read from the first record at or after ``since`` up to its end when
 began, the last stable offset (a transaction still open then is not waited for), or to
 the first record after ``until``, so a busy topic cannot keep it reading for ever.
 
+An ``OffsetRange`` narrows one topic to one partition, and that partition to offsets an
+incident names (a consumer-lag alert, a dead letter's headers), within the time range if
+one is given too. A partition the topic does not have, or offsets the partition does not
+hold (no longer retained, or not written yet), are refused with ``OutOfRange`` before
+anything is read, rather than read as an empty range.
+
 Times are the records' own (``CreateTime``), looked up with the broker's time index. The
 broker stamps a transaction's commit marker with its own clock, so a record produced
 with a time far older than its write can fall outside a range that names that time.
@@ -46,24 +52,83 @@ class Reach:
     reached: int
 
 
+class OutOfRange(ValueError):
+    """An ``OffsetRange`` the topic does not hold. ``what`` names the bound at fault:
+    ``partition``, ``first`` or ``last``."""
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetRange:
+    """One partition of a topic, from offset ``first`` to ``last``, both included; None
+    for the first retained offset and the end as reading begins."""
+
+    topic: str
+    partition: int
+    first: int | None = None
+    last: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.partition < 0 or min(self.first or 0, self.last or 0) < 0:
+            raise ValueError(f"{self}: partitions and offsets are not negative")
+        if self.first is not None and self.last is not None and self.last < self.first:
+            raise ValueError(f"{self}: the last offset is before the first")
+
+    def __str__(self) -> str:
+        first = "" if self.first is None else self.first
+        last = "" if self.last is None else self.last
+        return f"{self.topic}/{self.partition} offsets {first}..{last}"
+
+    def bounds(self, low: int, high: int) -> tuple[int, int]:
+        """Where to start and end (exclusive) in a partition that holds offsets ``low`` to
+        ``high - 1`` to be read. OutOfRange for an offset it does not hold: one no
+        longer retained, or one not written (or not yet stable) when reading begins."""
+        where = f"{self.topic}/{self.partition}"
+        holds = f"it holds {low}..{high - 1}" if high > low else "it holds no record"
+        first = low if self.first is None else self.first
+        if self.first is not None and not low <= first < high:
+            gone = "is no longer retained" if first < low else "is not written yet"
+            raise OutOfRange("first", f"offset {first} of {where} {gone}: {holds}")
+        if self.last is not None and not low <= self.last < high:
+            gone = "is no longer retained" if self.last < low else "is not written yet"
+            raise OutOfRange("last", f"offset {self.last} of {where} {gone}: {holds}")
+        return first, high if self.last is None else self.last + 1
+
+    def check_partition(self, count: int) -> None:
+        """OutOfRange unless a topic of ``count`` partitions has this one."""
+        if self.partition >= count:
+            raise OutOfRange(
+                "partition",
+                f"{self.topic} has no partition {self.partition}: its partitions are "
+                f"0..{count - 1}",
+            )
+
+
 @dataclass
 class RetainedReader:
     """Iterate over the committed records of ``topics`` between ``since_ms`` and
     ``until_ms`` (epoch milliseconds, each None for the earliest retained record and the
     end as reading begins), partition by partition in offset order, partitions
     interleaved. ``partitions`` narrows a topic to some of its partitions (a run's
-    records are all in the partition its key maps to).
+    records are all in the partition its key maps to); ``offsets`` narrows its topic to
+    one partition and an offset range of it (OutOfRange, raised as the iteration begins,
+    for one the topic does not hold).
 
-    After the iteration: ``incomplete`` names the partitions not read to their end,
-    ``missing`` the topics that do not exist, ``errors`` counts the consume errors seen
-    (each logged)."""
+    After the iteration: ``planned`` holds each partition's read as planned when it
+    began, ``incomplete`` names the partitions not read to their end, ``missing`` the
+    topics that do not exist, ``errors`` counts the consume errors seen (each logged)."""
 
     settings: Settings
     topics: Iterable[str]
     since_ms: int | None = None
     until_ms: int | None = None
     partitions: dict[str, set[int]] | None = None
+    offsets: OffsetRange | None = None
     idle_s: float = 10.0
+    planned: list[Reach] = field(default_factory=list)
     incomplete: list[Reach] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     errors: int = 0
@@ -94,19 +159,35 @@ class RetainedReader:
             if meta is None or meta.error is not None or not meta.partitions:
                 self.missing.append(topic)
                 continue
+            narrowed = self.offsets if self.offsets and self.offsets.topic == topic else None
+            if narrowed is not None:
+                narrowed.check_partition(len(meta.partitions))
             wanted = self.partitions.get(topic) if self.partitions else None
             for p in sorted(meta.partitions):
                 if wanted is not None and p not in wanted:
                     continue
-                low, high = watermarks(consumer, TopicPartition(topic, p))
-                start = self._offset_at(consumer, topic, p, self.since_ms, low, high)
-                end = high
-                if self.until_ms is not None:
-                    end = self._offset_at(consumer, topic, p, self.until_ms + 1, low, high)
-                if start < end:
-                    reaches[(topic, p)] = Reach(topic, p, start, end, start)
+                if narrowed is not None and p != narrowed.partition:
+                    continue
+                reach = self._reach(consumer, topic, p, narrowed)
+                if reach.start < reach.end:
+                    reaches[(topic, p)] = reach
+        self.planned = list(reaches.values())
         consumer.assign([TopicPartition(r.topic, r.partition, r.start) for r in reaches.values()])
         return reaches
+
+    def _reach(
+        self, consumer: Consumer, topic: str, partition: int, narrowed: OffsetRange | None
+    ) -> Reach:
+        """One partition's read: its time range, within its offset range if it has one."""
+        low, high = watermarks(consumer, TopicPartition(topic, partition))
+        start = self._offset_at(consumer, topic, partition, self.since_ms, low, high)
+        end = high
+        if self.until_ms is not None:
+            end = self._offset_at(consumer, topic, partition, self.until_ms + 1, low, high)
+        if narrowed is not None:
+            first, after = narrowed.bounds(low, high)
+            start, end = max(start, first), min(end, after)
+        return Reach(topic, partition, start, end, start)
 
     @staticmethod
     def _offset_at(

@@ -1,5 +1,6 @@
 """Reading retained topics over a time range (the incident tools' way in), against the
-real broker: committed records only, the range's ends, and an end that never comes."""
+real broker: committed records only, the range's ends, an end that never comes, and
+offset ranges of one partition, refused where the partition does not hold them."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import time
 import uuid
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from processor.config import Settings
-from processor.kafka.retained import RetainedReader
+from processor.kafka.offsets import watermarks
+from processor.kafka.retained import OffsetRange, OutOfRange, RetainedReader
 from tests.integration.harness import isolated
 
 pytestmark = pytest.mark.integration
@@ -39,6 +41,23 @@ def _boundary() -> int:
     at = int(time.time() * 1000)
     time.sleep(1.1)
     return at
+
+
+def _stable(settings: Settings, topic: str, end: int) -> None:
+    """Wait for partition 0's last stable offset to reach ``end``: the coordinator writes a
+    transaction's markers after its commit returns."""
+    consumer = Consumer(
+        settings.client_config(
+            **{"group.id": f"lso-{uuid.uuid4()}", "isolation.level": "read_committed"}
+        )
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while watermarks(consumer, TopicPartition(topic, 0))[1] < end:
+            assert time.monotonic() < deadline, f"{topic}/0 never became stable at {end}"
+            time.sleep(0.1)
+    finally:
+        consumer.close()
 
 
 def _values(reader: RetainedReader) -> list[str]:
@@ -109,3 +128,58 @@ def test_a_since_before_the_epoch_reads_from_the_start(stack_settings: Settings)
         assert _values(RetainedReader(s, [s.topics.proposals], since_ms=since)) == ["a", "b"]
     before = RetainedReader(s, [s.topics.proposals], since_ms=-5, until_ms=-2)
     assert _values(before) == []
+
+
+def test_an_offset_range_reads_its_committed_records_and_no_others(
+    stack_settings: Settings,
+) -> None:
+    """Offsets 0-2 committed (3: its marker), 4-5 aborted (6: its marker), 7-8 committed
+    (9: its marker): a range counts offsets, markers and aborted records among them."""
+    s = isolated(stack_settings, f"retained-{uuid.uuid4().hex[:6]}")
+    topic = s.topics.proposals
+    p = _producer(s)
+    _put(p, topic, ["a", "b", "c"], commit=True)
+    p.begin_transaction()
+    for v in ("aborted-1", "aborted-2"):
+        p.produce(topic, v.encode(), partition=0)
+    p.flush(10)  # on the log before the abort, not dropped by the client
+    p.abort_transaction(30)
+    _put(p, topic, ["d", "e"], commit=True)
+    _stable(s, topic, 10)
+
+    def read(offsets: OffsetRange, **times: int) -> list[str]:
+        reader = RetainedReader(s, [topic, s.topics.observations], offsets=offsets, **times)
+        values = _values(reader)
+        assert reader.incomplete == [] and reader.missing == []
+        return values
+
+    assert read(OffsetRange(topic, 0, 1, 7)) == ["b", "c", "d"]
+    assert read(OffsetRange(topic, 0, 0, 0)) == ["a"]
+    assert read(OffsetRange(topic, 0, 3, 6)) == []
+    open_ended = RetainedReader(s, [topic], offsets=OffsetRange(topic, 0, 7))
+    assert _values(open_ended) == ["d", "e"]
+    assert [(r.partition, r.start, r.end) for r in open_ended.planned] == [(0, 7, 10)]
+    assert read(OffsetRange(topic, 0)) == ["a", "b", "c", "d", "e"]
+    # Within a time range as well, a range reads what both hold.
+    assert read(OffsetRange(topic, 0, 1, 8), since_ms=int(time.time() * 1000) + 60_000) == []
+
+
+def test_offsets_a_partition_does_not_hold_are_refused_before_anything_is_read(
+    stack_settings: Settings,
+) -> None:
+    s = isolated(stack_settings, f"retained-{uuid.uuid4().hex[:6]}")
+    topic = s.topics.proposals
+    _put(_producer(s), topic, ["a", "b"], commit=True)  # offsets 0-1, its marker 2
+    _stable(s, topic, 3)
+    refused = [
+        (OffsetRange(topic, 0, 3), "first", "offset 3 of " + topic + "/0 is not written yet: "
+         "it holds 0..2"),
+        (OffsetRange(topic, 0, 1, 3), "last", "offset 3 of " + topic + "/0 is not written"),
+        (OffsetRange(topic, 1, 0), "first", "it holds no record"),
+        (OffsetRange(topic, 6), "partition", f"{topic} has no partition 6: its partitions "
+         "are 0..5"),
+    ]  # fmt: skip
+    for offsets, what, says in refused:
+        with pytest.raises(OutOfRange) as exc:
+            list(RetainedReader(s, [topic], offsets=offsets))
+        assert exc.value.what == what and says in str(exc.value), exc.value

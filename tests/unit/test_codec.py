@@ -25,6 +25,7 @@ from processor.codec.records import (
     encode_observation,
     observation_id,
     observation_record,
+    unencodable,
 )
 from processor.contracts.registry import ContractSet
 from processor.identity import DEVELOPMENT_WARNING
@@ -283,12 +284,34 @@ def test_dlq_headers(contracts: ContractSet) -> None:
     assert d.outcome is Outcome.DEAD_LETTER
     assert dict(dlq_headers(d)) == {
         "toolsentry.error.class": b"SYNTACTIC_PARSE_FAIL",
+        "toolsentry.error.gate": b"parse",
         "toolsentry.error.reason": b"duplicate_key",
         "toolsentry.error.detail": b"envelope is not strict JSON: duplicate key 'run_id'",
         "toolsentry.source.topic": TOPIC.encode(),
         "toolsentry.source.partition": str(PARTITION).encode(),
         "toolsentry.source.offset": str(OFFSET).encode(),
     }
+
+
+def test_a_record_the_platform_failed_on_is_an_unknown_error_in_the_dlq(
+    contracts: ContractSet, routed: Decision
+) -> None:
+    """The taxonomy classes internal faults UNKNOWN_ERROR: a dead letter of a defect while
+    deciding, or of outputs that could not be written, says nothing wrong of the record."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("processor.pipeline.parse_proposal", _raise)
+        internal = decide(
+            record(orjson.dumps(envelope())), Gates.development(contracts, LIMITS), NOW_MS
+        )
+    assert internal.dlq_reason == "internal_error"
+    assert dict(dlq_headers(internal))["toolsentry.error.class"] == b"UNKNOWN_ERROR"
+    unwritten = dict(dlq_headers(unencodable(dataclasses.replace(routed), ValueError("big"))))
+    assert unwritten["toolsentry.error.class"] == b"UNKNOWN_ERROR"
+    assert unwritten["toolsentry.error.gate"] == b"route"
+
+
+def _raise(*args: object) -> None:
+    raise RuntimeError("a defect")
 
 
 # --- decode_any -------------------------------------------------------------------------------

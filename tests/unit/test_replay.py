@@ -1,5 +1,6 @@
 """Replay's pure parts: recorded answers read back from the processor's own records, the
-comparison (the admission rule among them), grouping and totals."""
+comparison (the admission rule among them), outputs encoded as the processor encodes them,
+the gate each dead letter names, grouping and totals, and the range options."""
 
 from __future__ import annotations
 
@@ -11,17 +12,32 @@ from typing import Any
 
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 from rich.console import Console
+from typer.testing import CliRunner
 
+from processor.app import Processor, max_output_bytes
+from processor.approval_flow import dead_letter
+from processor.cli import app
 from processor.codec.avro import codec
-from processor.codec.records import dlq_record, encode_observation, position_id
+from processor.codec.records import (
+    dlq_headers,
+    dlq_record,
+    encode_observation,
+    position_id,
+    unencodable,
+)
+from processor.config import Settings
 from processor.contracts.registry import ContractSet
 from processor.gates.budget import apply_verdict
+from processor.kafka.retained import OffsetRange
+from processor.metrics import Metrics
 from processor.model import Decision, Gate, Outcome, SourceRecord
-from processor.pipeline import decide, decide_batch_at
+from processor.pipeline import decide, decide_batch_at, internal_error
 from processor.policy import Budgets
 from processor.replay import (
     DEAD_LETTER,
+    UNKNOWN_GATE,
     Answers,
     Match,
     Recorded,
@@ -42,7 +58,15 @@ from processor.results import (
     compensation_proposal_id,
     refused_compensation,
 )
-from tests.unit.helpers import NOW_MS, decide_arguments, envelope, gates, record
+from tests.unit.helpers import (
+    CONTRACTS_DIR,
+    LIMITS,
+    NOW_MS,
+    decide_arguments,
+    envelope,
+    gates,
+    record,
+)
 
 FP = "sha256:0123456789abcdef"
 
@@ -315,3 +339,229 @@ def test_a_refused_compensation_is_compared_as_the_processor_answered_it(
     # Anyone's proposal that only borrows the key keeps its own answer, then as now.
     borrowed = _search(contracts, limit=0, idempotency_key=compensation_key(key))
     assert replayed(borrowed, FP).verdict == Verdict("REJECTED", "OUT_OF_BOUNDS", "schema")
+
+
+# --- outputs the processor could not write ----------------------------------------------------
+
+
+class _Consumed:
+    """What ``Processor._encode`` reads of a consumed record."""
+
+    def __init__(self, src: SourceRecord) -> None:
+        self.src = src
+
+    def key(self) -> bytes | None:
+        return self.src.key
+
+    def value(self) -> bytes | None:
+        return self.src.value
+
+    def partition(self) -> int:
+        return self.src.partition
+
+    def offset(self) -> int:
+        return self.src.offset
+
+
+def _summarise(contracts: ContractSet) -> Decision:
+    """A routed call whose approved call takes some 3,300 bytes (its observation, 450)."""
+    text = "word " * 600
+    d = decide_arguments(contracts, "summarise",
+                         {"text": text, "max_words": 60, "style": "paragraph"})  # fmt: skip
+    assert d.outcome is Outcome.ROUTED
+    return d
+
+
+def _settings(**producer: Any) -> Settings:
+    return Settings(contracts_dir=CONTRACTS_DIR, policy_file=None, metrics_port=0,
+                    redis_url="redis://127.0.0.1:1/0", producer=producer)  # fmt: skip
+
+
+def _processor(**producer: Any) -> Processor:
+    """It touches no broker or Redis until it runs."""
+    return Processor(_settings(**producer), metrics=Metrics(CollectorRegistry()))
+
+
+def _written(p: Processor, d: Decision) -> list[Any]:
+    out: list[Any] = []
+    p._encode(out, _Consumed(d.source), d)
+    return out
+
+
+def test_outputs_the_processor_could_not_write_replay_as_the_same_dead_letter(
+    contracts: ContractSet,
+) -> None:
+    """The processor dead-letters a call whose outputs its producer would refuse; replay
+    encodes against the same limit, so the same call is the same dead letter, not a
+    change, and keeps the proposal and tool it names."""
+    p = _processor(**{"message.max.bytes": 5000})
+    [(topic, _, _, headers)] = _written(p, _summarise(contracts))
+    assert topic == p.settings.topics.dlq
+    position, recorded = recorded_dead_letter(headers)
+    assert recorded.verdict == Verdict(DEAD_LETTER, "UNKNOWN_ERROR", "route")
+    again = replayed(_summarise(contracts), FP, max_output_bytes(p.settings))
+    assert again.position == position
+    assert again.verdict == recorded.verdict
+    assert compare(recorded, again.verdict) is Match.SAME
+    assert (again.proposal_id, again.run_id, again.tool) == ("prop-1", "run-1", "summarise")
+    assert again.next_action == "dead letter: encoding_failed"
+    # Where the processor's limit is librdkafka's own, the call is written and routed: a
+    # processor with those settings would decide otherwise today.
+    assert max_output_bytes(_settings()) == 1_000_000 - 4096
+    routed = replayed(_summarise(contracts), FP, max_output_bytes(_settings()))
+    assert routed.verdict == Verdict("ROUTED", "SUCCESS", "route")
+    assert compare(recorded, routed.verdict) is Match.CHANGED
+
+
+def test_outputs_written_are_the_ones_replay_encodes(contracts: ContractSet) -> None:
+    p = _processor()
+    written = _written(p, _summarise(contracts))
+    assert [t for t, *_ in written] == [
+        p.settings.topics.execution("READ_ONLY"),
+        p.settings.topics.observations,
+    ]
+    assert replayed(_summarise(contracts), FP).verdict == _recorded(_summarise(contracts)).verdict
+
+
+def test_an_output_not_written_after_admission_decided_is_admissions(
+    contracts: ContractSet,
+) -> None:
+    """Redis refused the call, then its observation could not be written: its dead letter
+    names the admission gate, and is excused as the observation would have been."""
+    refused = _refused_by_admission(_summarise(contracts), "rate_limited")
+    _, recorded = recorded_dead_letter(dlq_headers(unencodable(refused, ValueError("big"))))
+    assert recorded.verdict == Verdict(DEAD_LETTER, "UNKNOWN_ERROR", "budget")
+    assert recorded.admission
+    assert compare(recorded, replayed(_summarise(contracts), FP).verdict) is Match.ADMISSION
+
+
+# --- the gate a dead letter names -------------------------------------------------------------
+
+
+def _dead_letters(contracts: ContractSet) -> dict[str, Decision]:
+    """A dead letter of each gate that writes one, by that gate."""
+    approvals = record(b"{}", topic="tool.approvals")
+    results = record(b"not avro", topic="tool.results")
+    return {
+        "parse": _dead_letter(contracts),
+        "internal": internal_error(record(b"\xff"), LIMITS, NOW_MS, RuntimeError("defect")),
+        "approval": dead_letter(approvals, "approval_unknown_request", "req_1"),
+        "result": dead_letter(results, "result_invalid", "not a result", Gate.RESULT),
+        "route": unencodable(_summarise(contracts), ValueError("over message.max.bytes")),
+    }
+
+
+def test_each_dead_letter_names_the_gate_that_decided_it(contracts: ContractSet) -> None:
+    for gate, d in _dead_letters(contracts).items():
+        assert d.outcome is Outcome.DEAD_LETTER
+        headers = dlq_headers(d)
+        assert dict(headers)["toolsentry.error.gate"] == gate.encode()
+        _, recorded = recorded_dead_letter(headers)
+        assert recorded.verdict.gate == gate, d.dlq_reason
+        assert replayed(d, FP).verdict == recorded.verdict
+
+
+def test_a_dead_letter_written_before_they_named_their_gate_is_read_by_its_reason(
+    contracts: ContractSet,
+) -> None:
+    """Older dead letters carry no gate: the reason and class tell it, except after an
+    output that could not be encoded, which any gate may have decided. That one is
+    compared on what it says: its decision and class, the class read as today's
+    processor writes it (the platform's own faults were once parse failures)."""
+    expected = {"parse": "parse", "internal": "internal", "approval": "approval",
+                "result": "result", "route": UNKNOWN_GATE}  # fmt: skip
+    for gate, d in _dead_letters(contracts).items():
+        old = [(k, v) for k, v in dlq_headers(d) if k != "toolsentry.error.gate"]
+        _, recorded = recorded_dead_letter(old)
+        assert recorded.verdict.gate == expected[gate], d.dlq_reason
+    old = [(k, v) for k, v in dlq_headers(_dead_letters(contracts)["route"])
+           if k != "toolsentry.error.gate"]  # fmt: skip
+    _, recorded = recorded_dead_letter(old)
+    small = max_output_bytes(_settings(**{"message.max.bytes": 5000}))
+    again = replayed(_summarise(contracts), FP, small)
+    assert again.verdict.gate == "route"
+    assert compare(recorded, again.verdict) is Match.SAME
+    assert compare(recorded, replayed(_summarise(contracts), FP).verdict) is Match.CHANGED
+    assert compare(recorded, replayed(_dead_letter(contracts), FP).verdict) is Match.CHANGED
+    legacy = [(k, b"SYNTACTIC_PARSE_FAIL" if k == "toolsentry.error.class" else v) for k, v in old]
+    _, recorded = recorded_dead_letter(legacy)
+    assert recorded.verdict.taxonomy == "UNKNOWN_ERROR"
+    assert compare(recorded, again.verdict) is Match.SAME
+
+
+def test_a_dead_letter_is_decided_again_at_the_time_it_was_written(
+    contracts: ContractSet,
+) -> None:
+    d = _summarise(contracts)
+    answers = Answers()
+    _, recorded = recorded_dead_letter(dlq_headers(unencodable(d, ValueError("big"))))
+    assert recorded.decided_ms is None  # the headers do not say; the record's time does
+    answers.dead_letters[("tool.proposals", 3, 42)] = dataclasses.replace(
+        recorded, decided_ms=NOW_MS + 60_000
+    )
+    assert answers.decided_at(d.source) == NOW_MS + 60_000
+
+
+# --- offset ranges ----------------------------------------------------------------------------
+
+
+def test_an_offset_range_is_reported_as_the_offsets_and_its_records_times(
+    contracts: ContractSet,
+) -> None:
+    report = _report()
+    report.offsets = OffsetRange("tool.proposals", 3, 40, 44)
+    report.since_ms, report.until_ms = NOW_MS, NOW_MS + 1000
+    assert report.by_offsets
+    doc = json.loads(json.dumps(report.as_dict()))
+    assert doc["range"] == {
+        "since": "2023-11-14T22:13:20.000+00:00",
+        "until": "2023-11-14T22:13:21.000+00:00",
+        "since_ms": NOW_MS,
+        "until_ms": NOW_MS + 1000,
+        "by_offsets": True,
+        "topic": "tool.proposals",
+        "partition": 3,
+        "from_offset": 40,
+        "to_offset": 44,
+    }
+    first = next(iter(render(doc)))
+    assert str(first).startswith(
+        "replay tool.proposals/3 offsets 40..44 (records 2023-11-14T22:13:20.000+00:00 .. "
+    )
+    report.since_ms = report.until_ms = None
+    assert str(next(iter(render(report.as_dict())))).startswith(
+        "replay tool.proposals/3 offsets 40..44 (no record): "
+    )
+
+
+def test_a_partition_alone_narrows_the_time_range() -> None:
+    report = _report()
+    report.offsets = OffsetRange("tool.proposals", 3)
+    assert not report.by_offsets
+    doc = report.as_dict()
+    assert doc["range"]["partition"] == 3 and doc["range"]["from_offset"] is None
+    assert str(next(iter(render(doc)))).startswith(
+        "replay 1970-01-01T00:00:00.000+00:00 .. now, tool.proposals/3: "
+    )
+    assert not _report().as_dict()["range"]["by_offsets"]
+    assert _report().as_dict()["range"]["partition"] is None
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--to-offset", "5"], "needs --from-offset"),
+        (["--from-offset", "5"], "needs --partition"),
+        (["--partition", "0", "--from-offset", "5", "--since", "1h"], "cannot be given with"),
+        (["--partition", "0", "--from-offset", "5", "--until", "1h"], "cannot be given with"),
+        (["--partition", "0", "--from-offset", "5", "--to-offset", "4"], "is before"),
+        (["--partition", "-1"], "greater than or equal to 0"),
+        (["--partition", "0", "--from-offset", "-3"], "greater than or equal to 0"),
+    ],
+)
+def test_offset_options_that_contradict_each_other_are_refused_before_anything_is_read(
+    args: list[str], says: str
+) -> None:
+    result = CliRunner().invoke(app, ["replay", *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert says in result.output
