@@ -67,7 +67,7 @@ from processor.approval_flow import (
     verify_decision,
 )
 from processor.approvals import load_approvers
-from processor.codec.records import dlq_record, encode_outputs, unencodable
+from processor.codec.records import DLQ_HEADERS, dlq_record, encode_outputs, unencodable
 from processor.config import Settings
 from processor.contracts.registry import ContractSet
 from processor.contracts.watch import (
@@ -881,16 +881,18 @@ class Processor:
                 # A copy of a result already settled, or the result of an attempt of the
                 # same proposal the key has moved on from (the later attempt's result
                 # answers it; the handler, idempotent under the key, gives the same
-                # answer). Counted, not answered twice. (An earlier attempt that completed
-                # after the key moved on from it, or failed after committed steps with no
-                # later attempt able to meet them, settles the key: "settled", below.)
+                # answer), a copy of its failure held for the later attempt included, once
+                # a result has answered the proposal. Counted, not answered twice. (An
+                # earlier attempt that completed after the key moved on from it, or failed
+                # after committed steps with no later attempt able to meet them, settles
+                # the key: "settled", below.)
                 out[i] = ignored(x.src, f"result_{status}")
                 continue
             if status == "unknown":
                 # No call this processor routed has the key: a result from elsewhere, or a
                 # forged one. Nothing it says reaches a model; the DLQ keeps it for an operator.
                 detail = "no idempotency record for the result's key"
-                out[i] = dead_letter(x.src, "result_unknown_call", detail, Gate.RESULT)
+                out[i] = _result_dead_letter(x, "result_unknown_call", detail)
                 continue
             if status == "held":
                 # An earlier attempt failed after committing steps while a later attempt
@@ -899,7 +901,12 @@ class Processor:
                 # compensation proposed now could undo what it completes). The record
                 # keeps the failure with its attempt; the DLQ shows it to an operator,
                 # since the later attempt may still end without meeting those steps.
-                out[i] = dead_letter(x.src, *_HELD, Gate.RESULT)
+                out[i] = _result_dead_letter(x, *_HELD)
+                continue
+            if status == "conflict":
+                # Its attempt's first result reported another outcome: one of the two is
+                # false, and the first stands (see _conflicting_result).
+                out[i] = _conflicting_result(x, v)
                 continue
             if status in _RESULTS_REFUSED:
                 # A result that is not its call's (another tool, version, payload or run
@@ -907,8 +914,7 @@ class Processor:
                 # or its approval request ended without it going): settling it would show
                 # a model an answer, or propose a compensation, for something that did not
                 # happen as it says. The record is left as it was; the DLQ keeps it.
-                reason, detail = _RESULTS_REFUSED[status]
-                out[i] = dead_letter(x.src, reason, detail, Gate.RESULT)
+                out[i] = _result_dead_letter(x, *_RESULTS_REFUSED[status])
                 continue
             if v.get("held"):
                 # Its attempt did not finish the call, and an earlier one's failure after
@@ -1473,6 +1479,53 @@ _HELD = (
 )
 """How an earlier attempt's failure after committed steps, held while a later attempt is in
 flight (see admission.lua, settle), lands on the DLQ: (reason, detail)."""
+
+
+def _result_dead_letter(x: ResultInput, reason: str, detail: str) -> Decision:
+    """A result that settles nothing, on the DLQ with ``reason``, its headers naming the
+    call and attempt it reported on (and its own id)."""
+    d = dead_letter(x.src, reason, detail, Gate.RESULT)
+    r = x.result
+    d.extra[DLQ_HEADERS] = [
+        ("toolsentry.result.call_id", str(r["call_id"])),
+        ("toolsentry.result.attempt", str(r["attempt"])),
+        ("toolsentry.result.result_id", str(r["result_id"])),
+    ]
+    return d
+
+
+def _conflicting_result(x: ResultInput, v: dict[str, Any]) -> Decision:
+    """A second result of one call attempt that reports another outcome than the first (see
+    results.outcome_digest): the executor said two things of one attempt, so one of them
+    is false, and money may have moved where the model was told it did not (or the other
+    way round). It goes to the DLQ (``result_conflict``), headers naming the call, the
+    attempt and the first result, for an operator to reconcile against the tool's own
+    records.
+
+    The first stands, and the model's answer does not change. It was answered already,
+    and may have been acted on: the agent told, a retry answered from the record, a
+    compensation proposed in the caller's name. A second final answer would contradict
+    the first without being more likely true (arriving later says nothing of which
+    executor was right), and a record that flips with whatever comes last would let a
+    forged or confused result overwrite a true one. Only an operator, with the tool's own
+    records, can tell which it was."""
+    r = x.result
+    first, state = str(v.get("result") or ""), str(v.get("state") or "")
+    detail = (
+        f"call {r['call_id']} attempt {r['attempt']}: its first result ({first}) left the "
+        f"record {state}; this one reports another outcome ({r['outcome']}), which is not "
+        "applied"
+    )
+    d = _result_dead_letter(x, _CONFLICT, detail)
+    d.extra[DLQ_HEADERS] += [
+        ("toolsentry.result.first_result_id", first),
+        ("toolsentry.result.first_state", state),
+    ]
+    return d
+
+
+_CONFLICT = "result_conflict"
+"""The DLQ reason of a result that contradicts its attempt's first (see _conflicting_result)."""
 
 _WITHDRAWN = object()
 """Marks a proposal's withdraw item in ``Processor._admit``: its verdict changes nothing."""

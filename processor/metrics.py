@@ -157,7 +157,8 @@ class Metrics:
             "toolsentry_results_total",
             "Executors' results by the state they settled (COMPLETED, FAILED_RETRYABLE, "
             "FAILED_FINAL, EXPIRED) and what they settled (settled, duplicate, superseded, "
-            "stale, unknown, mismatch, unrouted).",
+            "held, stale, unknown, mismatch, unrouted, conflict: another result of the same "
+            "attempt reported another outcome first).",
             ["state", "status"],
             registry=registry,
         )

@@ -31,6 +31,7 @@ from typing import Any
 
 import orjson
 
+from processor import b64url
 from processor.codec.records import decode_result
 from processor.contracts.registry import Contract, ContractSet
 from processor.contracts.validation import ArgumentValidator
@@ -534,7 +535,54 @@ def settle_item(
         "cached_held": cached_blob(item.decision, held_rejection(item.decision))
         if _may_meet_held(item)
         else "",
+        # What it reported, which another result of its attempt is held to (a copy, or a
+        # conflict: see outcome_digest).
+        "digest": outcome_digest(r),
     }
+
+
+DIGEST_BYTES = 12
+"""The bytes of SHA-256 a result's outcome digest keeps (96 bits, 16 characters as
+base64url): written with every settled record, and with a failure held on it, so short;
+far past any chance of two outcomes colliding, and past any search for a forged result
+that collides with a given one."""
+
+
+def outcome_digest(r: dict[str, Any]) -> str:
+    """What a result reported, as a short digest: the record keeps the settling result's,
+    and another result of the same attempt is a copy when its digest is the same (answered
+    once, quietly) and a conflict when it is not (see app.py, the ``conflict`` verdict).
+
+    Only what the outcome is counts: for a success, its data; for a failure, whether it
+    ran out of time, its code, class and retryability, the steps it committed and the
+    compensation it asks for. Not the ids (Redis matched them already), the times, the
+    executor, nor the error message (free text, which a call run again may word afresh
+    with nothing else changed). JSON is compared by value, not spelling (key order,
+    whitespace), so an answer read back from a handler's store is the same answer."""
+    if r["outcome"] == "SUCCEEDED":
+        fields: list[Any] = [r["outcome"], _content(r.get("data"))]
+    else:
+        fields = [
+            r["outcome"],
+            bool(r.get("retryable")),
+            r.get("error_code"),
+            r.get("taxonomy_class"),
+            list(r.get("committed_steps") or []),
+            _content(r.get("compensation_arguments")),
+        ]
+    return b64url.encode(hashlib.sha256(orjson.dumps(fields)).digest()[:DIGEST_BYTES])
+
+
+def _content(text: str | None) -> str | None:
+    """JSON text in its canonical spelling (sorted keys, no whitespace), so that two
+    spellings of one value are one; text that is not JSON, or too large to be read as
+    such, as it is."""
+    if text is None or _too_large(text, RESULT_DATA_MAX_BYTES):
+        return text
+    try:
+        return canonical_json(orjson.loads(text)).decode()
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+        return text
 
 
 def wants_compensation(item: ResultInput, contracts: ContractSet) -> Compensation | None:

@@ -407,6 +407,13 @@ def _dlq_class(d: Decision) -> bytes:
     return TaxonomyClass.SYNTACTIC_PARSE_FAIL.value.encode()
 
 
+DLQ_HEADERS = "dlq_headers"
+"""``Decision.extra`` key: more headers for a dead letter, (name, value) pairs, each value
+cut at ``DLQ_HEADER_MAX_BYTES`` (a result's names its call and attempt, so an operator can
+find it without decoding it)."""
+DLQ_HEADER_MAX_BYTES = 256
+
+
 def dlq_headers(
     d: Decision, limit: int = DLQ_MAX_VALUE_BYTES
 ) -> list[tuple[str, str | bytes | None]]:
@@ -420,6 +427,10 @@ def dlq_headers(
             ("toolsentry.value.truncated_from", str(len(s.value)).encode()),
             ("toolsentry.value.sha256", hashlib.sha256(s.value).hexdigest().encode()),
         ]
+    named = [
+        (name, value.encode("utf-8", "replace")[:DLQ_HEADER_MAX_BYTES])
+        for name, value in d.extra.get(DLQ_HEADERS, ())
+    ]
     return [
         *extra,
         ("toolsentry.error.class", _dlq_class(d)),
@@ -429,6 +440,7 @@ def dlq_headers(
         ("toolsentry.source.topic", s.topic.encode()),
         ("toolsentry.source.partition", str(s.partition).encode()),
         ("toolsentry.source.offset", str(s.offset).encode()),
+        *named,
     ]
 
 

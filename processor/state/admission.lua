@@ -30,33 +30,36 @@
 -- or a result's "settled[|grant|<claims>]", "settled|held", "superseded", "held",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
 -- "unknown", "mismatch" (its tool, version, payload or run is not its call's), "unrouted"
--- (its call was never routed); a void's "voided" or "unchanged"; a comp_failed's "marked" or
--- "unchanged"; a lapse's "lapsed", "moved_on", "superseded", "given_back" or "unchanged"; a
--- withdraw's "withdrawn" or "none". Short strings, not JSON: decoding and encoding are
--- most of a script's cost per item.
+-- (its call was never routed), "conflict|<state>|<result id>" (its attempt's first result,
+-- that id, reported another outcome; the record stands in that state); a void's "voided"
+-- or "unchanged"; a comp_failed's "marked" or "unchanged"; a lapse's "lapsed",
+-- "moved_on", "superseded", "given_back" or "unchanged"; a withdraw's "withdrawn" or
+-- "none". Short strings, not JSON: decoding and encoding are most of a script's cost per
+-- item.
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, n tool and nv the
 -- version its call was routed as (records written before either was kept have none), c
 -- call, d deadline, w awaiting approval, a attempt, r run, t the principal's claims a
--- compensation would act for (never a token), x result id, k compensation key, kh and kt
--- the compensation's payload hash and tool, kf 1 once that compensation failed, v cached
--- answer, p and q what a parked call took and the position it was parked at, given back
--- if it lapses, pd the deadline a resubmission's call was parked until, e 1 once that
--- request ended after the resubmission took the key over: a lapse, or a release come too
--- late; rp and rq a released call's p and q, see unrelease; i the approval request a
--- parked call waits for, see holds (records written before it was kept have none); l the
--- requests whose park a later attempt replaced before their end was seen, see
--- take_unseen; u 1 once the call c is known never to have been routed though it waits
--- for no approval, see settle; o the ids of results answered for the calls it held
--- before, see settle; ua the attempts of call c routed before whose result had not come
--- when the key moved on, see admit_call, each {a attempt, v version, f and fs the id and
--- state of its failure after committed steps, held while a later attempt was in flight,
--- see settle});
--- a run's counters are JSON too. Every record
--- and run the batch names is read before anything is decided, kept in this script while
--- the batch is decided, and written once at the end, a hash at a time (see idem_bucket):
--- a Redis command costs a few microseconds from Lua, and this makes the commands per
--- batch a handful, not a few per item.
+-- compensation would act for (never a token), x result id, g the digest of what that
+-- result reported and xa its attempt, where an earlier attempt's result settled the key
+-- (see settle), k compensation key, kh and kt the compensation's payload hash and tool,
+-- kf 1 once that compensation failed, v cached answer, p and q what a parked call took
+-- and the position it was parked at, given back if it lapses, pd the deadline a
+-- resubmission's call was parked until, e 1 once that request ended after the
+-- resubmission took the key over: a lapse, or a release come too late; rp and rq a
+-- released call's p and q, see unrelease; i the approval request a parked call waits
+-- for, see holds (records written before it was kept have none); l the requests whose
+-- park a later attempt replaced before their end was seen, see take_unseen; u 1 once
+-- the call c is known never to have been routed though it waits for no approval, see
+-- settle; o the ids of results answered for the calls it held before, see settle; ua
+-- the attempts of call c routed before whose result had not come when the key moved on,
+-- see admit_call, each {a attempt, v version, f, fs and g the id, state and digest of
+-- its failure after committed steps, held while a later attempt was in flight, fa 1
+-- once a result answered the proposal after it was held, see settle}); a run's counters
+-- are JSON too. Every record and run the batch names is read before anything is
+-- decided, kept in this script while the batch is decided, and written once at the end,
+-- a hash at a time (see idem_bucket): a Redis command costs a few microseconds from
+-- Lua, and this makes the commands per batch a handful, not a few per item.
 --
 -- Replay safety: every verdict is kept in the tenant's 'done' hash under its input
 -- record's position (topic/partition/offset) until the batch's Kafka transaction
@@ -102,7 +105,8 @@ local function unwire(a)
             compensates = opt(a[10]), compensation_hash = opt(a[11]),
             compensation_tool = opt(a[12]), unsigned = opt(a[13]), attempt = tonumber(a[14]) or 0,
             tool = opt(a[15]), hash = opt(a[16]), run = opt(a[17]),
-            version = opt(a[18]), committed = a[19] == 1, cached_held = opt(a[20])}
+            version = opt(a[18]), committed = a[19] == 1, cached_held = opt(a[20]),
+            digest = opt(a[21])}
   elseif kind == 5 then
     return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6]}
   elseif kind == 6 then
@@ -122,6 +126,7 @@ local function encode(v)
     if v.unsigned then return 'settled|unsigned' end
     if v.compensated then return 'settled|compensated|' .. v.compensated end
     if v.held then return 'settled|held' end
+    if v.result then return v.status .. '|' .. v.state .. '|' .. v.result end
     if v.state then return v.status .. '|' .. v.state end
     return v.status
   end
@@ -629,6 +634,21 @@ local function missed_at(rec, attempt)
   return nil
 end
 
+-- A result of an attempt whose result the record already has: `kept`, the digest of what
+-- that result `id` reported (see results.py, outcome_digest), which settled the record
+-- (now in state `state`) or was held with it. A copy when it reports the same outcome
+-- (redelivered, or named afresh by an executor that ran the call again): answered once.
+-- A conflict when it reports another: the executor said two things of one attempt, and
+-- one of them is false. The first stands, and only an operator can tell which is true
+-- (see app.py). A result with no digest, or one an earlier version kept without one, is
+-- a copy, as it was.
+local function again(kept, c, state, id)
+  if kept and c.digest and kept ~= c.digest then
+    return {status = 'conflict', state = state, result = id}
+  end
+  return {status = 'duplicate'}
+end
+
 -- Whether a failure after committed steps that a retry does not finish (a compensation
 -- asked for, or a hand-off) is held among rec's missed attempts (see settle).
 local function held_final(rec)
@@ -662,7 +682,7 @@ local function settle(c)
       or (mine and not earlier and rec.nv and rec.nv ~= c.version) then
     return {status = 'mismatch'}
   end
-  if rec.x == c.result_id then return {status = 'duplicate'} end
+  if rec.x == c.result_id then return again(rec.g, c, rec.s, rec.x) end
   if earlier then
     -- The result of an attempt the key moved on from is superseded: the later attempt's
     -- result answers that proposal (the handler, idempotent under the key, gives the
@@ -678,15 +698,28 @@ local function settle(c)
     -- later attempt routed and in flight may finish the call, idempotent under the key,
     -- and a compensation proposed meanwhile would undo what it completes: the failure is
     -- held ("held", once: the attempt stays among the missed ones, naming it), left to the
-    -- later attempt. Any other result of an earlier attempt changes nothing: a copy, one
-    -- of an attempt answered already, or a failure that committed nothing.
-    local k = not FINAL[rec.s] and missed_at(rec, c.attempt)
+    -- later attempt. Held, it settles the key later only if nothing answers the proposal
+    -- first (see below, fa): a copy of it that comes after an answer is superseded by that
+    -- answer, not a second one. Any other result of an earlier attempt changes nothing: a
+    -- copy, one of an attempt answered already, or a failure that committed nothing.
+    -- Another result of the attempt that settled the key, or of one whose failure is held,
+    -- is held to what that one reported (see again).
+    if rec.xa == c.attempt then return again(rec.g, c, rec.s, rec.x) end
+    local k = missed_at(rec, c.attempt)
+    local missed = k and rec.ua[k]
+    if missed and missed.f and missed.g then
+      local other = again(missed.g, c, missed.fs, missed.f)
+      if other.status == 'conflict' then return other end
+    end
+    if FINAL[rec.s] or (missed and missed.fa) then k = nil end
     if not (k and (c.state == 'COMPLETED' or c.committed)) then return {status = 'superseded'} end
-    local routed_as = rec.ua[k].v
+    local routed_as = missed.v
     if routed_as and routed_as ~= c.version then return {status = 'mismatch'} end
     if c.state ~= 'COMPLETED' and rec.s == 'PENDING' and not unrouted(rec) then
-      if rec.ua[k].f == c.result_id then return {status = 'duplicate'} end
-      rec.ua[k].f, rec.ua[k].fs = c.result_id, c.state
+      if missed.f == c.result_id or (missed.g and missed.g == c.digest) then
+        return {status = 'duplicate'}
+      end
+      missed.f, missed.fs, missed.g = c.result_id, c.state, c.digest
       keep_record(c.ikey, rec)
       return {status = 'held'}
     end
@@ -698,8 +731,14 @@ local function settle(c)
     rec.u = nil
   else
     -- Another result of this very attempt (another result id: an executor that ran it
-    -- again and named its result afresh) settled it first: a copy, answered once.
-    if mine and rec.s ~= 'PENDING' then return {status = 'duplicate'} end
+    -- again and named its result afresh) settled it first: a copy, answered once, or a
+    -- conflict (see again). One of an earlier attempt that settled it (xa) is not this
+    -- attempt's: this one's own result is a copy, as the handler, idempotent under the
+    -- key, answers (or it did not start), and the proposal has its answer.
+    if mine and rec.s ~= 'PENDING' then
+      if rec.x and not rec.xa then return again(rec.g, c, rec.s, rec.x) end
+      return {status = 'duplicate'}
+    end
     -- A call that was never routed (see unrouted). Nothing ran, so nothing it says
     -- settles the record or asks for a compensation.
     if mine and unrouted(rec) then return {status = 'unrouted'} end
@@ -718,6 +757,9 @@ local function settle(c)
   end
   local grant = rec.t
   rec.s, rec.x, rec.v, rec.w = c.state, c.result_id, c.cached, 0
+  -- What the result reported, and its attempt where the key had moved on from it: another
+  -- result of that attempt is held to it (see again).
+  rec.g, rec.xa = c.digest, earlier and c.attempt or nil
   local verdict = {status = 'settled'}
   if c.cached_held and held_final(rec) then
     -- This attempt ended without completing or committing a step (timed out unstarted,
@@ -727,6 +769,14 @@ local function settle(c)
     -- a retry under the key finishes it as this attempt would have.
     rec.s, rec.v, rec.ua = 'FAILED_FINAL', c.cached_held, nil
     verdict.held = true
+  end
+  -- The proposal has its answer now. A failure still held (a resumable call's, which this
+  -- answer leaves as it is: a retry under the key finishes the call) is answered for: a
+  -- copy of it, redelivered from now on, is superseded by this answer rather than settle
+  -- the key a second time and answer again (fa). Its digest stays, so that a result of its
+  -- attempt that reports something else is still a conflict.
+  for _, missed in ipairs(rec.ua or {}) do
+    if missed.f then missed.fa = 1 end
   end
   -- (the claims stay while an earlier attempt's failure after committed steps may still
   -- settle the key and ask for a compensation in their name: see above)

@@ -211,11 +211,11 @@ def _day(now_ms: int | None) -> int:
 _RECORD_FIELDS = {
     "s": "state", "h": "hash", "n": "tool", "nv": "version", "c": "call", "d": "deadline",
     "w": "awaiting", "a": "attempt", "r": "run", "t": "grant", "x": "result",
-    "k": "compensation", "kh": "compensation_hash", "kt": "compensation_tool",
-    "kf": "compensation_failed", "v": "cached", "p": "parked_took", "q": "parked_at",
-    "pd": "parked_until", "e": "request_ended", "rp": "released_took", "rq": "released_at",
-    "i": "request", "l": "unseen_ends", "u": "unrouted", "o": "stale_results",
-    "ua": "missed_attempts",
+    "g": "digest", "xa": "result_attempt", "k": "compensation", "kh": "compensation_hash",
+    "kt": "compensation_tool", "kf": "compensation_failed", "v": "cached",
+    "p": "parked_took", "q": "parked_at", "pd": "parked_until", "e": "request_ended",
+    "rp": "released_took", "rq": "released_at", "i": "request", "l": "unseen_ends",
+    "u": "unrouted", "o": "stale_results", "ua": "missed_attempts",
 }  # fmt: skip
 """An idempotency record's JSON keys (short: one is written per call) and their names."""
 
@@ -297,7 +297,8 @@ def _wire(item: Item) -> list[Any]:
                 item.get("compensation_tool") or "", item.get("cached_unsigned") or "",
                 item.get("attempt", 0), item.get("tool") or "", item.get("hash") or "",
                 item.get("run") or "", item.get("version") or "",
-                1 if item.get("committed") else 0, item.get("cached_held") or ""]  # fmt: skip
+                1 if item.get("committed") else 0, item.get("cached_held") or "",
+                item.get("digest") or ""]  # fmt: skip
     if kind == "void":
         return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"]]
     if kind == "comp_failed":
@@ -346,6 +347,9 @@ def parse_verdict(raw: bytes | str) -> Verdict:
         return {"status": "settled"}
     if head == "stale":
         return {"status": "stale", "state": rest}
+    if head == "conflict":
+        state, _, first = rest.partition("|")
+        return {"status": "conflict", "state": state, "result": first}
     return {"status": head}
 
 

@@ -433,7 +433,7 @@ def test_a_completed_key_answers_with_its_cached_result(store: AdmissionStore) -
     first = call()
     key = first[1]["ikey"]
     store.apply([first])
-    settled = result(first, result_id="res-1")
+    settled = result(first, result_id="res-1", digest="d-1")
     assert store.apply([settled]) == [{"status": "settled"}]
     assert store.record(TENANT, key, NOW)["state"] == "COMPLETED"
     [hit] = store.apply([call(ikey=key)])
@@ -450,12 +450,107 @@ def test_a_completed_key_answers_with_its_cached_result(store: AdmissionStore) -
     other = step(repair=False, ikey=key, hash="h1", tool="lookup_faq")
     assert whys(store.apply([same, other])) == ["idempotent_hit", None]
     # The same result again (another record): nothing changes.
-    again = result(first, result_id="res-1")
+    again = result(first, result_id="res-1", digest="d-1")
     assert store.apply([again]) == [{"status": "duplicate"}]
-    # Another result of the same attempt under another result id (an executor that ran it
-    # again and named its result afresh): a copy too, not a second answer.
-    rerun = result(first, result_id="res-2", state="FAILED_RETRYABLE")
+    # Another result of the same attempt under another result id that reports the same (an
+    # executor that ran it again and named its result afresh): a copy too, not a second
+    # answer. One that reports something else is a conflict (see the next test).
+    rerun = result(first, result_id="res-2", digest="d-1")
     assert store.apply([rerun]) == [{"status": "duplicate"}]
+    other = result(first, result_id="res-2", state="FAILED_RETRYABLE", digest="d-2")
+    assert store.apply([other]) == [{"status": "conflict", "state": "COMPLETED", "result": "res-1"}]
+    assert store.record(TENANT, key, NOW)["state"] == "COMPLETED"
+
+
+@pytest.mark.parametrize("same_id", [True, False])
+def test_a_second_result_of_an_attempt_that_reports_another_outcome_is_a_conflict(
+    store: AdmissionStore, same_id: bool
+) -> None:
+    """Settled by its first result; a second result of the same attempt (the same id, as an
+    executor's deterministic ids give it, or named afresh) reports another outcome: a
+    conflict, every time and on a replay of its position, naming the first result and the
+    state it left. The first stands. A copy that reports the same outcome is a duplicate,
+    and so is any second result where either side has no digest (written, or sent, by an
+    earlier version)."""
+    first = call()
+    key = first[1]["ikey"]
+    store.apply([first])
+    settled = result(first, result_id="res-1", digest="d-success")
+    assert store.apply([settled]) == [{"status": "settled"}]
+    before = store.record(TENANT, key, NOW)
+    assert (before["state"], before["digest"]) == ("COMPLETED", "d-success")
+    second = "res-1" if same_id else "res-2"
+    failed = result(first, result_id=second, state="FAILED_RETRYABLE", digest="d-failure")
+    conflict = {"status": "conflict", "state": "COMPLETED", "result": "res-1"}
+    assert store.apply([failed]) == [conflict]
+    assert store.apply([failed]) == [conflict]  # its replay
+    copy = (failed[0], {**failed[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([copy]) == [conflict]
+    assert store.record(TENANT, key, NOW) == before
+    same = result(first, result_id=second, digest="d-success")
+    unknown = result(first, result_id=second, state="FAILED_RETRYABLE")
+    assert store.apply([same, unknown]) == [{"status": "duplicate"}] * 2
+    # Within one batch, the first of two results settles and the second is held to it.
+    both = call()
+    store.apply([both])
+    pair = [result(both, result_id="res-a", digest="d-a"),
+            result(both, result_id="res-a", digest="d-b", state="FAILED_FINAL")]  # fmt: skip
+    assert store.apply(pair) == [
+        {"status": "settled"}, {"status": "conflict", "state": "COMPLETED", "result": "res-a"},
+    ]  # fmt: skip
+
+
+def test_a_conflict_with_an_earlier_attempt_that_settled_the_key_is_its_attempts_alone(
+    store: AdmissionStore,
+) -> None:
+    """The first attempt completed after the key moved on to a second, and settled it.
+    Another result of the first attempt that reports another outcome is a conflict; the
+    second attempt's own result is not (another attempt: a copy, the proposal answered)."""
+    first = call(deadline=NOW + 8000)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    second = call(ikey=key, call=call_id, now=NOW + 9001, deadline=NOW + 600_000)
+    assert store.apply([second]) == [{"ok": True, "attempt": 2}]
+    late = result(first, attempt=1, result_id="res-first", digest="d-charged")
+    assert store.apply([late]) == [{"status": "settled"}]
+    assert store.record(TENANT, key, NOW)["result_attempt"] == "1"
+    conflict = {"status": "conflict", "state": "COMPLETED", "result": "res-first"}
+    for result_id in ("res-first", "res-other"):
+        other = result(first, attempt=1, result_id=result_id, state="FAILED_RETRYABLE",
+                       digest="d-declined")  # fmt: skip
+        assert store.apply([other]) == [conflict]
+    own = result(second, attempt=2, result_id="res-second", state="EXPIRED", digest="d-late")
+    assert store.apply([own]) == [{"status": "duplicate"}]
+    assert store.record(TENANT, key, NOW)["result"] == "res-first"
+
+
+def test_a_result_that_contradicts_a_held_failure_of_its_attempt_is_a_conflict(
+    store: AdmissionStore,
+) -> None:
+    """The first attempt's failure after a committed step is held for the second, in
+    flight. A success of the first attempt then says the opposite: a conflict, which
+    neither settles the key nor drops what was held; a copy of the failure under another
+    id is a duplicate. Once the second attempt has answered, a result of the first that
+    contradicts the held failure is still a conflict."""
+    first = call(deadline=NOW + 8000)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    second = call(ikey=key, call=call_id, now=NOW + 9001, deadline=NOW + 600_000)
+    store.apply([second])
+    late = _partly_committed(first, attempt=1, result_id="res-first", committed=True,
+                             digest="d-charged-then-failed")  # fmt: skip
+    assert store.apply([late]) == [{"status": "held"}]
+    success = result(first, attempt=1, result_id="res-first", digest="d-succeeded")
+    conflict = {"status": "conflict", "state": "FAILED_FINAL", "result": "res-first"}
+    assert store.apply([success]) == [conflict]
+    renamed = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}", "result_id": "res-again"})
+    assert store.apply([renamed]) == [{"status": "duplicate"}]
+    record = store.record(TENANT, key, NOW)
+    assert record["state"] == "PENDING" and "compensation" not in record
+    assert "'f': 'res-first'" in record["missed_attempts"]
+    assert store.apply([result(second, attempt=2, digest="d-second")]) == [{"status": "settled"}]
+    late_success = (success[0], {**success[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([late_success]) == [conflict]
     assert store.record(TENANT, key, NOW)["state"] == "COMPLETED"
 
 
@@ -767,6 +862,76 @@ def test_a_failure_held_for_a_later_attempt_that_never_ran_the_call_answers_it(
     assert "missed_attempts" not in record
     retry = store.apply([call(ikey=key, call=call_id, now=NOW + 950_000)])
     assert whys(retry) == ["idempotent_hit"] and retry[0]["cached"] == held
+
+
+def _held_resumable_failure() -> tuple[tuple[str, Item], tuple[str, Item], tuple[str, Item]]:
+    """A resumable call's first attempt, routed, its key moved on to a second attempt that
+    is routed too, and the first's failure after a committed step, held for the second:
+    (the first, the second, the held failure)."""
+    first = call(deadline=NOW + 8000)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    second = call(ikey=key, call=call_id, now=NOW + 9001, deadline=NOW + 600_000)
+    late = result(first, state="FAILED_RETRYABLE", attempt=1, committed=True,
+                  result_id="res-first", digest="d-first")  # fmt: skip
+    return first, second, late
+
+
+@pytest.mark.parametrize("later", ["unstarted", "failed", "partial"])
+def test_a_copy_of_a_held_failure_answers_nothing_once_the_later_attempt_answered(
+    store: AdmissionStore, later: str
+) -> None:
+    """A resumable call's first attempt failed after a committed step while the second was
+    in flight: held. The second then ends and answers the proposal, leaving the key
+    retryable: timed out unstarted or failed committing nothing (its answer stands, a
+    retry finishes the call), or failed after committing steps of its own
+    (PARTIAL_SUCCESS). A copy of the held failure redelivered after that is superseded by
+    that answer: it neither settles the key again nor answers the proposal a second time
+    (it did, with PARTIAL_SUCCESS); nor does it once a retry has taken the key."""
+    first, second, late = _held_resumable_failure()
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    assert store.apply([second]) == [{"ok": True, "attempt": 2}]
+    assert store.apply([late]) == [{"status": "held"}]
+    if later == "partial":
+        own = result(second, state="FAILED_RETRYABLE", attempt=2, committed=True,
+                     result_id="res-second")  # fmt: skip
+    else:
+        state = "EXPIRED" if later == "unstarted" else "FAILED_RETRYABLE"
+        own = result(second, state=state, attempt=2, result_id="res-second",
+                     cached_held='{"class":"COMPENSATION_REQUIRED"}')  # fmt: skip
+    assert store.apply([own]) == [{"status": "settled"}]
+    answered = store.record(TENANT, key, NOW)
+    assert answered["result"] == "res-second"
+    copy = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([copy]) == [{"status": "superseded"}]
+    assert store.apply([copy]) == [{"status": "superseded"}]  # its replay
+    assert store.record(TENANT, key, NOW) == answered
+    retry = call(ikey=key, call=call_id, now=NOW + 700_000, deadline=NOW + 900_000)
+    assert store.apply([retry]) == [{"ok": True, "attempt": 3}]
+    again = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([again]) == [{"status": "superseded"}]
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
+
+
+def test_a_held_failure_whose_later_attempt_never_ran_settles_the_key_once(
+    store: AdmissionStore,
+) -> None:
+    """Held for the second attempt, which was then given back without running (its batch
+    aborted and its position was decided as a refused proposal): nothing answered the
+    proposal, and nothing is in flight. A copy of the held failure settles the key, once
+    (PARTIAL_SUCCESS); its own copies are copies."""
+    first, second, late = _held_resumable_failure()
+    key = first[1]["ikey"]
+    store.apply([first])
+    store.apply([second])
+    assert store.apply([late]) == [{"status": "held"}]
+    _, item = second
+    assert store.apply([step(sig=item["sig"], repair=False, pos=item["pos"])]) == [{"ok": True}]
+    assert store.record(TENANT, key, NOW)["state"] == "FAILED_RETRYABLE"
+    copies = [(late[0], {**late[1], "pos": f"r/0/{next(_pos)}"}) for _ in range(2)]
+    assert store.apply(copies) == [{"status": "settled"}, {"status": "duplicate"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["result"]) == ("FAILED_RETRYABLE", "res-first")
 
 
 @pytest.mark.parametrize(

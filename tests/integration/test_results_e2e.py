@@ -789,6 +789,56 @@ def test_a_result_copied_after_its_key_moved_on_is_not_answered_again(bench: Ben
     assert _finals(bench.settings, retry) == ["COMPLETED"]
 
 
+def test_a_second_result_of_an_attempt_that_contradicts_the_first_goes_to_an_operator(
+    bench: Bench,
+) -> None:
+    """A lookup completed and its proposal was told so. Then its attempt's result comes
+    again: byte for byte, and named afresh by another executor with its answer spelled
+    otherwise (both copies: nothing happens), and once more, under the same result id,
+    saying the call failed. That one contradicts the first: it goes to the DLQ as
+    ``result_conflict``, naming the call, the attempt and the first result, and the
+    proposal keeps its one answer."""
+    key, run = f"k-{uuid.uuid4().hex}", f"run-{uuid.uuid4().hex[:10]}"
+    done = bench.run_to_the_end("lookup_order", {"order_id": "WO-55502-A"}, key, run)
+    assert done["decision"] == "COMPLETED"
+    pid = done["proposal_id"]
+    [first] = [
+        decode_result(m.value()) for m in read_all(bench.settings, bench.settings.topics.results,
+                                                   idle=1)
+        if m.value() and decode_result(m.value())["idempotency_key"] == key
+    ]  # fmt: skip
+    respelled = orjson.dumps(orjson.loads(first["data"]), option=orjson.OPT_INDENT_2).decode()
+    renamed = {**first, "result_id": uuid.uuid4().hex, "data": respelled,
+               "executor_id": "exec-2", "finished_at": first["finished_at"] + 7}  # fmt: skip
+    failed = {**first, "outcome": "FAILED", "data": None, "retryable": False,
+              "error_code": "upstream_error", "error_message": "the order service failed",
+              "taxonomy_class": "DEPENDENCY_UNAVAILABLE"}  # fmt: skip
+    copies = [encode_result(first), encode_result(renamed)]
+    producer = Producer(bench.settings.client_config(**{"enable.idempotence": True}))
+    for value in copies:
+        producer.produce(bench.settings.topics.results, value, run.encode())
+    assert producer.flush(30) == 0
+    # (then a result nobody routed, which tells when all of them have been decided)
+    nobody = {**first, "result_id": uuid.uuid4().hex, "idempotency_key": f"k-{uuid.uuid4()}"}
+    assert _dead_letters(bench.settings, run, [failed, nobody]) == [
+        "result_conflict", "result_unknown_call",
+    ]  # fmt: skip
+    [conflict] = [
+        dict(m.headers() or []) for m in read_all(bench.settings, bench.settings.topics.dlq,
+                                                  idle=1)
+        if m.value() == encode_result(failed)
+    ]  # fmt: skip
+    assert conflict["toolsentry.result.call_id"] == pid.encode()
+    assert conflict["toolsentry.result.attempt"] == b"1"
+    assert conflict["toolsentry.result.first_result_id"] == first["result_id"].encode()
+    assert conflict["toolsentry.result.first_state"] == b"COMPLETED"
+    dead = {m.value() for m in read_all(bench.settings, bench.settings.topics.dlq, idle=1)}
+    assert not dead & set(copies)
+    assert _finals(bench.settings, pid) == ["COMPLETED"]
+    record = bench.store.record(TENANT, key)
+    assert (record["state"], record["result"]) == ("COMPLETED", first["result_id"])
+
+
 def _routed_call(bench: Bench, cls: str, key: str) -> dict[str, Any]:
     """The approved call under ``key`` on ``cls``'s execution topic, once it is there."""
     deadline = time.monotonic() + 60

@@ -10,7 +10,8 @@ from typing import Any
 import orjson
 import pytest
 
-from processor.codec.records import encode_result
+from processor.app import _conflicting_result
+from processor.codec.records import DLQ_HEADER_MAX_BYTES, dlq_headers, encode_result
 from processor.config import IdentitySettings
 from processor.contracts.registry import ContractSet
 from processor.gates.budget import apply_verdict
@@ -41,7 +42,7 @@ from processor.results import (
     stale_compensation,
     wants_compensation,
 )
-from processor.state.admission import SETTLED_TTL_MS
+from processor.state.admission import SETTLED_TTL_MS, parse_verdict
 from tests.unit.helpers import NOW_MS, VALID_ARGUMENTS, decide_envelope, envelope, record
 
 KEY = "k-charge-1"
@@ -587,3 +588,92 @@ def test_an_executors_error_text_is_bounded_scanned_and_kept_out_of_the_next_act
     assert len(rej.errors[0].code or "") <= 128
     steps = _charge_result(contracts, committed_steps=[injected]).decision.rejection
     assert steps is not None and "Ignore previous" not in steps.next_action
+
+
+CHARGED = '{"charge_id": "CH-1", "status": "succeeded", "decline_code": null}'
+
+
+def _digest(contracts: ContractSet, **fields: Any) -> str:
+    return str(settle_item(_charge_result(contracts, **fields), "r/0/1", None)[1]["digest"])
+
+
+def test_a_copy_of_a_result_has_its_digest_whatever_else_it_repeats_differently(
+    contracts: ContractSet,
+) -> None:
+    """What a result reported is its outcome: a copy named afresh, read back from a
+    handler's store (its JSON spelled otherwise), timed or worded otherwise, or reported by
+    another executor instance, is the same result."""
+    failure = _digest(contracts)
+    assert len(failure) == 16
+    assert failure == _digest(
+        contracts, result_id="res-2", started_at=NOW_MS - 900, finished_at=NOW_MS + 5,
+        executor_id="exec-2", error_message="charged; the receipt store timed out",
+        contract_set=None, trace_id="f" * 32,
+        compensation_arguments=orjson.dumps(REFUND, option=orjson.OPT_INDENT_2).decode(),
+    )  # fmt: skip
+    success = _digest(contracts, outcome="SUCCEEDED", data=CHARGED, **NOTHING_COMMITTED)
+    respelled = '{"status":"succeeded","decline_code":null,"charge_id":"CH-1"}'
+    assert success == _digest(
+        contracts, outcome="SUCCEEDED", data=respelled, **NOTHING_COMMITTED
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"outcome": "SUCCEEDED", "data": CHARGED, **NOTHING_COMMITTED},
+        {"outcome": "TIMED_OUT"},
+        {"retryable": True},
+        {"error_code": "card_declined"},
+        {"taxonomy_class": "STALE_STATE"},
+        {"committed_steps": []},
+        {"committed_steps": ["card_charged", "receipt_stored"]},
+        {"compensation_arguments": orjson.dumps({**REFUND, "amount": 1250}).decode()},
+        {"compensation_arguments": None},
+    ],
+)
+def test_a_result_that_reports_another_outcome_has_another_digest(
+    contracts: ContractSet, fields: dict[str, Any]
+) -> None:
+    """Two results of one attempt that differ in what the call did (ran or not, what it
+    committed, what it returned, what undoing it takes) or in how its failure is to be
+    read (retried or not, its code and class): one of them is false."""
+    assert _digest(contracts, **fields) != _digest(contracts)
+
+
+def test_two_successes_with_other_data_have_other_digests(contracts: ContractSet) -> None:
+    other = CHARGED.replace("CH-1", "CH-2")
+    data = [CHARGED, other, None, "not json", "x" * (RESULT_DATA_MAX_BYTES + 1)]
+    digests = {_digest(contracts, outcome="SUCCEEDED", data=d, **NOTHING_COMMITTED) for d in data}
+    assert len(digests) == len(data)
+
+
+def test_a_conflicting_result_is_dead_lettered_naming_its_call_attempt_and_the_first(
+    contracts: ContractSet,
+) -> None:
+    """Admission's ``conflict`` verdict: the result goes to the DLQ as ``result_conflict``,
+    its headers naming the call, the attempt, itself and the first result, and the first
+    result's state; nothing of it reaches a model."""
+    item = _charge_result(contracts, result_id="res-2", attempt=3)
+    verdict = parse_verdict("conflict|COMPLETED|res-1|x")
+    assert verdict == {"status": "conflict", "state": "COMPLETED", "result": "res-1|x"}
+    d = _conflicting_result(item, verdict)
+    assert (d.outcome, d.gate, d.dlq_reason) == (
+        Outcome.DEAD_LETTER,
+        Gate.RESULT,
+        "result_conflict",
+    )
+    assert d.final is None and d.proposal is None
+    headers = dict(dlq_headers(d))
+    assert headers["toolsentry.error.reason"] == b"result_conflict"
+    assert headers["toolsentry.result.call_id"] == b"call-1"
+    assert headers["toolsentry.result.attempt"] == b"3"
+    assert headers["toolsentry.result.result_id"] == b"res-2"
+    assert headers["toolsentry.result.first_result_id"] == b"res-1|x"
+    assert headers["toolsentry.result.first_state"] == b"COMPLETED"
+    detail = d.dlq_detail or ""
+    assert "call call-1 attempt 3" in detail and "COMPLETED" in detail and "FAILED" in detail
+    # A header is cut where it would not fit, never the record.
+    long = _charge_result(contracts, call_id="c" * 5000, proposal_id="c" * 5000)
+    cut = dict(dlq_headers(_conflicting_result(long, verdict)))
+    assert len(cut["toolsentry.result.call_id"] or b"") == DLQ_HEADER_MAX_BYTES
