@@ -45,7 +45,7 @@ from processor.config import SIDE_EFFECT_TOPIC_SUFFIXES, Settings, Topics
 from processor.gates.parse import lenient_loads, unidentified_id
 from processor.kafka.partitioner import partition_for
 from processor.kafka.retained import RetainedReader
-from processor.kafka.topics import topic_partitions
+from processor.kafka.topics import topics_partitions
 from processor.replay import recorded_dead_letter
 from processor.results import compensation_proposal_id
 
@@ -239,14 +239,9 @@ def run_partitions(settings: Settings, run_id: str) -> dict[str, set[int]]:
         t.approval_requests,
         *(t.execution(s) for s in SIDE_EFFECT_TOPIC_SUFFIXES),
     ]
-    out: dict[str, set[int]] = {}
-    for topic in written:
-        try:
-            count = topic_partitions(settings, topic)
-        except LookupError:
-            continue  # the reader reports it missing
-        out[topic] = {partition_for(run_id.encode(), count)}
-    return out
+    # A topic left out of the answer does not exist: the reader reports it missing.
+    counts = topics_partitions(settings, written)
+    return {topic: {partition_for(run_id.encode(), n)} for topic, n in counts.items()}
 
 
 def raw(m: Message) -> Raw:

@@ -8,6 +8,7 @@ pass-through librdkafka settings (security, SASL, ...) apply to the admin client
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
@@ -95,9 +96,26 @@ def _wait_for_leaders(admin: AdminClient, topics: list[str], deadline: float) ->
 
 def topic_partitions(settings: Settings, topic: str, timeout_s: float = 10.0) -> int:
     """How many partitions ``topic`` has; LookupError if it does not exist."""
+    found = topics_partitions(settings, [topic], timeout_s)
+    if topic not in found:
+        raise LookupError(f"topic {topic!r} not found")
+    return found[topic]
+
+
+def topics_partitions(
+    settings: Settings, topics: Iterable[str], timeout_s: float = 10.0
+) -> dict[str, int]:
+    """How many partitions each of ``topics`` has, from one metadata request; a topic that
+    does not exist (or whose metadata is in error) is left out."""
     admin = AdminClient(settings.client_config())
-    metadata = admin.list_topics(topic=topic, timeout=timeout_s)
-    found = metadata.topics.get(topic)
-    if found is None or found.error is not None:
-        raise LookupError(f"topic {topic!r} not found: {found.error if found else 'no metadata'}")
-    return len(found.partitions)
+    wanted = list(topics)
+    if len(wanted) == 1:
+        metadata = admin.list_topics(topic=wanted[0], timeout=timeout_s)
+    else:
+        metadata = admin.list_topics(timeout=timeout_s)
+    out: dict[str, int] = {}
+    for name in wanted:
+        found = metadata.topics.get(name)
+        if found is not None and found.error is None and found.partitions:
+            out[name] = len(found.partitions)
+    return out

@@ -619,7 +619,9 @@ def test_an_id_that_is_not_utf8_is_a_bad_option_not_a_crash(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Bytes that are not UTF-8 reach argv as lone surrogates ($'run-\xff' in a shell).
-    monkeypatch.setattr("processor.trace.topic_partitions", lambda *args: 3)
+    monkeypatch.setattr(
+        "processor.trace.topics_partitions", lambda settings, topics: dict.fromkeys(topics, 3)
+    )
     for args in (["--run-id", "run-\udcff"], ["prop-\udcff"], ["prop-a", "--run-id", "\udcff"]):
         result = CliRunner().invoke(app, ["trace", *args, "--since", "1h"])
         assert result.exit_code == 2, (args, result.exception)
