@@ -36,7 +36,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from rich.table import Table
 from rich.text import Text
 
 from processor.app import MESSAGE_MAX_BYTES, RECORD_OVERHEAD, max_output_bytes
-from processor.approvals import load_approvers
+from processor.approvals import iso, load_approvers
 from processor.codec.avro import codec
 from processor.codec.records import (
     ENCODING_FAILED,
@@ -319,9 +318,8 @@ class Change:
 
 
 def _iso(ms: int | None) -> str | None:
-    if ms is None:
-        return None
-    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
+    """A time as trace and the approvals write it (RFC 3339, UTC, ``Z``)."""
+    return None if ms is None else iso(ms)
 
 
 @dataclass

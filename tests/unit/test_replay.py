@@ -514,8 +514,8 @@ def test_an_offset_range_is_reported_as_the_offsets_and_its_records_times(
     assert report.by_offsets
     doc = json.loads(json.dumps(report.as_dict()))
     assert doc["range"] == {
-        "since": "2023-11-14T22:13:20.000+00:00",
-        "until": "2023-11-14T22:13:21.000+00:00",
+        "since": "2023-11-14T22:13:20.000Z",
+        "until": "2023-11-14T22:13:21.000Z",
         "since_ms": NOW_MS,
         "until_ms": NOW_MS + 1000,
         "by_offsets": True,
@@ -526,7 +526,7 @@ def test_an_offset_range_is_reported_as_the_offsets_and_its_records_times(
     }
     first = next(iter(render(doc)))
     assert str(first).startswith(
-        "replay tool.proposals/3 offsets 40..44 (records 2023-11-14T22:13:20.000+00:00 .. "
+        "replay tool.proposals/3 offsets 40..44 (records 2023-11-14T22:13:20.000Z .. "
     )
     report.since_ms = report.until_ms = None
     assert str(next(iter(render(report.as_dict())))).startswith(
@@ -541,7 +541,7 @@ def test_a_partition_alone_narrows_the_time_range() -> None:
     doc = report.as_dict()
     assert doc["range"]["partition"] == 3 and doc["range"]["from_offset"] is None
     assert str(next(iter(render(doc)))).startswith(
-        "replay 1970-01-01T00:00:00.000+00:00 .. now, tool.proposals/3: "
+        "replay 1970-01-01T00:00:00.000Z .. now, tool.proposals/3: "
     )
     assert not _report().as_dict()["range"]["by_offsets"]
     assert _report().as_dict()["range"]["partition"] is None
