@@ -290,12 +290,13 @@ def producer_config(settings: Settings) -> dict[str, Any]:
 MESSAGE_MAX_BYTES = 1_000_000
 """librdkafka's own message.max.bytes, where the settings give none."""
 RECORD_OVERHEAD = 4096
-"""Room left under message.max.bytes for the key, headers and record overhead."""
+"""Room left under message.max.bytes for the headers and record overhead."""
 
 
 def max_output_bytes(settings: Settings) -> int:
-    """The largest value the processor produces: librdkafka's message.max.bytes, less room
-    for the key, headers and record overhead it counts too. Replay encodes against it."""
+    """The largest key and value the processor produces together: librdkafka's
+    message.max.bytes, less room for the headers and record overhead it counts too.
+    Replay encodes against it."""
     conf = producer_config(settings)
     return int(conf.get("message.max.bytes", MESSAGE_MAX_BYTES)) - RECORD_OVERHEAD
 
@@ -1172,7 +1173,6 @@ class Processor:
         if d.outcome is Outcome.DEAD_LETTER:
             out.append((topics.dlq, *dlq_record(m.key(), d, self._max_message_bytes)))
             return
-        key = d.proposal.run_id.encode() if d.proposal else m.key()
         try:
             outputs = encode_outputs(d, fp, self._max_message_bytes)
         except Exception as exc:
@@ -1186,6 +1186,7 @@ class Processor:
             self._void(position(d.source))
             out.append((topics.dlq, *dlq_record(m.key(), d, self._max_message_bytes)))
             return
+        key = outputs.key
         if outputs.call is not None and d.side_effect_class is not None:
             out.append((topics.execution(d.side_effect_class.value), key, outputs.call, None))
         if outputs.request is not None:
@@ -1469,6 +1470,10 @@ _RESULTS_REFUSED = {
         "the result's tool, tool version, payload hash or run is not its call's",
     ),
     "unrouted": ("result_unrouted_call", "the result's call was never routed"),
+    "unrouted_attempt": (
+        "result_unrouted_attempt",
+        "the result's attempt is later than any its call was routed as",
+    ),
 }
 """Admission's verdicts on results that settle nothing and go to the DLQ: (reason, detail)."""
 

@@ -98,6 +98,11 @@ def load_approvers(path: Path | None) -> dict[str, Approver]:
         where = f"{path}: approvers[{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("id"), str):
             raise ApproverError(f"{where}: needs an id")
+        # Lists, not anything iterable: "tenants: acme*" read letter by letter would hold
+        # "*", and its approver could approve the calls of every tenant.
+        for name in ("classes", "tenants"):
+            if name in e and not isinstance(e[name], list):
+                raise ApproverError(f"{where}: {name} must be a list")
         try:
             raw = b64url.decode(str(e["public_key"]))
             key = ed25519.Ed25519PublicKey.from_public_bytes(raw)

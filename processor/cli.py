@@ -528,6 +528,7 @@ def approvals_list(
 def approvals_show(request_id: str, config: ConfigOpt = None) -> None:
     """The confirmation packet of one request: exactly what would run."""
     from processor.approvals import iso
+    from processor.codec.records import printable
 
     s = _settings(config)
     e = _approval_store(s).find(request_id)
@@ -553,7 +554,9 @@ def approvals_show(request_id: str, config: ConfigOpt = None) -> None:
     ]
     table = Table(show_header=False)
     for k, v in rows:
-        table.add_row(k, str(v))
+        # Agents' arguments and ids, and systems of record's states: an escape sequence or
+        # a bidirectional override among them must not reach the approver's terminal.
+        table.add_row(k, printable(str(v)))
     console.print(table)
 
 

@@ -205,10 +205,11 @@ class Settings(BaseSettings):
     transaction_timeout_ms: int = 15000
     """Upper bound on how long a crashed instance's open transaction blocks readers."""
     processing_guarantee: Literal["exactly-once"] = "exactly-once"
-    batch_max_records: int = 2000
+    batch_max_records: int = Field(default=2000, ge=1, le=1_000_000)
     """Records per transaction at most. The loop takes whatever is already fetched
     up to this many, so under light load batches stay small and latency low, and
-    under heavy load one commit is shared by many records."""
+    under heavy load one commit is shared by many records. (librdkafka consumes at most
+    a million at once: any other number would start, then fail at the first record.)"""
     batch_wait_s: float = 0.1
     """How long the loop blocks waiting for the first record of a batch (only
     bounds how quickly it notices a stop request when idle)."""

@@ -77,7 +77,13 @@ from prometheus_client import CollectorRegistry, Counter
 
 from processor.app import consumer_config, producer_config
 from processor.codec.avro import known_headers, writer_header
-from processor.codec.records import decode_approved_call, dlq_record, encode_result
+from processor.codec.records import (
+    ID_MAX_CHARS,
+    decode_approved_call,
+    dlq_record,
+    encode_result,
+    oversized_id,
+)
 from processor.config import Settings
 from processor.kafka.offsets import next_offsets, records_of, rewind, where
 from processor.kafka.produce import Headers, send
@@ -793,7 +799,17 @@ def _behind(m: Message, held: dict[tuple[str, int], int]) -> bool:
     return offset >= held.get((topic, partition), offset + 1)
 
 
+_CALL_IDS = ("call_id", "proposal_id", "run_id", "tenant_id", "trace_id", "tool_name",
+             "tool_version", "payload_hash", "idempotency_key", "contract_set")  # fmt: skip
+"""The ids of a call that its result names (and keys, by the run)."""
+
+
 def _call(d: dict[str, Any]) -> Call:
+    too_long = oversized_id(d, _CALL_IDS)
+    if too_long is not None:
+        # Longer than any the processor writes: its result could not be published (see
+        # ID_MAX_CHARS), so it is not run, nor answered (``_named``), only dead-lettered.
+        raise ValueError(f"{too_long} is longer than {ID_MAX_CHARS} characters")
     arguments = orjson.loads(d["arguments"])
     if not isinstance(arguments, dict):
         raise _NotAnObject("arguments are not a JSON object")

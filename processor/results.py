@@ -32,7 +32,7 @@ from typing import Any
 import orjson
 
 from processor import b64url
-from processor.codec.records import decode_result
+from processor.codec.records import ID_MAX_CHARS, decode_result, oversized_id
 from processor.contracts.registry import Contract, ContractSet
 from processor.contracts.validation import ArgumentValidator
 from processor.gates.budget import (
@@ -42,6 +42,7 @@ from processor.gates.budget import (
     is_compensation_key,
     runtime_of,
 )
+from processor.gates.parse import strict_loads
 from processor.gates.policy_scan import find_secrets
 from processor.identity import Verifier
 from processor.model import (
@@ -124,6 +125,9 @@ letter on ``tool.calls.dlq``."""
 RESULT_DATA_MAX_BYTES = 262_144
 """The most of a result's data an observation carries to the model (and Redis caches for
 retries): a larger answer is not shown, and the model is told why."""
+RESULT_MAX_DEPTH = 256
+"""How deeply a result's data may nest: far past any contract's output_schema, and within
+what the exact parser, which finds repeated keys, reads without running out of stack."""
 COMPENSATION_ARGUMENTS_MAX_BYTES = 65_536
 """The arguments of a compensating call, at most (the gates' own default bound)."""
 
@@ -153,12 +157,24 @@ def compensation_proposal_id(idempotency_key: str) -> str:
     return "comp_" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
+_RESULT_IDS = ("result_id", "call_id", "proposal_id", "run_id", "tenant_id", "tool_name",
+               "tool_version", "idempotency_key", "payload_hash")  # fmt: skip
+"""The ids of a result that its call's record is held to or keeps, and the run its answer is
+keyed by."""
+
+
 def parse_result(src: SourceRecord, contracts: ContractSet) -> ResultInput | str:
     """A result record, or the reason it cannot be one (it then goes to the DLQ)."""
     try:
         r = decode_result(src.value or b"")
     except Exception as exc:
         return f"undecodable result: {type(exc).__name__}"
+    too_long = oversized_id(r, _RESULT_IDS)
+    if too_long is not None:
+        # No call the processor routed has such an id: refused before Redis keeps any of
+        # it (a result for a key that moved on is kept by its id, and answered to the run
+        # it names, whose observation, keyed by that run, might not fit in a record).
+        return f"the result's {too_long} is longer than {ID_MAX_CHARS} characters"
     if r["call_id"] != r["proposal_id"]:
         # The processor routes every call under its proposal's id, and the observation
         # goes to the proposal the result names, while Redis checks only the call id: a
@@ -385,9 +401,14 @@ def _unreadable(data: str | None, contract: Contract | None) -> FieldError | Non
                 RESULT_TOO_LARGE,
             )
         try:
-            value = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return FieldError("data", "the result is not JSON", "result_not_json")
+            # Strict: a key an object repeats reads as its last value, which is all the
+            # output schema would check, while the model is shown the text, every value.
+            value = strict_loads(data, RESULT_MAX_DEPTH)
+        except (ValueError, RecursionError):
+            return FieldError(
+                "data", "the result is not strict JSON (or an object in it repeats a key, or "
+                f"it is nested more than {RESULT_MAX_DEPTH} levels deep)", "result_not_json",
+            )  # fmt: skip
     if contract is None:
         # The version that routed the call is not in the set that reads its answer (a
         # reload removed it while the call ran): no output schema can be checked, so the

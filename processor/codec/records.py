@@ -313,10 +313,12 @@ def encode_approved_call(d: Decision, contract_set: str | None) -> bytes:
 
 
 class Outputs(NamedTuple):
-    """What a decision writes besides a dead letter, encoded: its observation, and the
-    approved call, the approval request and the compensating proposal where it has one.
-    A tuple: one is made for every record the processor answers."""
+    """What a decision writes besides a dead letter, encoded: the key every output is
+    written under, its observation, and the approved call, the approval request and the
+    compensating proposal where it has one. A tuple: one is made for every record the
+    processor answers."""
 
+    key: bytes | None
     observation: bytes
     call: bytes | None = None
     request: bytes | None = None
@@ -331,9 +333,13 @@ def encode_outputs(d: Decision, contract_set: str | None, max_bytes: int) -> Out
     """Every output of a decision that is not a dead letter, as the processor writes them
     and replay words them: one function, so a decision replayed fails to encode exactly
     where the processor's did. Raises whatever the encoders raise, and ValueError for an
-    output over ``max_bytes``, which the broker would refuse."""
+    output whose key and value together exceed ``max_bytes``, which the broker would
+    refuse. Every output is keyed by the run the proposal names (the record's own key when
+    it names none), and the broker counts a key against its limit as it does the value: a
+    result's answer goes to the run the result names."""
     if faults.POISON_ENCODING:
         faults.poison_encoding(d.source.value)
+    key = d.proposal.run_id.encode() if d.proposal else d.source.key
     call = request = None
     if d.outcome is Outcome.ROUTED and d.side_effect_class is not None:
         call = encode_approved_call(d, contract_set)
@@ -341,11 +347,11 @@ def encode_outputs(d: Decision, contract_set: str | None, max_bytes: int) -> Out
         request = encode_approval_request(d, contract_set)
     observation = encode_observation(d, contract_set)
     compensation: bytes | None = d.extra.get("compensation")
-    largest = max(len(observation), len(call or b""), len(request or b""),
-                  len(compensation or b""))  # fmt: skip
+    largest = len(key or b"") + max(len(observation), len(call or b""), len(request or b""),
+                                    len(compensation or b""))  # fmt: skip
     if largest > max_bytes:
-        raise ValueError(f"an output of {largest} bytes, over message.max.bytes")
-    return Outputs(observation, call, request, compensation)
+        raise ValueError(f"an output of {largest} bytes with its key, over message.max.bytes")
+    return Outputs(key, observation, call, request, compensation)
 
 
 def unencodable(d: Decision, exc: Exception) -> Decision:
@@ -367,6 +373,25 @@ DLQ_MAX_KEY_BYTES = 1024
 """A dead letter keeps at most this much of the original key (a run id is at most 256
 characters): the broker counts the key against its message size limit too, and a huge key
 would otherwise make the dead letter itself too large to write."""
+
+
+ID_MAX_CHARS = 1024
+"""The longest id (run, call, tenant, key, tool, version, hash) an approved call or a
+result may name: four times the longest the processor writes (1-256 characters; a
+compensation's key a few more). A record naming a longer one was not written for a call
+the processor routed. An executor's answer naming all of a call's ids, keyed by its run,
+then always fits under the broker's message size limit: one that did not could not be
+delivered at all, its transaction would never commit, and its batch would come back for
+ever."""
+
+
+def oversized_id(datum: dict[str, Any], names: tuple[str, ...]) -> str | None:
+    """The first of the string fields ``names`` of ``datum`` longer than ``ID_MAX_CHARS``."""
+    for name in names:
+        value = datum.get(name)
+        if isinstance(value, str) and len(value) > ID_MAX_CHARS:
+            return name
+    return None
 
 
 def dlq_value(value: bytes | None, limit: int = DLQ_MAX_VALUE_BYTES) -> bytes | None:

@@ -30,12 +30,12 @@
 -- or a result's "settled[|grant|<claims>]", "settled|held", "superseded", "held",
 -- "settled|unsigned", "settled|compensated|<key>", "duplicate", "stale|<state>",
 -- "unknown", "mismatch" (its tool, version, payload or run is not its call's), "unrouted"
--- (its call was never routed), "conflict|<state>|<result id>" (its attempt's first result,
--- that id, reported another outcome; the record stands in that state); a void's "voided"
--- or "unchanged"; a comp_failed's "marked" or "unchanged"; a lapse's "lapsed",
--- "moved_on", "superseded", "given_back" or "unchanged"; a withdraw's "withdrawn" or
--- "none". Short strings, not JSON: decoding and encoding are most of a script's cost per
--- item.
+-- (its call was never routed), "unrouted_attempt" (an attempt after the record's),
+-- "conflict|<state>|<result id>" (its attempt's first result, that id, reported another
+-- outcome; the record stands in that state); a void's "voided" or "unchanged"; a
+-- comp_failed's "marked" or "unchanged"; a lapse's "lapsed", "moved_on", "superseded",
+-- "given_back" or "unchanged"; a withdraw's "withdrawn" or "none". Short strings, not
+-- JSON: decoding and encoding are most of a script's cost per item.
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, n tool and nv the
 -- version its call was routed as (records written before either was kept have none), c
@@ -704,6 +704,10 @@ local function settle(c)
     -- copy, one of an attempt answered already, or a failure that committed nothing.
     -- Another result of the attempt that settled the key, or of one whose failure is held,
     -- is held to what that one reported (see again).
+    -- An attempt later than the one the record is at was never routed: no executor was
+    -- handed it, so its result is not one (a forged or garbled record, or Redis lost the
+    -- record's later writes). It settles nothing, and the DLQ keeps it.
+    if c.attempt > (rec.a or 1) then return {status = 'unrouted_attempt'} end
     if rec.xa == c.attempt then return again(rec.g, c, rec.s, rec.x) end
     local k = missed_at(rec, c.attempt)
     local missed = k and rec.ua[k]

@@ -698,6 +698,22 @@ def test_an_earlier_attempt_completed_late_is_held_to_the_version_it_was_routed_
     assert store.apply([result(first, attempt=1)]) == [{"status": "settled"}]
 
 
+def test_a_result_of_an_attempt_the_key_never_made_is_refused_not_dropped(
+    store: AdmissionStore,
+) -> None:
+    """No executor was handed an attempt after the one the record is at: its result is not
+    one. It settles nothing, and is refused (for the DLQ) rather than taken for an earlier
+    attempt's result, which is counted and dropped unseen."""
+    routed = call()
+    key = routed[1]["ikey"]
+    assert store.apply([routed]) == [{"ok": True, "attempt": 1}]
+    for attempt in (2, 2**31 - 1):
+        claimed = result(routed, attempt=attempt)
+        assert store.apply([claimed]) == [{"status": "unrouted_attempt"}]
+    assert store.record(TENANT, key, NOW)["state"] == "PENDING"
+    assert store.apply([result(routed, attempt=1)]) == [{"status": "settled"}]
+
+
 def test_an_earlier_attempt_that_never_ran_settles_nothing_when_it_says_it_completed(
     store: AdmissionStore,
 ) -> None:
@@ -711,7 +727,7 @@ def test_an_earlier_attempt_that_never_ran_settles_nothing_when_it_says_it_compl
                   deadline=NOW + 600_000)  # fmt: skip
     assert store.apply([second]) == [{"ok": True, "attempt": 2}]
     assert store.apply([result(parked, attempt=1)]) == [{"status": "superseded"}]
-    assert store.apply([result(parked, attempt=3)]) == [{"status": "superseded"}]
+    assert store.apply([result(parked, attempt=3)]) == [{"status": "unrouted_attempt"}]
     assert store.record(TENANT, key, NOW)["state"] == "PENDING"
 
 

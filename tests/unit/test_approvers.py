@@ -131,6 +131,24 @@ def test_subjects_must_be_a_list_of_ids(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "extra",
+    [
+        "    tenants: acme*\n",  # letter by letter, it would hold "*": every tenant
+        "    tenants: acme\n",
+        "    tenants:\n",
+        "    classes: HIGH_RISK_EXTERNAL\n",
+        "    classes: {HIGH_RISK_EXTERNAL: true}\n",
+        "    classes:\n",
+    ],
+)
+def test_tenants_and_classes_must_be_lists(tmp_path: Path, extra: str) -> None:
+    path = _file(tmp_path).read_text().replace("    classes: [HIGH_RISK_EXTERNAL]\n", "")
+    (tmp_path / "approvers.yaml").write_text(path + extra)
+    with pytest.raises(ApproverError, match="must be a list"):
+        load_approvers(tmp_path / "approvers.yaml")
+
+
+@pytest.mark.parametrize(
     ("field", "value"),
     [
         ("reason", 123456789012345678901234567890),  # past 64 bits: the encoder refuses it

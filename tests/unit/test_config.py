@@ -66,6 +66,15 @@ def test_unknown_settings_are_refused() -> None:
         Settings(bootstrap_server="typo:9092")  # type: ignore[call-arg]
 
 
+@pytest.mark.parametrize("records", [0, -1, 1_000_001])
+def test_a_batch_size_the_consumer_cannot_take_is_refused_at_start(records: int) -> None:
+    """The loop asks librdkafka for the batch less its first record: anything but 1 to a
+    million would be accepted here and stop the processor when the first record came."""
+    with pytest.raises(pydantic.ValidationError, match="batch_max_records"):
+        Settings(batch_max_records=records)
+    assert Settings(batch_max_records=1).batch_max_records == 1
+
+
 def test_environment_reaches_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOOLSENTRY_BOOTSTRAP_SERVERS", "broker-1:9093,broker-2:9093")
     monkeypatch.setenv("TOOLSENTRY_TOPICS__PREFIX", "acme.tool.")

@@ -16,7 +16,12 @@ from prometheus_client import CollectorRegistry
 
 from processor import executor as executor_module
 from processor.codec.avro import AvroCodec, codec
-from processor.codec.records import decode_approved_call, decode_result, encode_approved_call
+from processor.codec.records import (
+    ID_MAX_CHARS,
+    decode_approved_call,
+    decode_result,
+    encode_approved_call,
+)
 from processor.config import Settings
 from processor.contracts.registry import ContractSet
 from processor.executor import Call, Executor, Succeeded
@@ -397,6 +402,32 @@ def test_a_call_that_cannot_be_run_is_answered_as_not_run_and_dead_lettered(
     assert executor.undecodable == 3
     labels = {"tool": executor_module.UNREADABLE_TOOL, "outcome": "FAILED"}
     assert registry.get_sample_value("toolsentry_executor_results_total", labels) == 2
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["call_id", "run_id", "tenant_id", "trace_id", "tool_version", "payload_hash",
+     "idempotency_key", "contract_set"],
+)  # fmt: skip
+def test_a_call_naming_an_id_longer_than_any_the_processor_writes_is_not_run(
+    contracts: ContractSet, name: str
+) -> None:
+    """Its result, keyed by its run and naming its ids, could be too large to publish, and
+    the batch would then never commit. Not run, not answered: dead-lettered; an id at the
+    bound is a call like any other."""
+    call, now_ms = _approved_call(contracts)
+    fields = {name: "x" * (ID_MAX_CHARS + 1)}
+    if name == "call_id":
+        fields["proposal_id"] = fields[name]
+    at_bound = _unrunnable(call, **{k: "y" * ID_MAX_CHARS for k in fields})
+    ran: list[Call] = []
+    executor, producer, consumer, topic = _rig(now_ms, ran=ran)
+    consumer.records = [_Record(topic, 3, _unrunnable(call, **fields)), _Record(topic, 4, at_bound)]
+    assert executor.run_once(0.1) == 2
+    assert len(ran) == 1 and getattr(ran[0], name) == "y" * ID_MAX_CHARS
+    topics = [p["topic"] for p in producer.produced]
+    assert topics == [executor.settings.topics.call_dlq, executor.settings.topics.results]
+    assert executor.undecodable == 1
 
 
 def test_the_answer_to_a_call_that_cannot_be_run_is_not_kept_for_a_redelivery(
