@@ -210,15 +210,16 @@ class Settings(BaseSettings):
     up to this many, so under light load batches stay small and latency low, and
     under heavy load one commit is shared by many records. (librdkafka consumes at most
     a million at once: any other number would start, then fail at the first record.)"""
-    batch_wait_s: float = 0.1
+    batch_wait_s: float = Field(default=0.1, gt=0, le=60)
     """How long the loop blocks waiting for the first record of a batch (only
-    bounds how quickly it notices a stop request when idle)."""
+    bounds how quickly it notices a stop request when idle; librdkafka reads a negative
+    wait as for ever, and none at all would spin)."""
     max_record_bytes: int = 1_048_576
     """A proposal larger than this is not parsed; it goes to the DLQ."""
     max_arguments_bytes: int = 65_536
     max_arguments_depth: int = 32
     contracts_dir: Path = Path("contracts")
-    contracts_poll_s: float = 2.0
+    contracts_poll_s: float = Field(default=2.0, ge=0)
     """How often the contract folder and the key, policy and approvers files are checked
     for changes; a change is taken once it has held still for one poll (SIGHUP checks
     them all at once)."""

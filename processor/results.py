@@ -36,13 +36,12 @@ from processor.codec.records import ID_MAX_CHARS, decode_result, oversized_id
 from processor.contracts.registry import Contract, ContractSet
 from processor.contracts.validation import ArgumentValidator
 from processor.gates.budget import (
-    COMPENSATION_PREFIX,
     HANDOFF_TOOL,
     UNREQUESTED_COMPENSATION,
     is_compensation_key,
     runtime_of,
 )
-from processor.gates.parse import strict_loads
+from processor.gates.parse import COMPENSATION_PREFIX, strict_loads
 from processor.gates.policy_scan import find_secrets
 from processor.identity import Verifier
 from processor.model import (

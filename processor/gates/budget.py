@@ -23,6 +23,7 @@ from processor.approval_flow import PARKED_AS, PARKED_UNTIL
 from processor.approvals import parse_iso_ms
 from processor.contracts.registry import Contract
 from processor.gates.confirmation import reissue
+from processor.gates.parse import COMPENSATION_PREFIX
 from processor.identity import grant_of
 from processor.model import (
     Decision,
@@ -49,8 +50,6 @@ _REPAIRS = frozenset({
 HANDOFF_TOOL = "handoff_to_human"
 """What a run out of steps or budget is told to call: never refused for steps, budgets or
 costs (its idempotency key and rate limit still apply)."""
-COMPENSATION_PREFIX = "compensate:"
-"""Idempotency keys of the compensating calls the processor proposes (see results.py)."""
 UNREQUESTED_COMPENSATION = "compensation_not_requested"
 """The code of the refusal of a call that borrows a compensation key (see admission.lua)."""
 

@@ -30,6 +30,12 @@ from processor.model import FieldError, Gate, Proposal, Rejection, SourceRecord,
 
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 _ID_MAX = 256
+COMPENSATION_PREFIX = "compensate:"
+"""Idempotency keys of the compensating calls the processor proposes (see results.py):
+the prefix on the key of the call they undo."""
+_KEY_MAX = _ID_MAX + len(COMPENSATION_PREFIX)
+"""A compensation's key (and logical operation) at most: the prefix on an agent's key of
+the longest length taken."""
 MAX_APPROVALS = 8
 """Approvals one proposal may carry: a critical call needs two distinct approvers."""
 
@@ -214,6 +220,12 @@ def _utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _key_limit(v: Any) -> int:
+    """The longest key (or logical operation) taken: a compensation's is its call's with a
+    prefix, so a call's key of the longest length still makes a compensation's."""
+    return _KEY_MAX if type(v) is str and v.startswith(COMPENSATION_PREFIX) else _ID_MAX
 
 
 def is_id(v: Any) -> TypeGuard[str]:
@@ -434,8 +446,10 @@ def parse_proposal(
     workflow_id = opt_str("workflow_id")
     created_at = opt_str("created_at", 64)
     principal_token = opt_str("principal_token", 16_384)
-    idempotency_key = opt_str("idempotency_key")
-    logical_operation_id = opt_str("logical_operation_id")
+    idempotency_key = opt_str("idempotency_key", _key_limit(env.get("idempotency_key")))
+    logical_operation_id = opt_str(
+        "logical_operation_id", _key_limit(env.get("logical_operation_id"))
+    )
     traceparent = opt_str("traceparent", 128)
     trace = _TRACEPARENT.match(traceparent) if traceparent is not None else None
     if traceparent is not None and trace is None:

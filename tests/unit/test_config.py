@@ -75,6 +75,17 @@ def test_a_batch_size_the_consumer_cannot_take_is_refused_at_start(records: int)
     assert Settings(batch_max_records=1).batch_max_records == 1
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("batch_wait_s", -1), ("batch_wait_s", 0), ("batch_wait_s", 61), ("contracts_poll_s", -1)],
+)
+def test_a_wait_the_loop_cannot_use_is_refused_at_start(name: str, value: float) -> None:
+    """A negative wait would block the loop for ever (a stop never noticed), none would
+    spin it."""
+    with pytest.raises(pydantic.ValidationError, match=name):
+        Settings(**{name: value})
+
+
 def test_environment_reaches_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOOLSENTRY_BOOTSTRAP_SERVERS", "broker-1:9093,broker-2:9093")
     monkeypatch.setenv("TOOLSENTRY_TOPICS__PREFIX", "acme.tool.")

@@ -8,7 +8,14 @@ from typing import Any
 import orjson
 import pytest
 
-from processor.gates.parse import MAX_APPROVALS, DeadLetter, Limits, parse_proposal, strict_loads
+from processor.gates.parse import (
+    COMPENSATION_PREFIX,
+    MAX_APPROVALS,
+    DeadLetter,
+    Limits,
+    parse_proposal,
+    strict_loads,
+)
 from processor.model import FieldError, Gate, Proposal, Rejection, TaxonomyClass
 from tests.unit.helpers import LIMITS, OFFSET, PARTITION, TOPIC, envelope, record
 
@@ -92,6 +99,22 @@ def test_valid_envelope_parses_every_field() -> None:
     assert proposal.active_tools == ("cancel_order", "lookup_order")
     assert proposal.traceparent == TRACEPARENT
     assert proposal.trace_id == TRACE_ID
+
+
+@pytest.mark.parametrize("field", ["idempotency_key", "logical_operation_id"])
+def test_a_key_is_at_most_256_characters_and_a_compensations_has_room_for_its_prefix(
+    field: str,
+) -> None:
+    longest = "k" * 256
+    proposal, rejection, _ = parsed(orjson.dumps(envelope(**{field: longest})))
+    assert rejection is None and getattr(proposal, field) == longest
+    _, rejection = rejected(orjson.dumps(envelope(**{field: longest + "k"})))
+    assert only_error(rejection).field == field
+    compensation = COMPENSATION_PREFIX + longest
+    proposal, rejection, _ = parsed(orjson.dumps(envelope(**{field: compensation})))
+    assert rejection is None and getattr(proposal, field) == compensation
+    _, rejection = rejected(orjson.dumps(envelope(**{field: compensation + "k"})))
+    assert only_error(rejection).field == field
 
 
 def test_arguments_raw_is_parsed_into_arguments() -> None:

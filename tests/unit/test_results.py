@@ -93,16 +93,19 @@ def _codes(d: Decision) -> list[str]:
     return [e.code for e in d.rejection.errors]
 
 
+@pytest.mark.parametrize("key", [KEY, "k" * 256], ids=["key", "longest-agent-key"])
 def test_the_compensation_is_admitted_under_the_hash_its_route_gate_computes(
-    contracts: ContractSet,
+    contracts: ContractSet, key: str
 ) -> None:
-    item = _charge_result(contracts)
+    """The compensation's key is the call's with a prefix: an agent's key of the longest
+    length the parse gate takes still makes a compensation it takes."""
+    item = _charge_result(contracts, idempotency_key=key)
     assert item.state == "FAILED_FINAL"
     assert item.decision.rejection is not None
     assert item.decision.rejection.taxonomy is TaxonomyClass.COMPENSATION_REQUIRED
     comp = wants_compensation(item, contracts)
     assert comp is not None
-    assert (comp.tool, comp.arguments, comp.key) == ("refund_order", REFUND, compensation_key(KEY))
+    assert (comp.tool, comp.arguments, comp.key) == ("refund_order", REFUND, compensation_key(key))
 
     # The record keeps comp.payload_hash; admission compares it with the hash of the call
     # the proposal becomes. They must be the same, or every compensation would be refused.
@@ -111,7 +114,7 @@ def test_the_compensation_is_admitted_under_the_hash_its_route_gate_computes(
     assert proposal is not None
     proposed = orjson.loads(proposal)
     assert "principal_token" not in proposed
-    assert proposed["proposal_id"] == compensation_proposal_id(KEY)
+    assert proposed["proposal_id"] == compensation_proposal_id(key)
     decided = decide_envelope(proposed, contracts)
     assert decided.outcome in (Outcome.ROUTED, Outcome.PARKED), decided.rejection
     assert decided.call is not None
