@@ -68,6 +68,7 @@ from processor.gates.semantic import RefAnswers, RefKey
 from processor.identity import Verifier
 from processor.kafka.offsets import source_record
 from processor.kafka.retained import BATCH, OffsetRange, RetainedReader
+from processor.kafka.topics import topics_partitions
 from processor.model import Decision, Gate, Outcome, SourceRecord, TaxonomyClass
 from processor.pipeline import Gates, Lookup, decide_batch_at
 from processor.policy import load_policy
@@ -546,6 +547,15 @@ def span_offsets(settings: Settings, report: Report) -> None:
     report.since_ms, report.until_ms = earliest, latest
 
 
+def _check_partition(settings: Settings, offsets: OffsetRange) -> None:
+    """OutOfRange for a partition its topic does not have, asked of the broker before the
+    answers are read (a day of them, say), not once they have been. A topic that does not
+    exist is left to the reader, which reports it missing."""
+    count = topics_partitions(settings, [offsets.topic]).get(offsets.topic)
+    if count is not None:
+        offsets.check_partition(count)
+
+
 @dataclass
 class Answers:
     """The recorded decisions of the range: observations by id, dead letters by the
@@ -615,11 +625,15 @@ def replay(
     """Read what was decided, decide the range again and compare: the whole of
     ``toolsentry replay``. A range open at its end is closed now, before anything is read:
     proposals made while the replay reads would find no answer written yet. OutOfRange
-    for an offset range the partition does not hold."""
+    for an offset range the partition does not hold, or a partition the topic does not
+    have, before anything is read."""
     if report.by_offsets:
         span_offsets(settings, report)
-    elif report.until_ms is None:
-        report.until_ms = int(time.time() * 1000)
+    else:
+        if report.offsets is not None:
+            _check_partition(settings, report.offsets)
+        if report.until_ms is None:
+            report.until_ms = int(time.time() * 1000)
     if report.by_offsets and report.since_ms is None:
         answers = Answers()  # no record in the range: nothing can have answered it
     else:

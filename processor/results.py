@@ -25,6 +25,7 @@ result's data is never shown (nothing describes it).
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -578,7 +579,8 @@ def outcome_digest(r: dict[str, Any]) -> str:
     compensation it asks for. Not the ids (Redis matched them already), the times, the
     executor, nor the error message (free text, which a call run again may word afresh
     with nothing else changed). JSON is compared by value, not spelling (key order,
-    whitespace), so an answer read back from a handler's store is the same answer."""
+    whitespace, 1250 or 1250.0), so an answer read back from a handler's store is the same
+    answer."""
     if r["outcome"] == "SUCCEEDED":
         fields: list[Any] = [r["outcome"], _content(r.get("data"))]
     else:
@@ -594,15 +596,42 @@ def outcome_digest(r: dict[str, Any]) -> str:
 
 
 def _content(text: str | None) -> str | None:
-    """JSON text in its canonical spelling (sorted keys, no whitespace), so that two
-    spellings of one value are one; text that is not JSON, or too large to be read as
-    such, as it is."""
+    """JSON text in its canonical spelling (sorted keys, no whitespace, a whole number
+    without a fraction or exponent), so that two spellings of one value are one; text that
+    is not JSON, or too large to be read as such, as it is."""
     if text is None or _too_large(text, RESULT_DATA_MAX_BYTES):
         return text
     try:
-        return canonical_json(orjson.loads(text)).decode()
+        value = orjson.loads(text)
+        canonical = canonical_json(value)
+        if (b".0" in canonical or b"e+" in canonical) and _WHOLE_FLOAT.search(canonical):
+            canonical = canonical_json(_whole_numbers(value))
+        return canonical.decode()
     except (orjson.JSONDecodeError, orjson.JSONEncodeError):
         return text
+
+
+_WHOLE_FLOAT = re.compile(rb"\d\.0(?:[,\]}]|$)|\de\+")
+"""Where orjson may have written a float that is a whole number (``1250.0``, ``1e+16``):
+only then is the value walked (see _whole_numbers), which a large answer pays for. A
+string that looks so costs the walk, nothing else; the substrings are looked for first,
+as a scan for them costs a fraction of this one's."""
+_WHOLE_MAX = 2**63
+"""Below this a whole number is written as an integer (orjson writes no larger one)."""
+
+
+def _whole_numbers(value: Any) -> Any:
+    """``value`` with every float that is a whole number as an int: JSON has one kind of
+    number, and 1250, 1250.0 and 1.25e3 are one value (JSON Schema's equality), which a
+    store that keeps numbers as doubles (SQLite's json(), a Go or JavaScript handler)
+    spells either way when it hands an answer back."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and -_WHOLE_MAX < value < _WHOLE_MAX else value
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
 
 
 def wants_compensation(item: ResultInput, contracts: ContractSet) -> Compensation | None:

@@ -658,6 +658,16 @@ local function held_final(rec)
   return false
 end
 
+-- The held failures among missed attempts `ua` (see settle), or nil if there are none.
+local function held_only(ua)
+  local held = {}
+  for _, missed in ipairs(ua or {}) do
+    if missed.f then held[#held + 1] = missed end
+  end
+  if #held == 0 then return nil end  -- (cjson writes an empty table as an object)
+  return held
+end
+
 -- An executor's result settles the call's record. Only the attempt the record is
 -- waiting for settles it, or an earlier attempt of the same call that completed after
 -- the key moved on from it; a result for another older attempt (the key was retried
@@ -715,7 +725,9 @@ local function settle(c)
       local other = again(missed.g, c, missed.fs, missed.f)
       if other.status == 'conflict' then return other end
     end
-    if FINAL[rec.s] or (missed and missed.fa) then k = nil end
+    -- (a record an earlier version wrote marks no fa: a result of the attempt it holds,
+    -- x, answered the proposal after the failure was held, which needed it in flight)
+    if FINAL[rec.s] or (missed and (missed.fa or (missed.f and rec.x))) then k = nil end
     if not (k and (c.state == 'COMPLETED' or c.committed)) then return {status = 'superseded'} end
     local routed_as = missed.v
     if routed_as and routed_as ~= c.version then return {status = 'mismatch'} end
@@ -771,7 +783,10 @@ local function settle(c)
     -- above): those steps stand, and its answer, "nothing ran", would leave them unseen.
     -- The call is final and escalates; a failure held for a resumable call is not, since
     -- a retry under the key finishes it as this attempt would have.
-    rec.s, rec.v, rec.ua = 'FAILED_FINAL', c.cached_held, nil
+    -- The held failures stay with their digests (the attempts that had none are gone): a
+    -- result of their attempt that says otherwise (it completed, say) is a conflict an
+    -- operator needs beside this escalation, not a copy.
+    rec.s, rec.v, rec.ua = 'FAILED_FINAL', c.cached_held, held_only(rec.ua)
     verdict.held = true
   end
   -- The proposal has its answer now. A failure still held (a resumable call's, which this

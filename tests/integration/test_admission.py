@@ -875,9 +875,41 @@ def test_a_failure_held_for_a_later_attempt_that_never_ran_the_call_answers_it(
         assert record["state"] == "EXPIRED"
         return
     assert (record["state"], record["cached"]) == ("FAILED_FINAL", held)
-    assert "missed_attempts" not in record
+    # Of the missed attempts only the held failure stays, with its digest (see the next test).
+    [kept] = orjson.loads(record["missed_attempts"].replace("'", '"'))
+    assert (kept["a"], kept["fs"]) == (1, late[1]["state"])
     retry = store.apply([call(ikey=key, call=call_id, now=NOW + 950_000)])
     assert whys(retry) == ["idempotent_hit"] and retry[0]["cached"] == held
+
+
+def test_a_result_that_contradicts_a_failure_held_for_an_attempt_that_never_ran_conflicts(
+    store: AdmissionStore,
+) -> None:
+    """The first attempt's failure after a committed step was held for the second, which
+    then timed out unstarted: the call is final and escalates on the held failure. A
+    result of the first attempt that now says it completed contradicts what the escalation
+    stands on: a conflict, for the operator handling it, not a copy. A copy of the held
+    failure is still superseded, and the record stands."""
+    first = call(deadline=NOW + 8000)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    second = call(ikey=key, call=call_id, now=NOW + 9001, deadline=NOW + 600_000)
+    store.apply([second])
+    late = _partly_committed(first, attempt=1, result_id="res-first", committed=True,
+                             digest="d-charged-then-failed")  # fmt: skip
+    assert store.apply([late]) == [{"status": "held"}]
+    held = orjson.dumps({"class": "COMPENSATION_REQUIRED"}).decode()
+    unstarted = result(second, state="EXPIRED", attempt=2, cached_held=held, digest="d-unstarted")
+    assert store.apply([unstarted]) == [{"status": "settled", "held": True}]
+    escalated = store.record(TENANT, key, NOW)
+    assert escalated["state"] == "FAILED_FINAL"
+    success = result(first, attempt=1, result_id="res-first", digest="d-succeeded")
+    conflict = {"status": "conflict", "state": "FAILED_FINAL", "result": "res-first"}
+    assert store.apply([success]) == [conflict]
+    assert store.apply([success]) == [conflict]  # its replay
+    copy = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([copy]) == [{"status": "superseded"}]
+    assert store.record(TENANT, key, NOW) == escalated
 
 
 def _held_resumable_failure() -> tuple[tuple[str, Item], tuple[str, Item], tuple[str, Item]]:
@@ -948,6 +980,35 @@ def test_a_held_failure_whose_later_attempt_never_ran_settles_the_key_once(
     assert store.apply(copies) == [{"status": "settled"}, {"status": "duplicate"}]
     record = store.record(TENANT, key, NOW)
     assert (record["state"], record["result"]) == ("FAILED_RETRYABLE", "res-first")
+
+
+def test_a_copy_of_a_held_failure_answered_under_the_previous_version_answers_nothing(
+    store: AdmissionStore,
+) -> None:
+    """Held for the second attempt, which answered the proposal, all under the version
+    before (its record marks no held failure answered for, and keeps no digests). A copy
+    of the held failure delivered after the upgrade is superseded by that answer, as it is
+    on a record this version wrote: it neither settles the key again nor answers twice."""
+    first, second, late = _held_resumable_failure()
+    key = first[1]["ikey"]
+    store.apply([first])
+    store.apply([second])
+    assert store.apply([late]) == [{"status": "held"}]
+    own = result(second, state="FAILED_RETRYABLE", attempt=2, result_id="res-second",
+                 cached_held='{"class":"COMPENSATION_REQUIRED"}')  # fmt: skip
+    assert store.apply([own]) == [{"status": "settled"}]
+    [bucket] = [
+        k for k in store.client.scan_iter(f"{store._base(TENANT)}:idem:*")
+        if store.client.hexists(k, key)
+    ]  # fmt: skip
+    rec = orjson.loads(store.client.hget(bucket, key) or b"")
+    rec.pop("g", None)
+    rec["ua"] = [{k: v for k, v in m.items() if k not in ("fa", "g")} for m in rec["ua"]]
+    store.client.hset(bucket, key, orjson.dumps(rec))
+    answered = store.record(TENANT, key, NOW)
+    copy = (late[0], {**late[1], "pos": f"r/0/{next(_pos)}"})
+    assert store.apply([copy]) == [{"status": "superseded"}]
+    assert store.record(TENANT, key, NOW) == answered
 
 
 @pytest.mark.parametrize(

@@ -21,12 +21,14 @@ import orjson
 import pytest
 import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 
 from processor.client import ToolsentryClient
 from processor.codec.avro import codec
-from processor.config import Settings
+from processor.config import Settings, Topics
 from processor.kafka.offsets import watermarks
-from processor.kafka.retained import OffsetRange
+from processor.kafka.retained import OffsetRange, OutOfRange
 from processor.reference_data import publish_references, wait_until_loaded
 from processor.replay import (
     DEAD_LETTER,
@@ -37,6 +39,7 @@ from processor.replay import (
     reference_lookup,
     replay,
     replay_gates,
+    unknown_references,
 )
 from tests.integration.harness import (
     ROOT,
@@ -406,3 +409,30 @@ def test_the_command_replays_an_offset_range_and_refuses_one_the_topic_does_not_
         proc = command(*args)
         out = proc.stdout.decode() + proc.stderr.decode()
         assert proc.returncode == 2 and says in out, out
+
+
+def test_a_partition_the_topic_does_not_have_is_refused_before_any_answer_is_read(
+    stack_settings: Settings,
+) -> None:
+    """``--partition`` alone narrows a time range: a partition the topic does not have is
+    refused as soon as the broker says so, not after a day of answers has been read. Here
+    the answers' topics do not exist, and would be reported missing once read."""
+    s = stack_settings.model_copy(
+        update={"topics": Topics(prefix=f"replay-partition-{uuid.uuid4().hex[:6]}.")}
+    )
+    admin = AdminClient(s.client_config())
+    proposals = s.topics.proposals
+    admin.create_topics([NewTopic(proposals, num_partitions=2)])[proposals].result()
+    deadline = time.monotonic() + 30
+    while proposals not in admin.list_topics(timeout=10).topics:
+        assert time.monotonic() < deadline, f"{proposals} never appeared"
+        time.sleep(0.1)
+    gates = replay_gates(s, ROOT / "contracts", s.policy_file)
+    report = Report(
+        int(time.time() * 1000) - 3_600_000, None, "contracts", gates.contracts.fingerprint,
+        None, False, offsets=OffsetRange(proposals, 2),
+    )  # fmt: skip
+    with pytest.raises(OutOfRange, match="has no partition 2") as refused:
+        replay(s, gates, unknown_references, report)
+    assert refused.value.what == "partition"
+    assert (report.missing, report.read) == ([], 0)

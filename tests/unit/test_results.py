@@ -689,6 +689,27 @@ def test_a_copy_of_a_result_has_its_digest_whatever_else_it_repeats_differently(
 
 
 @pytest.mark.parametrize(
+    ("first", "again"),
+    [('{"amount": 1250, "fee": 0}', '{"amount": 1250.0, "fee": -0.0}'),
+     ('{"amount": 100, "rate": 0.5}', '{"amount": 1e2, "rate": 5e-1}'),
+     ('{"ids": [1, 2], "total": 1e20}', '{"ids": [1.0, 2.00], "total": 100000000000000000000.0}')],
+)  # fmt: skip
+def test_a_copy_whose_numbers_are_spelled_otherwise_has_its_digest(
+    contracts: ContractSet, first: str, again: str
+) -> None:
+    """A number is compared by value, as JSON Schema compares it: read back from a store
+    that keeps numbers as doubles (SQLite's json(), a Go or JavaScript handler), 1250 comes
+    back 1250.0 or 1250, 100 as 1e2 or 100.0; the same answer, not a conflict."""
+
+    def digests(text: str) -> tuple[str, str]:
+        success = _digest(contracts, outcome="SUCCEEDED", data=text, **NOTHING_COMMITTED)
+        return success, _digest(contracts, compensation_arguments=text)
+
+    assert digests(first) == digests(again)
+    assert digests(first) != digests(first.replace("1", "3"))
+
+
+@pytest.mark.parametrize(
     "fields",
     [
         {"outcome": "SUCCEEDED", "data": CHARGED, **NOTHING_COMMITTED},
