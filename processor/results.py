@@ -580,9 +580,12 @@ def outcome_digest(r: dict[str, Any]) -> str:
     executor, nor the error message (free text, which a call run again may word afresh
     with nothing else changed). JSON is compared by value, not spelling (key order,
     whitespace, 1250 or 1250.0), so an answer read back from a handler's store is the same
-    answer."""
+    answer. A read-only tool's success counts without its data: run twice, it may read
+    the world as it has changed since (a search, a balance), and nothing it did can be
+    false; only whether it ran and what a failure says can be."""
     if r["outcome"] == "SUCCEEDED":
-        fields: list[Any] = [r["outcome"], _content(r.get("data"))]
+        read_only = r.get("side_effect_class") == SideEffectClass.READ_ONLY.value
+        fields: list[Any] = [r["outcome"], None if read_only else _content(r.get("data"))]
     else:
         fields = [
             r["outcome"],

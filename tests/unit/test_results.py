@@ -739,6 +739,30 @@ def test_two_successes_with_other_data_have_other_digests(contracts: ContractSet
     assert len(digests) == len(data)
 
 
+def test_a_read_only_tools_successes_are_copies_whatever_data_they_read(
+    contracts: ContractSet,
+) -> None:
+    """Run again, a read-only call reads the world as it is now: other data is no
+    contradiction, and nothing it did can be false. Whether it ran still counts."""
+    contract = contracts.versions("summarise")[0]
+    assert contract.side_effect_class.value == "READ_ONLY"
+    fields: dict[str, Any] = {
+        "tool_name": "summarise",
+        "tool_version": contract.version,
+        "side_effect_class": "READ_ONLY",
+        "committed_steps": [],
+        "compensation_arguments": None,
+    }
+    read = [
+        _digest(
+            contracts, outcome="SUCCEEDED", data=f'{{"summary":"{s}","word_count":1}}', **fields
+        )
+        for s in ("before", "after")
+    ]
+    assert read[0] == read[1]
+    assert _digest(contracts, **fields) != read[0]  # it failed, then it ran: a conflict
+
+
 def test_a_conflicting_result_is_dead_lettered_naming_its_call_attempt_and_the_first(
     contracts: ContractSet,
 ) -> None:
