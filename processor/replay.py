@@ -545,6 +545,14 @@ def span_offsets(settings: Settings, report: Report) -> None:
     for reach in reader.planned:  # the range's one partition, unless its topic is missing
         report.offsets = dataclasses.replace(report.offsets, last=reach.end - 1)
     report.since_ms, report.until_ms = earliest, latest
+    # A first read cut short bounds the answers by some of the records' times only: the
+    # report says so, as it does of the second read (a missing topic it reports itself).
+    report.consume_errors += reader.errors
+    report.incomplete += [
+        f"{r.topic}/{r.partition} at {r.reached} of {r.end} while reading the records' "
+        "times (answers written after the latest one read may be missed)"
+        for r in reader.incomplete
+    ]
 
 
 def _check_partition(settings: Settings, offsets: OffsetRange) -> None:

@@ -30,7 +30,7 @@ from processor.codec.records import (
 from processor.config import Settings
 from processor.contracts.registry import ContractSet
 from processor.gates.budget import apply_verdict
-from processor.kafka.retained import OffsetRange
+from processor.kafka.retained import OffsetRange, Reach
 from processor.metrics import Metrics
 from processor.model import Decision, Gate, Outcome, SourceRecord
 from processor.pipeline import decide, decide_batch_at, internal_error
@@ -50,6 +50,7 @@ from processor.replay import (
     render,
     replayed,
     selection,
+    span_offsets,
     unknown_references,
 )
 from processor.results import (
@@ -565,3 +566,30 @@ def test_offset_options_that_contradict_each_other_are_refused_before_anything_i
     result = CliRunner().invoke(app, ["replay", *args], env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
     assert says in result.output
+
+
+class _CutShort:
+    """A read of an offset range that gave up part way (the broker went quiet): its
+    records so far, the partition it did not finish, and a consume error."""
+
+    def __init__(self, settings: Settings, topics: list[str], offsets: OffsetRange) -> None:
+        self.planned = [Reach(offsets.topic, offsets.partition, 40, 50, 40)]
+        self.incomplete = [Reach(offsets.topic, offsets.partition, 40, 50, 43)]
+        self.errors = 1
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+
+def test_an_offset_range_whose_times_were_read_in_part_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first read of an offset range bounds when its answers were written; cut short,
+    the answers of the records it did not reach may be missed, and the report says so."""
+    monkeypatch.setattr("processor.replay.RetainedReader", _CutShort)
+    report = Report(None, None, "", "", None, True, offsets=OffsetRange("tool.proposals", 3, 40))
+    span_offsets(_settings(), report)
+    assert report.offsets == OffsetRange("tool.proposals", 3, 40, 49)
+    assert report.consume_errors == 1
+    [cut] = report.incomplete
+    assert cut.startswith("tool.proposals/3 at 43 of 50 while reading the records' times")
