@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -353,3 +354,22 @@ def metric(port: int, name: str, labels: str) -> float:
     """One sample of a processor's /metrics on ``port`` (0 when absent)."""
     found = re.search(rf"^{name}\{{{labels}\}} (\S+)$", _scrape(port), re.MULTILINE)
     return float(found.group(1)) if found else 0.0
+
+
+def result_for(call: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A ToolResult for the approved ``call`` as an executor elsewhere reports a success
+    (with no data), with ``fields`` in place of what it would say."""
+    datum = {
+        "result_id": uuid.uuid4().hex, "call_id": call["call_id"],
+        "proposal_id": call["proposal_id"], "run_id": call["run_id"],
+        "tenant_id": call["tenant_id"], "trace_id": call["trace_id"],
+        "tool_name": call["tool_name"], "tool_version": call["tool_version"],
+        "side_effect_class": call["side_effect_class"],
+        "idempotency_key": call["idempotency_key"], "payload_hash": call["payload_hash"],
+        "attempt": call["attempt"], "outcome": "SUCCEEDED", "retryable": False,
+        "error_code": None, "error_message": None, "taxonomy_class": None,
+        "committed_steps": [], "data": None, "compensation_arguments": None,
+        "started_at": 1, "finished_at": 2, "executor_id": "exec-elsewhere",
+        "contract_set": None,
+    }  # fmt: skip
+    return {**datum, **fields}

@@ -49,6 +49,10 @@ def store(redis_backend: str) -> Iterator[AdmissionStore]:
 _pos = iter(range(10**9))
 
 
+Sent = tuple[str, Item]
+"""An item as the tests send it: its kind and its fields."""
+
+
 def call(**kw: Any) -> tuple[str, Item]:
     """A call with generous limits unless told otherwise; its own key and signature."""
     fields: dict[str, Any] = {
@@ -524,14 +528,9 @@ def test_a_conflict_with_an_earlier_attempt_that_settled_the_key_is_its_attempts
     assert store.record(TENANT, key, NOW)["result"] == "res-first"
 
 
-def test_a_result_that_contradicts_a_held_failure_of_its_attempt_is_a_conflict(
-    store: AdmissionStore,
-) -> None:
-    """The first attempt's failure after a committed step is held for the second, in
-    flight. A success of the first attempt then says the opposite: a conflict, which
-    neither settles the key nor drops what was held; a copy of the failure under another
-    id is a duplicate. Once the second attempt has answered, a result of the first that
-    contradicts the held failure is still a conflict."""
+def _held_for_a_second_attempt(store: AdmissionStore) -> tuple[Sent, Sent, Sent, str]:
+    """A first attempt whose failure after a committed step ("res-first") is held for the
+    second, routed and in flight: both attempts' calls, the failure, and the key."""
     first = call(deadline=NOW + 8000)
     key, call_id = first[1]["ikey"], first[1]["call"]
     store.apply([first])
@@ -540,6 +539,18 @@ def test_a_result_that_contradicts_a_held_failure_of_its_attempt_is_a_conflict(
     late = _partly_committed(first, attempt=1, result_id="res-first", committed=True,
                              digest="d-charged-then-failed")  # fmt: skip
     assert store.apply([late]) == [{"status": "held"}]
+    return first, second, late, key
+
+
+def test_a_result_that_contradicts_a_held_failure_of_its_attempt_is_a_conflict(
+    store: AdmissionStore,
+) -> None:
+    """The first attempt's failure after a committed step is held for the second, in
+    flight. A success of the first attempt then says the opposite: a conflict, which
+    neither settles the key nor drops what was held; a copy of the failure under another
+    id is a duplicate. Once the second attempt has answered, a result of the first that
+    contradicts the held failure is still a conflict."""
+    first, second, late, key = _held_for_a_second_attempt(store)
     success = result(first, attempt=1, result_id="res-first", digest="d-succeeded")
     conflict = {"status": "conflict", "state": "FAILED_FINAL", "result": "res-first"}
     assert store.apply([success]) == [conflict]
@@ -890,14 +901,7 @@ def test_a_result_that_contradicts_a_failure_held_for_an_attempt_that_never_ran_
     result of the first attempt that now says it completed contradicts what the escalation
     stands on: a conflict, for the operator handling it, not a copy. A copy of the held
     failure is still superseded, and the record stands."""
-    first = call(deadline=NOW + 8000)
-    key, call_id = first[1]["ikey"], first[1]["call"]
-    store.apply([first])
-    second = call(ikey=key, call=call_id, now=NOW + 9001, deadline=NOW + 600_000)
-    store.apply([second])
-    late = _partly_committed(first, attempt=1, result_id="res-first", committed=True,
-                             digest="d-charged-then-failed")  # fmt: skip
-    assert store.apply([late]) == [{"status": "held"}]
+    first, second, late, key = _held_for_a_second_attempt(store)
     held = orjson.dumps({"class": "COMPENSATION_REQUIRED"}).decode()
     unstarted = result(second, state="EXPIRED", attempt=2, cached_held=held, digest="d-unstarted")
     assert store.apply([unstarted]) == [{"status": "settled", "held": True}]

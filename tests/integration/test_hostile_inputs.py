@@ -34,6 +34,7 @@ from tests.integration.harness import (
     ProcessorProcess,
     isolated,
     read_all,
+    result_for,
     settings_env,
     token,
 )
@@ -111,22 +112,12 @@ def bench(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) ->
         proc.terminate()
 
 
+SEARCHED = '{"results": [], "match_count": 0, "next_action": null}'
+"""What the call's executor elsewhere reports having read."""
+
+
 def _result_for(call: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    """A success for the approved ``call``, with ``fields`` in place of what it says."""
-    datum = {
-        "result_id": uuid.uuid4().hex, "call_id": call["call_id"],
-        "proposal_id": call["proposal_id"], "run_id": call["run_id"],
-        "tenant_id": call["tenant_id"], "trace_id": call["trace_id"],
-        "tool_name": call["tool_name"], "tool_version": call["tool_version"],
-        "side_effect_class": call["side_effect_class"],
-        "idempotency_key": call["idempotency_key"], "payload_hash": call["payload_hash"],
-        "attempt": call["attempt"], "outcome": "SUCCEEDED", "retryable": False,
-        "error_code": None, "error_message": None, "taxonomy_class": None,
-        "committed_steps": [], "data": '{"results": [], "match_count": 0, "next_action": null}',
-        "compensation_arguments": None, "started_at": 1, "finished_at": 2,
-        "executor_id": "exec-elsewhere", "contract_set": None,
-    }  # fmt: skip
-    return {**datum, **fields}
+    return result_for(call, **{"data": SEARCHED, **fields})
 
 
 def test_a_result_naming_an_oversized_run_is_dead_lettered_and_its_partition_goes_on(

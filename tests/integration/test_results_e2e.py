@@ -41,6 +41,7 @@ from tests.integration.harness import (
     existing,
     isolated,
     read_all,
+    result_for,
     token,
 )
 
@@ -635,23 +636,12 @@ def test_a_call_its_executor_cannot_read_is_answered_at_once(
         assert mine.calls == []
 
 
+FOUND = '{"orders": [], "match_count": 0, "next_action": null}'
+"""What the call's executor elsewhere reports having read."""
+
+
 def _result_for(call: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    """A ToolResult for the approved ``call`` as an executor reports a success, with
-    ``fields`` in place of what it would say."""
-    datum = {
-        "result_id": uuid.uuid4().hex, "call_id": call["call_id"],
-        "proposal_id": call["proposal_id"], "run_id": call["run_id"],
-        "tenant_id": call["tenant_id"], "trace_id": call["trace_id"],
-        "tool_name": call["tool_name"], "tool_version": call["tool_version"],
-        "side_effect_class": call["side_effect_class"],
-        "idempotency_key": call["idempotency_key"], "payload_hash": call["payload_hash"],
-        "attempt": call["attempt"], "outcome": "SUCCEEDED", "retryable": False,
-        "error_code": None, "error_message": None, "taxonomy_class": None,
-        "committed_steps": [], "data": '{"orders": [], "match_count": 0, "next_action": null}',
-        "compensation_arguments": None, "started_at": 1, "finished_at": 2,
-        "executor_id": "exec-elsewhere", "contract_set": None,
-    }  # fmt: skip
-    return {**datum, **fields}
+    return result_for(call, **{"data": FOUND, **fields})
 
 
 def _charged_then_failed(call: dict[str, Any], **fields: Any) -> dict[str, Any]:
