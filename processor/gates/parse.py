@@ -111,12 +111,22 @@ def strict_loads(text: bytes | str, max_depth: int, brackets: int | None = None)
         depth = _depth(value)
         if depth > max_depth:
             raise _TooDeep(f"nested {depth} levels deep; at most {max_depth} are accepted")
-    if orjson.dumps(value) != raw:
+    if not _writes_back(value, raw):
         # The exact parser's value is kept: orjson reads integers beyond 64 bits as
         # floats, and such a float never re-serialises to the digits the text had,
         # so a big integer always lands here and reaches the executor unchanged.
         value = json.loads(raw, object_pairs_hook=_no_duplicates)
     return value
+
+
+def _writes_back(value: Any, raw: bytes) -> bool:
+    """Whether orjson writes ``value`` back as ``raw``, byte for byte. orjson writes at most
+    254 levels of nesting (it reads 1024): a deeper value within a caller's ``max_depth``
+    (a result's data may nest 256) is not written back, and is read again exactly."""
+    try:
+        return orjson.dumps(value) == raw
+    except orjson.JSONEncodeError:
+        return False
 
 
 _RECOVERY_MAX_BRACKETS = 256

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
+from processor.contracts.validation import reference_validator
 from processor.gates.parse import (
     COMPENSATION_PREFIX,
     MAX_APPROVALS,
@@ -17,7 +18,7 @@ from processor.gates.parse import (
     strict_loads,
 )
 from processor.model import FieldError, Gate, Proposal, Rejection, TaxonomyClass
-from tests.unit.helpers import LIMITS, OFFSET, PARTITION, TOPIC, envelope, record
+from tests.unit.helpers import LIMITS, OFFSET, PARTITION, SCHEMAS_DIR, TOPIC, envelope, record
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -115,6 +116,19 @@ def test_a_key_is_at_most_256_characters_and_a_compensations_has_room_for_its_pr
     assert rejection is None and getattr(proposal, field) == compensation
     _, rejection = rejected(orjson.dumps(envelope(**{field: compensation + "k"})))
     assert only_error(rejection).field == field
+
+
+def test_the_published_schema_takes_the_keys_the_gate_takes() -> None:
+    """schemas/proposal.schema.json is what other languages build proposals from: it
+    agrees with the gate on a key's length, a compensation's prefix included."""
+    schema = orjson.loads((SCHEMAS_DIR / "proposal.schema.json").read_bytes())
+    validator = reference_validator(schema)
+    longest = "k" * 256
+    for key in (longest, longest + "k", COMPENSATION_PREFIX + longest,
+                COMPENSATION_PREFIX + longest + "k"):  # fmt: skip
+        env = envelope(idempotency_key=key, logical_operation_id=key)
+        _, rejection, _ = parsed(orjson.dumps(env))
+        assert validator.is_valid(env) is (rejection is None), len(key)
 
 
 def test_arguments_raw_is_parsed_into_arguments() -> None:
@@ -583,6 +597,20 @@ def test_too_large_record_is_a_dead_letter() -> None:
     proposal, rejection, _ = parsed(value, Limits(max_record_bytes=len(value)))
     assert rejection is None
     assert proposal.run_id == "run-1"
+
+
+@pytest.mark.parametrize("levels", [254, 255, 256])
+def test_nesting_past_what_orjson_writes_is_read_within_the_limit(levels: int) -> None:
+    """orjson reads 1024 levels but writes only 254: a value nested deeper, within the
+    caller's limit, is read exactly (a repeated key in it still found), never a TypeError."""
+    text = b'{"a":' * (levels - 1) + b"[1.5]" + b"}" * (levels - 1)
+    value = strict_loads(text, 256)
+    for _ in range(levels - 1):
+        value = value["a"]
+    assert value == [1.5]
+    repeated = b'{"a":' * (levels - 2) + b'{"b":[],"b":[]}' + b"}" * (levels - 2)
+    with pytest.raises(ValueError, match="duplicate key"):
+        strict_loads(repeated, 256)
 
 
 def test_integers_beyond_64_bits_keep_every_digit() -> None:

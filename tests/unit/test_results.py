@@ -344,6 +344,22 @@ def _summarised(contracts: ContractSet) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("levels", [255, 256, 257])
+def test_a_success_nested_to_the_limit_is_read_and_one_past_it_is_not(
+    contracts: ContractSet, levels: int
+) -> None:
+    """Data may nest 256 levels (RESULT_MAX_DEPTH), past the 254 orjson writes back: such
+    data is read and checked against the output schema (which this fails: its summary is
+    not a string), not a TypeError that dead-letters the result unsettled."""
+    inner = "[" * (levels - 1) + "1" + "]" * (levels - 1)
+    data = '{"summary":' + inner + ',"word_count":1}'
+    item = _charge_result(contracts, **_summarised(contracts), data=data)
+    assert item.state == "FAILED_FINAL"
+    assert _codes(item.decision) == [
+        "result_schema_mismatch" if levels <= 256 else "result_not_json"
+    ]
+
+
 @pytest.mark.parametrize(
     "data",
     [
