@@ -618,13 +618,13 @@ def approvals_reject(
 # -- incident analysis: trace and replay ------------------------------------------------------
 
 
-SinceOpt = Annotated[
-    str, typer.Option(help="Earliest record time: a duration before now (2h, 7d), ISO 8601 "
-                      "(UTC unless it says) or epoch ms.")
-]  # fmt: skip
-UntilOpt = Annotated[
-    str | None, typer.Option(help="Latest record time, as --since (default: now).")
-]
+SINCE_HELP = (
+    "Earliest record time: a duration before now (2h, 7d), ISO 8601 (UTC unless it says) "
+    "or epoch ms"
+)
+UNTIL_HELP = "Latest record time, as --since (default: now)"
+SinceOpt = Annotated[str, typer.Option(help=f"{SINCE_HELP}.")]
+UntilOpt = Annotated[str | None, typer.Option(help=f"{UNTIL_HELP}.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document, for tooling.")]
 DEFAULT_SINCE = "24h"
 
@@ -747,15 +747,10 @@ def _replay_range(
 def replay_command(
     since: Annotated[
         str | None,
-        typer.Option(
-            help="Earliest record time: a duration before now (2h, 7d), ISO 8601 "
-            f"(UTC unless it says) or epoch ms (default: {DEFAULT_SINCE}). Not with "
-            "--from-offset."
-        ),
+        typer.Option(help=f"{SINCE_HELP} (default: {DEFAULT_SINCE}). Not with --from-offset."),
     ] = None,
     until: Annotated[
-        str | None,
-        typer.Option(help="Latest record time, as --since (default: now). Not with --from-offset."),
+        str | None, typer.Option(help=f"{UNTIL_HELP}. Not with --from-offset.")
     ] = None,
     partition: Annotated[
         int | None,

@@ -25,7 +25,6 @@ result's data is never shown (nothing describes it).
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -605,20 +604,11 @@ def _content(text: str | None) -> str | None:
     if text is None or _too_large(text, RESULT_DATA_MAX_BYTES):
         return text
     try:
-        value = orjson.loads(text)
-        canonical = canonical_json(value)
-        if (b".0" in canonical or b"e+" in canonical) and _WHOLE_FLOAT.search(canonical):
-            canonical = canonical_json(_whole_numbers(value))
-        return canonical.decode()
+        return canonical_json(_whole_numbers(orjson.loads(text))).decode()
     except (orjson.JSONDecodeError, orjson.JSONEncodeError):
         return text
 
 
-_WHOLE_FLOAT = re.compile(rb"\d\.0(?:[,\]}]|$)|\de\+")
-"""Where orjson may have written a float that is a whole number (``1250.0``, ``1e+16``):
-only then is the value walked (see _whole_numbers), which a large answer pays for. A
-string that looks so costs the walk, nothing else; the substrings are looked for first,
-as a scan for them costs a fraction of this one's."""
 _WHOLE_MAX = 2**63
 """Below this a whole number is written as an integer (orjson writes no larger one)."""
 

@@ -86,15 +86,14 @@ class OffsetRange:
         """Where to start and end (exclusive) in a partition that holds offsets ``low`` to
         ``high - 1`` to be read. OutOfRange for an offset it does not hold: one no
         longer retained, or one not written (or not yet stable) when reading begins."""
-        where = f"{self.topic}/{self.partition}"
-        holds = f"it holds {low}..{high - 1}" if high > low else "it holds no record"
+        for what, offset in (("first", self.first), ("last", self.last)):
+            if offset is not None and not low <= offset < high:
+                gone = "is no longer retained" if offset < low else "is not written yet"
+                holds = f"it holds {low}..{high - 1}" if high > low else "it holds no record"
+                raise OutOfRange(
+                    what, f"offset {offset} of {self.topic}/{self.partition} {gone}: {holds}"
+                )
         first = low if self.first is None else self.first
-        if self.first is not None and not low <= first < high:
-            gone = "is no longer retained" if first < low else "is not written yet"
-            raise OutOfRange("first", f"offset {first} of {where} {gone}: {holds}")
-        if self.last is not None and not low <= self.last < high:
-            gone = "is no longer retained" if self.last < low else "is not written yet"
-            raise OutOfRange("last", f"offset {self.last} of {where} {gone}: {holds}")
         return first, high if self.last is None else self.last + 1
 
     def check_partition(self, count: int) -> None:
