@@ -157,9 +157,10 @@ def compensation_proposal_id(idempotency_key: str) -> str:
 
 
 _RESULT_IDS = ("result_id", "call_id", "proposal_id", "run_id", "tenant_id", "tool_name",
-               "tool_version", "idempotency_key", "payload_hash")  # fmt: skip
-"""The ids of a result that its call's record is held to or keeps, and the run its answer is
-keyed by."""
+               "tool_version", "idempotency_key", "payload_hash", "trace_id")  # fmt: skip
+"""The ids of a result that its call's record is held to or keeps, the run its answer is
+keyed by, and the trace its answer carries (copied from the call, whose trace id the
+processor wrote from a traceparent of at most 128 characters)."""
 
 
 def parse_result(src: SourceRecord, contracts: ContractSet) -> ResultInput | str:

@@ -623,7 +623,7 @@ def test_a_result_that_does_not_name_its_call_consistently_is_dead_lettered(
 
 
 _IDS = ("result_id", "call_id", "run_id", "tenant_id", "tool_name", "tool_version",
-        "idempotency_key", "payload_hash")  # fmt: skip
+        "idempotency_key", "payload_hash", "trace_id")  # fmt: skip
 
 
 @settings(max_examples=60, deadline=None)
@@ -648,6 +648,22 @@ def test_a_result_naming_an_id_longer_than_any_call_has_is_dead_lettered(
         assert isinstance(got, str) and f"{longer[0]} is longer than" in got, got
     else:
         assert isinstance(got, ResultInput), got
+
+
+@pytest.mark.parametrize("name", _IDS)
+def test_each_id_of_a_result_is_held_to_the_bound(contracts: ContractSet, name: str) -> None:
+    """Every id, one at a time (the generated test above favours the first few): one
+    character over the bound is refused, and the bound itself is read."""
+    datum = orjson.loads(orjson.dumps(_charge_result(contracts).result))
+    datum[name] = "i" * (ID_MAX_CHARS + 1)
+    datum["proposal_id"] = datum["call_id"]
+    got = parse_result(record(encode_result(datum), topic="tool.results"), contracts)
+    assert isinstance(got, str) and f"{name} is longer than" in got, got
+    datum[name] = "i" * ID_MAX_CHARS
+    datum["proposal_id"] = datum["call_id"]
+    assert isinstance(
+        parse_result(record(encode_result(datum), topic="tool.results"), contracts), ResultInput
+    )
 
 
 def test_an_executors_error_text_is_bounded_scanned_and_kept_out_of_the_next_action(
