@@ -371,6 +371,7 @@ class Processor:
         self._early_limit_s = settings.transaction_timeout_ms / 1000 / 3
         """The longest a batch may take to decide inside the transaction opened for it."""
         self._max_message_bytes = max_output_bytes(settings)
+        consumer_config(settings)  # an unsafe pass-through setting stops it here, not in run()
         self._inflight: _Batch | None = None
         """The batch whose transaction the committer thread runs, if any."""
         self._rebalanced = False

@@ -71,7 +71,18 @@ ContractsDirArg = Annotated[
 
 
 def _settings(config: Path | None, **overrides: Any) -> Settings:
-    return load_settings(config, **overrides)
+    """The settings, or exit 2 naming each one that is invalid (a traceback would bury it)."""
+    from pydantic import ValidationError
+
+    try:
+        return load_settings(config, **overrides)
+    except ValidationError as exc:
+        problems = "".join(
+            f"\n  {'.'.join(str(part) for part in e['loc']) or 'settings'}: {e['msg']}"
+            for e in exc.errors()
+        )
+        _alarm("invalid settings", problems)
+        raise typer.Exit(2) from exc
 
 
 def _contracts_dir(path: Path | None, config: Path | None) -> Path:
@@ -98,7 +109,7 @@ def run(
     bootstrap_servers: Annotated[str | None, typer.Option(help="Kafka bootstrap servers.")] = None,
 ) -> None:
     """Run one processor instance until SIGTERM/SIGINT (the batch in hand is finished first)."""
-    from processor.app import Processor, StuckForGood, stop_on_signals
+    from processor.app import Processor, StuckForGood, UnsafeSetting, stop_on_signals
 
     stop, reload = stop_on_signals()
     from processor.contracts.registry import ContractError
@@ -121,7 +132,7 @@ def run(
     except ContractError as exc:
         _alarm("contracts refused", f"\n{exc}")
         raise typer.Exit(2) from exc
-    except (PolicyError, ApproverError, KeyError_, OSError) as exc:
+    except (PolicyError, ApproverError, KeyError_, UnsafeSetting, OSError) as exc:
         _alarm("cannot start", f": {exc}")
         raise typer.Exit(2) from exc
     serve(s.metrics_port)

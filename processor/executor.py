@@ -319,6 +319,7 @@ class Executor:
             int(producer_config(settings).get("message.max.bytes", 1_000_000))
             - RESULT_HEADROOM_BYTES
         )
+        consumer_config(settings, self.topics)  # an unsafe setting stops it here, not in run()
         self._given_back: dict[tuple[str, int, str], _Output] = {}
         """Outputs of batches whose transaction aborted, by (call id, attempt, key)."""
         self._given_back_bytes = 0

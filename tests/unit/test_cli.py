@@ -3,8 +3,12 @@ to be copied into an environment come out whole."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from processor.cli import app
@@ -48,3 +52,40 @@ def test_a_problem_is_printed_as_it_is_never_read_as_console_markup(tmp_path: Pa
     result = CliRunner().invoke(app, ["contracts", "check", str(tmp_path / "contracts")])
     assert result.exit_code == 1, result.output
     assert "lookup_order/[bold]1.0.0.yaml" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"TOOLSENTRY_CONSUMER": '{"enable.auto.commit": true}'}, "enable.auto.commit"),
+        ({"TOOLSENTRY_PRODUCER": '{"acks": 1}'}, "acks=1 is not allowed"),
+        ({"TOOLSENTRY_KAFKA": '{"partition.assignment.strategy": "cooperative-sticky"}'},
+         "kafka: Value error, partition.assignment.strategy"),
+        ({"TOOLSENTRY_BATCH_MAX_RECORDS": "0"}, "batch_max_records: Input should be"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("command", [["run"], ["executor", "run", "--db", "x.db"]])
+def test_a_setting_refused_at_start_exits_2_naming_it(
+    tmp_path: Path, env: dict[str, str], says: str, command: list[str]
+) -> None:
+    """Before, the consumer's unsafe settings were refused only once the clients were built
+    (a traceback, and a start that went on waiting for the broker), and invalid settings in
+    a traceback."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "processor", *command, "--metrics-port", "0"],
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            **env,
+            "TOOLSENTRY_BOOTSTRAP_SERVERS": "127.0.0.1:1",
+            "TOOLSENTRY_CONTRACTS_DIR": str(root / "contracts"),
+            "TOOLSENTRY_POLICY_FILE": str(root / "policy" / "policy.yaml"),
+            "COLUMNS": "200",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert says in out.stdout and "Traceback" not in out.stdout + out.stderr
