@@ -26,9 +26,15 @@ from confluent_kafka import Message, Producer
 from processor.approval_flow import EXPIRY_CHECK
 from processor.client import ToolsentryClient
 from processor.codec.avro import codec
-from processor.codec.records import decode_approved_call, decode_result, encode_result
+from processor.codec.records import (
+    decode_approved_call,
+    decode_result,
+    encode_result,
+    oversized_id,
+)
 from processor.config import Settings
 from processor.model import TaxonomyClass
+from processor.results import _RESULT_IDS
 from tests.integration.harness import ProcessorProcess, isolated, read_all, token
 
 pytestmark = pytest.mark.integration
@@ -188,13 +194,16 @@ def test_hostile_results_and_approvals_are_each_answered_once(
         producer = Producer(settings.client_config(**{"enable.idempotence": True}))
         readable = set()  # the real calls whose result can be read: each gets its answer
         for call in routed:
-            value = encode_result(_result(rng, call))
+            datum = _result(rng, call)
+            value = encode_result(datum)
+            producer.produce(settings.topics.results, value, call["run_id"].encode())
             try:
                 decode_result(value)
-                readable.add(call["proposal_id"])
             except ValueError:
-                pass  # e.g. a timestamp past year 9999: dead-lettered as result_invalid
-            producer.produce(settings.topics.results, value, call["run_id"].encode())
+                continue  # e.g. a timestamp past year 9999: dead-lettered as result_invalid
+            # An id longer than any call has (its trace id, here) is refused as well.
+            if oversized_id(datum, _RESULT_IDS) is None:
+                readable.add(call["proposal_id"])
         for _ in range(RESULTS):
             producer.produce(settings.topics.results, _result_record(rng), b"fz")
         expiry_checks = 0
