@@ -1,6 +1,7 @@
 """The second half of confirmation: decisions on ``tool.approvals`` and parked calls.
 
-``tool.approvals`` carries two kinds of record, both JSON:
+``tool.approvals`` carries two kinds of record, both JSON (any other ``type`` goes to
+the DLQ as ``approval_unknown_type``):
 
 - an approval decision (``processor.approvals``), naming the ``request_id``
   of a parked call, signed by an approver;
@@ -92,6 +93,12 @@ def parse_approval_record(src: SourceRecord) -> ApprovalInput | str:
         return "approval_without_request"
     if doc.get("type") == EXPIRY_CHECK:
         return ApprovalInput(src, EXPIRY_CHECK, tenant, rid, None)
+    if doc.get("type") is not None:
+        # A kind of record this version does not know (a withdrawal of an approval, say,
+        # carrying the approval's signed fields) is not read as the decision it names: the
+        # type is not signed, and that reading could count an approval its sender meant
+        # to take back.
+        return "approval_unknown_type"
     return ApprovalInput(src, "decision", tenant, rid, doc)
 
 

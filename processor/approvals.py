@@ -34,6 +34,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from processor import b64url
+from processor.codec.records import ID_MAX_CHARS
 from processor.model import FieldError, Principal, SideEffectClass
 from processor.policy import MAX_APPROVAL_LIFETIME_S
 
@@ -302,6 +303,15 @@ def verify_approval(
         value = approval.get(name)
         if value is not None and type(value) is not str:
             return _no("approval_signature_invalid", f"the approval's {name} is not text", index)
+    # The processor names an approval in the call it releases (approval_ids): an id far
+    # longer than any approver's tool writes would make that call too large to publish,
+    # after Redis had counted it released and the call's record had been taken over.
+    if len(approval["approval_id"]) > ID_MAX_CHARS:
+        return _no(
+            "approval_signature_invalid",
+            f"the approval's approval_id is longer than {ID_MAX_CHARS} characters",
+            index,
+        )
     approver = approvers.get(approval["approver_id"])
     if approver is None:
         return _no(

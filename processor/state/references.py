@@ -192,8 +192,15 @@ _ENTITY = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
 """An entity kind, as the contract schema has it (references[].entity)."""
 
 
+_KINDS = {str: "text", dict: "an object"}
+
+
 class BadReference(ValueError):
-    pass
+    def __init__(self, why: str, forget: ReferenceRecord | None = None) -> None:
+        super().__init__(why)
+        self.forget = forget
+        """For a record whose key names an entity but whose value cannot be read: that
+        entity's tombstone (see apply_records)."""
 
 
 def parse_reference(key: bytes | None, value: bytes | None) -> ReferenceRecord:
@@ -212,14 +219,20 @@ def parse_reference(key: bytes | None, value: bytes | None) -> ReferenceRecord:
         # (as contracts name entities; any other, ':' in it say, could spell another
         # entity's key: "order:x" with id "1" and "order" with id "x:1")
         raise BadReference("entity must be a lower-case name ([a-z][a-z0-9_]{0,63})")
+    gone = ReferenceRecord(tenant, entity, entity_id, None)
     if value is None:
-        return ReferenceRecord(tenant, entity, entity_id, None)
+        return gone
     try:
         doc = orjson.loads(value)
     except orjson.JSONDecodeError as exc:
-        raise BadReference("value is not JSON") from exc
+        raise BadReference("value is not JSON", gone) from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("state"), str) or not doc["state"]:
-        raise BadReference("value must be an object with a non-empty state")
+        raise BadReference("value must be an object with a non-empty state", gone)
+    # Dropped rather than refused, an owner or attributes of another type would read as
+    # none: a rule such as ``refs.order.owner != 'blocked'`` would then pass.
+    for name, kind in (("owner", str), ("attributes", dict)):
+        if doc.get(name) is not None and not isinstance(doc[name], kind):
+            raise BadReference(f"{name} must be {_KINDS[kind]} or null", gone)
     kept: dict[str, Any] = {"state": doc["state"]}
     if isinstance(doc.get("owner"), str):
         kept["owner"] = doc["owner"]
@@ -228,7 +241,7 @@ def parse_reference(key: bytes | None, value: bytes | None) -> ReferenceRecord:
     try:
         kept_json = orjson.dumps(kept)
     except (TypeError, ValueError) as exc:  # orjson reads deeper nesting than it writes
-        raise BadReference(f"value cannot be kept: {exc}") from exc
+        raise BadReference(f"value cannot be kept: {exc}", gone) from exc
     return ReferenceRecord(tenant, entity, entity_id, kept_json)
 
 
@@ -258,12 +271,19 @@ def apply_records(
         except BadReference as exc:
             refused += 1
             logger.warning("tool.reference %s@%s refused: %s", partition, offset, exc)
-            continue
+            if exc.forget is None:
+                continue
+            # The entity's system of record replaced the state Redis holds with one that
+            # cannot be read: kept, that older state would pass calls the new one may
+            # refuse (an order refunded since, refunded again). Forgotten, as by a
+            # tombstone: a call naming the entity is refused until a readable record comes.
+            rec = exc.forget
         except Exception:  # a defect: this record is refused, the others still load
             refused += 1
             logger.exception("tool.reference %s@%s refused: cannot be read", partition, offset)
             continue
-        applied += 1
+        else:
+            applied += 1
         ek = entity_key(ns, rec.tenant, rec.entity, rec.entity_id)
         ik = index_key(ns, rec.entity, rec.entity_id)
         if rec.value is None:

@@ -11,6 +11,7 @@ would otherwise be taken for an earlier attempt's, counted and dropped unseen.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,18 +21,25 @@ from typing import Any
 import orjson
 import pytest
 from confluent_kafka import Producer
+from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
+from processor.approval_flow import EXPIRY_CHECK
 from processor.cli import app
 from processor.client import ToolsentryClient
 from processor.codec.avro import codec
 from processor.codec.records import decode_approved_call, encode_result
 from processor.config import Settings
 from processor.executor import Call, Succeeded
+from processor.metrics import Metrics
+from processor.reference_data import publish_references, wait_until_loaded
 from processor.state.approvals import ApprovalStore
 from processor.state.connection import connect
+from processor.state.references import ReferenceLoader, ReferenceStore
 from tests.integration.harness import (
     ProcessorProcess,
+    approval,
+    existing,
     isolated,
     read_all,
     result_for,
@@ -39,6 +47,7 @@ from tests.integration.harness import (
     token,
 )
 from tests.integration.test_executor import approved_call, drain, executor, results
+from tests.integration.test_pipeline_e2e import CANCEL
 
 pytestmark = pytest.mark.integration
 
@@ -66,18 +75,29 @@ class Bench:
     def publish(self, key: bytes, results: list[dict[str, Any]]) -> list[bytes]:
         """``results`` on tool.results, in order on one partition; their values."""
         values = [encode_result(r) for r in results]
-        producer = Producer(self.settings.client_config(**{"enable.idempotence": True}))
-        for value in values:
-            producer.produce(self.settings.topics.results, value, key)
-        assert producer.flush(30) == 0
+        self.produce(self.settings.topics.results, key, values)
         return values
 
-    def dead_letters(self, values: list[bytes]) -> list[tuple[bytes, bytes]]:
-        """(reason, detail) of each of ``values``' dead letters, in order, once all are in."""
+    def produce(self, topic: str, key: bytes, values: list[bytes | None]) -> None:
+        """Raw ``values`` on ``topic``, in order on one partition."""
+        producer = Producer(self.settings.client_config(**{"enable.idempotence": True}))
+        for value in values:
+            producer.produce(topic, value, key)
+        assert producer.flush(30) == 0
+
+    def dead_letters(self, values: list[bytes | None]) -> list[tuple[bytes, bytes]]:
+        """(reason, detail) of each of ``values``' dead letters, in order, once all are in (a
+        dead letter whose value was cut is known by the digest of the value it cut)."""
+        cut = {hashlib.sha256(v).hexdigest().encode(): v for v in values if v is not None}
         deadline = time.monotonic() + 60
         while True:
             dead = read_all(self.settings, self.settings.topics.dlq, idle=1)
-            mine = {m.value(): dict(m.headers() or []) for m in dead if m.value() in values}
+            mine = {}
+            for m in dead:
+                headers = dict(m.headers() or [])
+                value = cut.get(headers.get("toolsentry.value.sha256", b""), m.value())
+                if value in values:
+                    mine[value] = headers
             if len(mine) == len(values):
                 return [
                     (mine[v]["toolsentry.error.reason"], mine[v]["toolsentry.error.detail"])
@@ -218,3 +238,111 @@ def test_an_operator_reads_a_packet_s_control_characters_as_codes(
         assert raw not in shown.output, shown.output
     assert "delivered\\u001b]0;approved\\u0007" in shown.output
     assert "\\u202e" in shown.output and "\\u009b31m" in shown.output
+
+
+def test_hostile_records_on_tool_approvals_are_dead_lettered_and_the_call_released_once(
+    bench: Bench,
+) -> None:
+    """Ahead of its approver's good decision on the parked call's partition: records that
+    are not JSON or not whole, that name no request or another tenant's, signed fields of
+    the wrong type, an unknown decision, a withdrawal (a type this version does not know)
+    carrying the approval's fields, and an approval whose id no released call could carry.
+    Each lands on the DLQ with its reason and changes nothing; the good decision then
+    releases the call, once, naming that approval alone.
+
+    Read as a decision, the withdrawal released the call; and the oversized id was counted
+    in Redis, which released the call and took its key's record over, but the call naming
+    it could not be written: it went to the DLQ unrun, its proposal never answered, and
+    the good decision found the request ended."""
+    s = bench.settings
+    publish_references(s, existing(TENANT, "cancel_order", CANCEL))
+    wait_until_loaded(s)
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    parked = bench.client.call("cancel_order", CANCEL, run_id=run, timeout=60)
+    assert parked["decision"] == "PENDING_APPROVAL", parked["result_payload"]
+    good = approval(s, "ops-1", parked)
+    text = orjson.dumps(good)
+    expiry = {"type": EXPIRY_CHECK, "tenant_id": TENANT, "request_id": "r" * HUGE}
+    hostile: list[tuple[bytes | None, str]] = [
+        (None, "approval_not_json"),  # a tombstone
+        (text[:-20], "approval_not_json"),
+        (text.replace(good["request_id"].encode(), b"req_\xff"), "approval_not_json"),
+        (text.replace(b'"reason":null', b'"reason":NaN'), "approval_not_json"),
+        (b"[" * 100_000, "approval_not_json"),
+        (b"[" + text + b"]", "approval_not_object"),
+        (orjson.dumps({**good, "request_id": 7}), "approval_without_request"),
+        (orjson.dumps({**good, "reason": {"why": "ok"}}), "approval_signature_invalid"),
+        (orjson.dumps({**good, "request_id": "req_" + "z" * HUGE}), "approval_unknown_request"),
+        (orjson.dumps(approval(s, "ops-1", parked, tenant_id="globex")),
+         "approval_unknown_request"),
+        (orjson.dumps(approval(s, "ops-1", parked, decision="withdrawn")),
+         "approval_signature_invalid"),
+        (orjson.dumps({**good, "type": "withdrawal"}), "approval_unknown_type"),
+        (orjson.dumps(approval(s, "ops-1", parked, approval_id="a" * 996_500)),
+         "approval_signature_invalid"),
+    ]  # fmt: skip
+    values = [value for value, _ in hostile]
+    bench.produce(s.topics.approvals, run.encode(), [*values, orjson.dumps(expiry), text])
+    reasons = bench.dead_letters(values)
+    assert [reason.decode() for reason, _ in reasons] == [reason for _, reason in hostile]
+    final = bench.client.wait_final(parked["proposal_id"], 60)
+    assert final["decision"] == "ROUTED", final["result_payload"]
+    topic = s.topics.execution("HIGH_RISK_EXTERNAL")
+    calls = [decode_approved_call(m.value()) for m in read_all(s, topic, idle=1)]
+    [call] = [c for c in calls if c["proposal_id"] == parked["proposal_id"]]
+    assert call["approval_ids"] == [good["approval_id"]]
+
+
+def test_an_entity_whose_latest_record_cannot_be_read_is_forgotten(
+    stack_settings: Settings,
+) -> None:
+    """Orders delivered, then each replaced by a record its system of record sent broken:
+    empty, cut short, not UTF-8, NaN, no state, a state or an owner of the wrong type,
+    nested deeper than can be kept. Each is refused and counted, and its order is forgotten as a
+    tombstone would forget it: a refund checked against "delivered" would go through for
+    an order since refunded. A near-1 MB readable record loads; records whose keys name
+    no entity are refused and change nothing; the loader goes on.
+
+    Kept as it was, the older state answered every lookup."""
+    s = isolated(stack_settings, f"ref-hostile-{uuid.uuid4().hex[:6]}")
+    unreadable = [
+        b"",
+        b'{"state": "refunded"',
+        b'{"state": "refunded", "owner": "\xff"}',
+        b'{"state": NaN}',
+        b'{"state": ""}',
+        b'{"state": 7}',
+        b'{"state": "refunded", "owner": ["cust-1"]}',
+        b'{"state": "refunded", "attributes": ' + b'{"a": ' * 300 + b"1" + b"}" * 301,
+    ]
+    ids = [f"WO-{n:05d}-H" for n in range(len(unreadable))]
+    big = {"state": "refunded", "attributes": {"note": "n" * 990_000}}
+    publish_references(s, [(f"{TENANT}/order/{i}", {"state": "delivered"}) for i in ids]
+                       + [(f"{TENANT}/order/WO-99999-H", {"state": "delivered"})])  # fmt: skip
+    producer = Producer(s.client_config(**{"partitioner": "murmur2_random"}))
+    for i, value in zip(ids, unreadable, strict=True):
+        producer.produce(s.topics.reference, value, f"{TENANT}/order/{i}".encode())
+    # (a record with no key is refused by the broker: the topic is compacted)
+    for key in (b"\xff/order/WO-99999-H", f"{TENANT}/order".encode()):
+        producer.produce(s.topics.reference, b'{"state": "refunded"}', key)
+    producer.produce(s.topics.reference, orjson.dumps(big), f"{TENANT}/order/WO-88888-H".encode())
+    assert producer.flush(30) == 0
+    redis = connect(s.redis_url)
+    metrics = Metrics(CollectorRegistry())
+    loader = ReferenceLoader(s, redis, metrics)
+    loader.start()
+    try:
+        wait_until_loaded(s, timeout=60)
+        store = ReferenceStore(redis, s.redis_namespace, s.reference_group_id, s.topics.reference)
+        keys = [(TENANT, "order", i) for i in [*ids, "WO-99999-H", "WO-88888-H"]]
+        found = store.lookup(keys)
+        assert [found[k] for k in keys[: len(ids)]] == [None] * len(ids)
+        assert [found[k].state for k in keys[len(ids) :]] == ["delivered", "refunded"]  # type: ignore[union-attr]
+        refused = metrics.references.labels("refused")
+        deadline = time.monotonic() + 10
+        while refused._value.get() < len(unreadable) + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert refused._value.get() == len(unreadable) + 2
+        assert loader._thread.is_alive()
+    finally:
+        loader.stop()

@@ -7,12 +7,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from processor import b64url
-from processor.approval_flow import revoked_votes
+from processor.approval_flow import ApprovalInput, parse_approval_record, revoked_votes
 from processor.approvals import (
     Approver,
     ApproverError,
@@ -24,7 +25,8 @@ from processor.approvals import (
     signing_bytes,
     verify_approval,
 )
-from processor.model import FieldError, Principal, SideEffectClass
+from processor.codec.records import ID_MAX_CHARS
+from processor.model import FieldError, Principal, SideEffectClass, SourceRecord
 from processor.policy import PolicyError, load_policy, parse_policy
 from tests.unit.helpers import APPROVER_KEYS
 
@@ -182,6 +184,21 @@ def test_an_expiry_must_name_its_utc_offset(tmp_path: Path) -> None:
     assert "RFC 3339" in got.message
 
 
+def test_an_approval_id_longer_than_any_id_a_call_may_name_is_refused(tmp_path: Path) -> None:
+    """Signed by its approver, and otherwise good: the call it would release names it, and
+    would not fit a message. Refused before anything is spent; an id at the bound passes."""
+    requester = _requester("u-1")
+    now = int(time.time() * 1000)
+    approvers = load_approvers(_file(tmp_path))
+    for length, ok in ((ID_MAX_CHARS, True), (ID_MAX_CHARS + 1, False)):
+        approval = {**_signed(requester, now), "approval_id": "a" * length}
+        approval["signature"] = b64url.encode(KEY.sign(signing_bytes(approval)))
+        got = verify_approval(approval, approvers, _binding(requester), requester, now)
+        assert isinstance(got, VerifiedApproval) is ok, got
+    assert isinstance(got, FieldError) and got.code == "approval_signature_invalid"
+    assert got.message == f"the approval's approval_id is longer than {ID_MAX_CHARS} characters"
+
+
 def test_one_key_cannot_be_two_approvers(tmp_path: Path) -> None:
     """Two ids with one key would let its holder be both approvers of a critical call."""
     twin = f"  - id: ops-2\n    public_key: {PUBLIC}\n    classes: [HIGH_RISK_EXTERNAL]\n"
@@ -240,6 +257,30 @@ def test_an_approval_is_good_for_at_most_the_policy_s_lifetime(
         assert isinstance(got, FieldError) and got.code == code, got
 
 
+@pytest.mark.parametrize(
+    ("approved_at", "expires_at", "code"),
+    [
+        ("0001-01-01T00:00:00Z", "9999-12-31T23:59:59Z", "approval_lifetime_exceeded"),
+        ("9999-12-31T23:59:59-23:59", "9999-12-31T23:59:59-23:59", "approval_not_yet_valid"),
+        ("0001-01-01T00:00:00+23:59", "0001-01-01T00:10:00+23:59", "approval_expired"),
+        ("1969-12-31T23:50:00Z", "1969-12-31T23:59:59Z", "approval_expired"),  # negative
+        ("2026-01-01T00:00:00Z", "+12026-01-01T00:00:00Z", "approval_signature_invalid"),
+        ("2026-01-01T00:00:00Z", "2026-01-01T00:00:00+99:00", "approval_signature_invalid"),
+    ],
+)
+def test_an_approval_dated_at_the_ends_of_the_calendar_is_refused(
+    tmp_path: Path, approved_at: str, expires_at: str, code: str
+) -> None:
+    """Times a datetime holds only beyond its range once read in UTC, or does not hold at
+    all, are a refusal with its code, not an error while the approval is checked."""
+    requester = _requester("u-1")
+    now = int(time.time() * 1000)
+    approval = _resigned(_signed(requester, now), approved_at=approved_at, expires_at=expires_at)
+    got = verify_approval(approval, load_approvers(_file(tmp_path)), _binding(requester),
+                          requester, now)  # fmt: skip
+    assert isinstance(got, FieldError) and got.code == code, got
+
+
 @pytest.mark.parametrize("approved_at", [None, "", "yesterday", "2026-11-23T10:00:00"])
 def test_an_approval_must_say_when_it_was_given(tmp_path: Path, approved_at: str | None) -> None:
     requester = _requester("u-1")
@@ -293,3 +334,43 @@ def test_revoked_votes_are_those_of_approvers_who_may_no_longer_approve_the_call
     }  # fmt: skip
     assert revoked_votes(entry, approvers) == ["gone", "narrowed", "moved", "self"]
     assert revoked_votes({**entry, "approvers": []}, approvers) == []
+
+
+def _record(value: bytes | None) -> SourceRecord:
+    return SourceRecord("tool.approvals", 0, 1, b"run-1", value, 0)
+
+
+@pytest.mark.parametrize("kind", ["withdrawal", "decision", "EXPIRY_CHECK", 7, ["expiry_check"]])
+def test_a_record_of_a_type_this_version_does_not_know_is_not_read_as_a_decision(
+    kind: object,
+) -> None:
+    """The type is not signed: a withdrawal carrying the approval's signed fields would
+    otherwise count as the approval its sender meant to take back."""
+    approval = {**_signed(_requester("u-1"), 0), "request_id": "req_1"}
+    assert parse_approval_record(_record(orjson.dumps({**approval, "type": kind}))) == (
+        "approval_unknown_type"
+    )
+    for plain in (approval, {**approval, "type": None}):
+        read = parse_approval_record(_record(orjson.dumps(plain)))
+        assert isinstance(read, ApprovalInput) and read.kind == "decision"
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (None, "approval_not_json"),  # a tombstone
+        (b"", "approval_not_json"),
+        (b'{"tenant_id": "acme", "request_id": "req_1"', "approval_not_json"),  # cut short
+        (b'{"tenant_id": "acme", "request_id": "req_\xff"}', "approval_not_json"),  # not UTF-8
+        (b'{"tenant_id": "acme", "request_id": NaN}', "approval_not_json"),
+        (b"[" * 2000 + b"]" * 2000, "approval_not_json"),
+        (b'["req_1"]', "approval_not_object"),
+        (b'{"tenant_id": 7, "request_id": "req_1"}', "approval_without_request"),
+        (b'{"tenant_id": "acme", "request_id": ""}', "approval_without_request"),
+        (b'{"tenant_id": "acme", "request_id": {"id": "req_1"}}', "approval_without_request"),
+    ],
+)
+def test_a_record_that_names_no_request_is_refused_with_its_reason(
+    value: bytes | None, reason: str
+) -> None:
+    assert parse_approval_record(_record(value)) == reason

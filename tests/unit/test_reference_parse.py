@@ -21,3 +21,38 @@ def test_an_entity_no_contract_could_name_is_refused(entity: str) -> None:
     with pytest.raises(BadReference):
         parse_reference(f"acme/{entity}/1".encode(), b'{"state":"open"}')
     assert entity_key("ts", "acme", "order:x", "1") == entity_key("ts", "acme", "order", "x:1")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"",  # an empty value, which is not a tombstone
+        b'{"state": "refunded"',  # cut short
+        b'{"state": "refunded", "owner": "\xff"}',  # not UTF-8
+        b'{"state": NaN}',
+        b'{"state": ""}',
+        b'{"state": 7}',
+        b'["refunded"]',
+        b'{"state": "refunded", "owner": 7}',
+        b'{"state": "refunded", "attributes": ["refundable"]}',
+        b'{"state": "refunded", "attributes": ' + b'{"a": ' * 300 + b"1" + b"}" * 301,
+    ],
+)
+def test_an_unreadable_value_forgets_the_entity_its_key_names(value: bytes) -> None:
+    """The entity's system of record has replaced its state with one that cannot be read:
+    the refusal carries the entity's tombstone, so the older state is not kept."""
+    with pytest.raises(BadReference) as refused:
+        parse_reference(b"acme/order/WO-1", value)
+    assert refused.value.forget == parse_reference(b"acme/order/WO-1", None)
+
+
+@pytest.mark.parametrize("key", [None, b"acme/order", b"\xffacme/order/1", b"acme/Order/1"])
+def test_an_unreadable_key_names_no_entity_to_forget(key: bytes | None) -> None:
+    with pytest.raises(BadReference) as refused:
+        parse_reference(key, b"x")
+    assert refused.value.forget is None
+
+
+def test_an_owner_or_attributes_left_null_are_none() -> None:
+    rec = parse_reference(b"acme/order/WO-1", b'{"state":"open","owner":null,"attributes":null}')
+    assert rec.value == b'{"state":"open"}'
