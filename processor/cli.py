@@ -71,7 +71,10 @@ ContractsDirArg = Annotated[
 
 
 def _settings(config: Path | None, **overrides: Any) -> Settings:
-    """The settings, or exit 2 naming each one that is invalid (a traceback would bury it)."""
+    """The settings, or exit 2 naming each one that is invalid (a traceback would bury it):
+    a value refused, a variable that is not the JSON its setting takes, or a settings file
+    that cannot be read or is not a mapping."""
+    import yaml
     from pydantic import ValidationError
 
     try:
@@ -82,6 +85,9 @@ def _settings(config: Path | None, **overrides: Any) -> Settings:
             for e in exc.errors()
         )
         _alarm("invalid settings", problems)
+        raise typer.Exit(2) from exc
+    except (ValueError, OSError, yaml.YAMLError) as exc:
+        _alarm("invalid settings", f": {exc}")
         raise typer.Exit(2) from exc
 
 

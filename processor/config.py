@@ -151,6 +151,9 @@ class IdentitySettings(BaseModel):
     ``tool.proposals`` (a backlog, an outage) and still be decided."""
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 class Settings(BaseSettings):
     """Everything the processor, the client and the CLI read."""
 
@@ -242,6 +245,15 @@ class Settings(BaseSettings):
     """Consumer group that materialises ``tool.reference`` into Redis."""
     log_level: str = "INFO"
     stack: StackSettings = StackSettings()
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, level: str) -> str:
+        """A level logging knows, in any case: any other would stop the start only once
+        logging was set up, in a traceback."""
+        if level.upper() not in LOG_LEVELS:
+            raise ValueError(f"{level!r} is not a log level ({', '.join(LOG_LEVELS)})")
+        return level.upper()
 
     @classmethod
     def settings_customise_sources(

@@ -117,7 +117,8 @@ class Metrics:
 
         self.references = PCounter(
             "toolsentry_reference_records_total",
-            "tool.reference records written to Redis (applied) or refused as malformed.",
+            "tool.reference records written to Redis (applied) or refused as malformed (one "
+            "whose key names an entity forgets it, as a tombstone would).",
             ["result"],
             registry=registry,
         )

@@ -435,8 +435,13 @@ def _approval(r: Raw, value: bytes) -> Entry:
     if doc is None or not isinstance(rid, str):
         raise ValueError("not an approval")
     gist: Gist
-    if doc.get("type") == EXPIRY_CHECK:
+    kind = doc.get("type")
+    if kind == EXPIRY_CHECK:
         gist = {"check": "expiry", "request": _clip(rid)}
+    elif kind is not None:
+        # Dead-lettered as approval_unknown_type, never counted: not shown as the
+        # decision whose fields it may carry.
+        gist = {"type": _text(kind) or repr(kind)[:GIST_TEXT], "request": _clip(rid)}
     else:
         gist = {
             "approver": _text(doc.get("approver_id")),

@@ -192,9 +192,6 @@ _ENTITY = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
 """An entity kind, as the contract schema has it (references[].entity)."""
 
 
-_KINDS = {str: "text", dict: "an object"}
-
-
 class BadReference(ValueError):
     def __init__(self, why: str, forget: ReferenceRecord | None = None) -> None:
         super().__init__(why)
@@ -230,19 +227,30 @@ def parse_reference(key: bytes | None, value: bytes | None) -> ReferenceRecord:
         raise BadReference("value must be an object with a non-empty state", gone)
     # Dropped rather than refused, an owner or attributes of another type would read as
     # none: a rule such as ``refs.order.owner != 'blocked'`` would then pass.
-    for name, kind in (("owner", str), ("attributes", dict)):
-        if doc.get(name) is not None and not isinstance(doc[name], kind):
-            raise BadReference(f"{name} must be {_KINDS[kind]} or null", gone)
+    owner, attributes = _owner(doc.get("owner")), doc.get("attributes")
+    if owner is None and doc.get("owner") is not None:
+        raise BadReference("owner must be text, a whole number or null", gone)
+    if attributes is not None and not isinstance(attributes, dict):
+        raise BadReference("attributes must be an object or null", gone)
     kept: dict[str, Any] = {"state": doc["state"]}
-    if isinstance(doc.get("owner"), str):
-        kept["owner"] = doc["owner"]
-    if isinstance(doc.get("attributes"), dict):
-        kept["attributes"] = doc["attributes"]
+    if owner is not None:
+        kept["owner"] = owner
+    if attributes is not None:
+        kept["attributes"] = attributes
     try:
         kept_json = orjson.dumps(kept)
     except (TypeError, ValueError) as exc:  # orjson reads deeper nesting than it writes
         raise BadReference(f"value cannot be kept: {exc}", gone) from exc
     return ReferenceRecord(tenant, entity, entity_id, kept_json)
+
+
+def _owner(value: Any) -> str | None:
+    """The owner as rules compare it, text: a system of record that numbers its customers
+    may send ``"owner": 4211``, which reads as ``"4211"`` (a number with a fraction or an
+    exponent, or true, has no one spelling and is not an owner)."""
+    if isinstance(value, str):
+        return value
+    return str(value) if type(value) is int else None
 
 
 def apply_records(

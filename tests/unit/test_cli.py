@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from processor.cli import app
+from processor.config import load_settings
 from tests.unit.helpers import CONTRACTS_DIR
 
 
@@ -62,6 +63,7 @@ def test_a_problem_is_printed_as_it_is_never_read_as_console_markup(tmp_path: Pa
         ({"TOOLSENTRY_KAFKA": '{"partition.assignment.strategy": "cooperative-sticky"}'},
          "kafka: Value error, partition.assignment.strategy"),
         ({"TOOLSENTRY_BATCH_MAX_RECORDS": "0"}, "batch_max_records: Input should be"),
+        ({"TOOLSENTRY_LOG_LEVEL": "loud"}, "log_level: Value error, 'loud' is not a log level"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("command", [["run"], ["executor", "run", "--db", "x.db"]])
@@ -78,6 +80,7 @@ def test_a_setting_refused_at_start_exits_2_naming_it(
         env={
             **os.environ,
             **env,
+            "PYTHONPATH": str(root),  # this tree's processor, wherever the test runs from
             "TOOLSENTRY_BOOTSTRAP_SERVERS": "127.0.0.1:1",
             "TOOLSENTRY_CONTRACTS_DIR": str(root / "contracts"),
             "TOOLSENTRY_POLICY_FILE": str(root / "policy" / "policy.yaml"),
@@ -89,3 +92,37 @@ def test_a_setting_refused_at_start_exits_2_naming_it(
     )
     assert out.returncode == 2, out.stdout + out.stderr
     assert says in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "file", "says"),
+    [
+        ({"TOOLSENTRY_KAFKA": "{not json"}, None, 'error parsing value for field "kafka"'),
+        ({"TOOLSENTRY_CONFIG": "missing.yaml"}, None, "No such file or directory"),
+        ({}, "kafka: [\n", "while parsing"),
+        ({}, "- kafka\n", "the config file must hold a mapping"),
+    ],
+)
+def test_settings_that_cannot_be_read_exit_2_saying_why(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    file: str | None,
+    says: str,
+) -> None:
+    """Every command reads its settings through one door: a variable that is not the JSON
+    its setting takes, or a settings file that is missing, not YAML or not a mapping, is
+    named, not a traceback."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TOOLSENTRY_CONFIG", "")  # load_settings names --config's file here
+    args = ["config"]
+    if file is not None:
+        (tmp_path / "settings.yaml").write_text(file)
+        args += ["--config", str(tmp_path / "settings.yaml")]
+    result = CliRunner().invoke(app, args, env={**env, "COLUMNS": "200"})
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "invalid settings" in result.output and says in result.output, result.output
+
+
+def test_a_log_level_is_read_in_any_case() -> None:
+    assert load_settings(None, log_level="debug").log_level == "DEBUG"

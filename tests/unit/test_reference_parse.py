@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from processor.state.references import BadReference, entity_key, parse_reference
@@ -33,7 +34,10 @@ def test_an_entity_no_contract_could_name_is_refused(entity: str) -> None:
         b'{"state": ""}',
         b'{"state": 7}',
         b'["refunded"]',
-        b'{"state": "refunded", "owner": 7}',
+        b'{"state": "refunded", "owner": 4211.5}',
+        b'{"state": "refunded", "owner": 1e3}',
+        b'{"state": "refunded", "owner": true}',
+        b'{"state": "refunded", "owner": ["cust-1"]}',
         b'{"state": "refunded", "attributes": ["refundable"]}',
         b'{"state": "refunded", "attributes": ' + b'{"a": ' * 300 + b"1" + b"}" * 301,
     ],
@@ -56,3 +60,13 @@ def test_an_unreadable_key_names_no_entity_to_forget(key: bytes | None) -> None:
 def test_an_owner_or_attributes_left_null_are_none() -> None:
     rec = parse_reference(b"acme/order/WO-1", b'{"state":"open","owner":null,"attributes":null}')
     assert rec.value == b'{"state":"open"}'
+
+
+@pytest.mark.parametrize(
+    ("owner", "kept"), [(b"4211", "4211"), (b"-7", "-7"), (b"0", "0"), (b'"CUS-1"', "CUS-1")]
+)
+def test_an_owner_given_as_a_whole_number_is_read_as_its_digits(owner: bytes, kept: str) -> None:
+    """A system of record that numbers its customers sends them as numbers: the entity is
+    kept, with the owner rules compare as text, not forgotten as unreadable."""
+    rec = parse_reference(b"acme/order/WO-1", b'{"state": "open", "owner": ' + owner + b"}")
+    assert rec.value is not None and orjson.loads(rec.value) == {"state": "open", "owner": kept}

@@ -338,6 +338,27 @@ def test_approvals_and_dead_letters_join_by_the_request_they_answer(
     assert warnings == []
 
 
+@pytest.mark.parametrize(("kind", "shown"), [("withdrawal", "withdrawal"), (7, "7")])
+def test_an_approvals_record_of_an_unknown_type_is_not_shown_as_a_decision(
+    contracts: ContractSet, kind: object, shown: str
+) -> None:
+    """The processor dead-letters it (approval_unknown_type) and counts nothing: shown as
+    the approval whose fields it carries, it would read as an approver's decision."""
+    d = _decided(_proposal(tool="cancel_order"), contracts)
+    assert d.approval_request is not None
+    rid = d.approval_request["request_id"]
+    vote = {"request_id": rid, "approver_id": "ops-1", "decision": "approved", "tenant_id": "t"}
+    entries, _, _ = _trace(
+        [
+            _raw(T.proposals, 1, NOW_MS - 5, orjson.dumps(_proposal(tool="cancel_order"))),
+            _raw(T.approval_requests, 2, NOW_MS + 1, encode_approval_request(d, None)),
+            _raw(T.approvals, 3, NOW_MS + 100, orjson.dumps({**vote, "type": kind})),
+        ]
+    )
+    assert [e.kind for e in entries] == ["proposal", "approval request", "approval"]
+    assert entries[2].gist_text() == f"type={shown} request={rid}"
+
+
 def test_a_dead_lettered_proposal_is_found_by_the_id_it_names() -> None:
     env = _proposal(arguments="not an object")
     headers = {"toolsentry.error.reason": b"arguments_not_object"}
