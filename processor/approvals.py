@@ -146,6 +146,15 @@ def iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
+def shown_time(ms: int) -> str:
+    """A record's time as a report shows it: ``iso``, or its epoch milliseconds when no
+    calendar date holds it (a producer may stamp a record with any 64-bit time)."""
+    try:
+        return iso(ms)
+    except (ValueError, OverflowError, OSError):
+        return f"{ms} ms after the epoch"
+
+
 def parse_iso_ms(text: str) -> int:
     """An RFC 3339 time in epoch ms. It must name its offset (``Z`` or ``+hh:mm``): a
     time without one would be read in whatever zone the processor runs in."""

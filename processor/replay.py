@@ -46,7 +46,7 @@ from rich.table import Table
 from rich.text import Text
 
 from processor.app import MESSAGE_MAX_BYTES, RECORD_OVERHEAD, max_output_bytes
-from processor.approvals import iso, load_approvers
+from processor.approvals import load_approvers, shown_time
 from processor.codec.avro import codec
 from processor.codec.records import (
     ENCODING_FAILED,
@@ -95,6 +95,11 @@ NOT_REPLAYED = (
 _ANSWERS_OF_OTHER_RECORDS = frozenset({Gate.APPROVAL.value, Gate.RESULT.value})
 """Gates of observations that answer an approval or an executor's result, whose ids come
 from those records' positions: never a proposal's decision, so not held in memory."""
+
+_GATES = frozenset(g.value for g in Gate)
+_CLASSES = frozenset(c.value for c in TaxonomyClass)
+"""The gates and classes a processor writes: a recorded verdict naming another is garbage,
+never compared."""
 
 DEFAULT_SLACK_MS = 300_000
 """How long after ``until`` an answer is still looked for: a proposal near the end of the
@@ -185,6 +190,9 @@ def compare(recorded: Recorded | None, replayed: Verdict) -> Match:
 def recorded_observation(obs: dict[str, Any]) -> Recorded:
     """What a decoded observation says was decided."""
     verdict = Verdict(obs["decision"], obs["status"]["taxonomy_class"], obs["gate"])
+    if verdict.gate not in _GATES:
+        # The schema leaves the gate free text: a record no processor wrote.
+        raise ValueError(f"an observation decided by no gate: {verdict.gate!r}")
     codes = {e["code"] for e in obs["result_payload"]["errors"]}
     admission = verdict.gate in ADMISSION_GATES or APPROVAL_REUSED in codes
     decided_ms = millis(obs["execution_metadata"]["timestamp"])
@@ -199,20 +207,44 @@ def _header(headers: dict[str, str | bytes], name: str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _number(headers: dict[str, str | bytes], name: str) -> int:
+    """A partition or an offset as the processor writes it: ASCII digits only (``int``
+    would also take spaces, signs, underscores and other scripts' digits)."""
+    text = _header(headers, name)
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"toolsentry.{name} is not a number: {text!r}")
+    return int(text)
+
+
+def _headers_once(headers: Headers) -> dict[str, str | bytes]:
+    """The headers by name. ValueError for one given twice with different values: a dead
+    letter that names two positions, or two verdicts, names none for sure."""
+    pairs = headers.items() if isinstance(headers, dict) else headers
+    h: dict[str, str | bytes] = {}
+    for k, v in pairs:
+        if v is not None and h.setdefault(k, v) != v:
+            raise ValueError(f"{k!r} given twice, with different values")
+    return h
+
+
 def recorded_dead_letter(headers: Headers) -> tuple[tuple[str, int, int], Recorded]:
     """The position of the record a dead letter stands for, and the verdict it carries.
     KeyError or ValueError (UnicodeDecodeError among them) for a record whose headers do
-    not say. A dead letter after an admission gate (an output that could not be encoded
-    once Redis had decided) is admission's, as its observation would have been."""
-    pairs = headers.items() if isinstance(headers, dict) else headers
-    h = {k: v for k, v in pairs if v is not None}
+    not say, or say what no processor writes: a class or gate it does not have, a position
+    not written in ASCII digits, a header given twice. A dead letter after an admission
+    gate (an output that could not be encoded once Redis had decided) is admission's, as
+    its observation would have been."""
+    h = _headers_once(headers)
     position = (
         _header(h, "source.topic"),
-        int(_header(h, "source.partition")),
-        int(_header(h, "source.offset")),
+        _number(h, "source.partition"),
+        _number(h, "source.offset"),
     )
     taxonomy, reason = _header(h, "error.class"), _header(h, "error.reason")
     gate = _dead_letter_gate(h, reason, taxonomy)
+    if taxonomy not in _CLASSES or gate not in _GATES | {UNKNOWN_GATE}:
+        # Compared as written, a garbled class or gate would read as a changed decision.
+        raise ValueError(f"a dead letter of no known class and gate: {taxonomy!r} @{gate!r}")
     if reason in PLATFORM_FAULTS and "toolsentry.error.gate" not in h:
         # Written before dead letters named their gate, when the platform's own faults
         # were classed as parse failures: read as today's processor classes them.
@@ -319,8 +351,9 @@ class Change:
 
 
 def _iso(ms: int | None) -> str | None:
-    """A time as trace and the approvals write it (RFC 3339, UTC, ``Z``)."""
-    return None if ms is None else iso(ms)
+    """A time as trace and the approvals write it (RFC 3339, UTC, ``Z``); one no calendar
+    date holds, in epoch milliseconds."""
+    return None if ms is None else shown_time(ms)
 
 
 @dataclass
@@ -610,13 +643,14 @@ def read_answers(settings: Settings, report: Report, slack_ms: int) -> Answers:
             if value is None:
                 raise ValueError("no value")
             obs = decoder.decode(value)
+            if obs["gate"] in _ANSWERS_OF_OTHER_RECORDS:
+                continue
+            recorded = recorded_observation(obs)
         except (KeyError, ValueError) as exc:
             report.unreadable += 1
             logger.warning("%s/%s@%s unreadable: %s", m.topic(), m.partition(), m.offset(), exc)
             continue
-        if obs["gate"] in _ANSWERS_OF_OTHER_RECORDS:
-            continue
-        answers.observations.setdefault(obs["observation_id"], recorded_observation(obs))
+        answers.observations.setdefault(obs["observation_id"], recorded)
     _read_reach(report, reader)
     return answers
 
@@ -658,7 +692,9 @@ def render(doc: dict[str, Any]) -> Iterator[RenderableType]:
         f"replay {_range(span)}: {doc['proposals']['read']} proposals read, "
         f"{doc['proposals']['replayed']} replayed"
     )
-    recorded = ", ".join(f"{fp} ({n})" for fp, n in sets["recorded"].items()) or "none"
+    # An observation's contract set is free text, written by whatever wrote the record.
+    recorded = ", ".join(f"{printable(fp, _LABEL)} ({n})" for fp, n in sets["recorded"].items())
+    recorded = recorded or "none"
     yield Text(f"contracts {doc['contracts']} ({sets['replayed']}); recorded with {recorded}")
     yield Text(f"policy {doc['policy'] or '(none)'}; reference data: {doc['references']}")
     yield Text(f"not replayed: {'; '.join(doc['not_replayed'])}")

@@ -32,7 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from processor.approval_flow import EXPIRY_CHECK
-from processor.approvals import iso
+from processor.approvals import shown_time
 from processor.codec.avro import codec, decode_any
 from processor.codec.records import (
     decode_approved_call,
@@ -152,7 +152,7 @@ class Entry:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "time": iso(self.time_ms),
+            "time": shown_time(self.time_ms),
             "time_ms": self.time_ms,
             "topic": self.topic,
             "partition": self.partition,
@@ -179,8 +179,8 @@ class Reading:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "since": None if self.since_ms is None else iso(self.since_ms),
-            "until": None if self.until_ms is None else iso(self.until_ms),
+            "since": None if self.since_ms is None else shown_time(self.since_ms),
+            "until": None if self.until_ms is None else shown_time(self.until_ms),
             "topics": self.topics,
             "undecodable": self.undecodable,
         }
@@ -245,10 +245,18 @@ def run_partitions(settings: Settings, run_id: str) -> dict[str, set[int]]:
 
 
 def raw(m: Message) -> Raw:
+    """The record as read. A header given twice with different values is left out: a
+    dead letter naming two positions names none for sure."""
     ts = m.timestamp()
     given = m.headers() or []
     pairs = given.items() if isinstance(given, dict) else given
-    headers = {k: v for k, v in pairs if isinstance(v, bytes)}
+    headers: dict[str, bytes] = {}
+    twice: set[str] = set()
+    for k, v in pairs:
+        if isinstance(v, bytes) and headers.setdefault(k, v) != v:
+            twice.add(k)
+    for k in twice:
+        del headers[k]
     return Raw(
         m.topic() or "", m.partition() or 0, m.offset() or 0, ts[1] if ts else 0, m.value(), headers
     )
@@ -271,7 +279,7 @@ def read_trace(
     needle = proposal_id.encode()
     # The same test collect() makes, before a Raw is built for every record of the range.
     near = (m for m in reader if may_name(roles[m.topic() or ""], m.value() or b"", needle))
-    kept = list(collect(proposal_id, (raw(m) for m in near), roles, undecodable))
+    kept = list(collect(proposal_id, (raw(m) for m in near), roles, undecodable, run_id))
     reading = _reading(reader, undecodable)
     return assemble(proposal_id, kept, reading)
 
@@ -292,11 +300,16 @@ def _reading(reader: RetainedReader, undecodable: Counter[str]) -> Reading:
 
 
 def collect(
-    proposal_id: str, records: Iterable[Raw], roles: dict[str, Role], undecodable: Counter[str]
+    proposal_id: str,
+    records: Iterable[Raw],
+    roles: dict[str, Role],
+    undecodable: Counter[str],
+    run_id: str | None = None,
 ) -> Iterator[Entry]:
     """The records that may belong to the proposal's life. Those whose bytes cannot name
     it are not decoded at all (``may_name``); those that may but cannot be read are
-    counted by topic in ``undecodable``."""
+    counted by topic in ``undecodable``. Given its run, those that name another run are
+    dropped: an agent may reuse a proposal id in another run."""
     needle = proposal_id.encode()
     for r in records:
         role = roles[r.topic]
@@ -307,7 +320,9 @@ def collect(
         except ValueError:
             undecodable[r.topic] += 1
             continue
-        if e is not None and _may_belong(e, proposal_id):
+        if e is None or not _may_belong(e, proposal_id):
+            continue
+        if run_id is None or e.run_id in (None, run_id):
             yield e
 
 
@@ -415,7 +430,7 @@ def _approval_request(r: Raw, value: bytes) -> Entry:
         "tool": f"{d['tool_name']}@{d['tool_version']}",
         "class": d["side_effect_class"],
         "approvals_required": d["approvals_required"],
-        "expires": iso(millis(d["expires_at"])),
+        "expires": shown_time(millis(d["expires_at"])),
         "request": d["request_id"],
     }
     return _entry(
@@ -426,6 +441,7 @@ def _approval_request(r: Raw, value: bytes) -> Entry:
         gist,
         request_id=d["request_id"],
         idempotency_key=d["idempotency_key"],
+        run_id=d["run_id"],
     )
 
 
@@ -468,6 +484,7 @@ def _call(r: Raw, value: bytes) -> Entry:
         gist,
         idempotency_key=d["idempotency_key"],
         attempt=d["attempt"],
+        run_id=d["run_id"],
     )
 
 
@@ -488,6 +505,7 @@ def _result(r: Raw, value: bytes) -> Entry:
         gist,
         idempotency_key=d["idempotency_key"],
         attempt=d["attempt"],
+        run_id=d["run_id"],
     )
 
 
@@ -627,7 +645,7 @@ def _has_result(call: Entry, entries: list[Entry]) -> bool:
 
 def _unanswered(call: Entry) -> str:
     return (
-        f"the {call.what} of attempt {call.attempt} ({call.position}, {iso(call.time_ms)}) "
+        f"the {call.what} of attempt {call.attempt} ({call.position}, {shown_time(call.time_ms)}) "
         "has no result in range"
     )
 
@@ -670,19 +688,24 @@ def render(found: Trace) -> Iterator[RenderableType]:
         for e in found.entries:
             style = "red" if e.kind == "dead letter" else "magenta" if e.compensation else ""
             table.add_row(
-                Text(iso(e.time_ms)), Text(e.position), Text(e.what, style), Text(e.gist_text())
+                Text(shown_time(e.time_ms)),
+                Text(e.position),
+                Text(e.what, style),
+                Text(e.gist_text()),
             )
         yield table
         last = found.final
-        answer = "none in range" if last is None else f"{last.gist_text()} at {iso(last.time_ms)}"
+        answer = (
+            "none in range" if last is None else f"{last.gist_text()} at {shown_time(last.time_ms)}"
+        )
         yield Text.assemble(("final answer: ", "bold"), answer)
     for warning in found.warnings:
         yield _alarm("warning", f": {warning}")
 
 
 def _span(r: Reading) -> str:
-    since = "the earliest" if r.since_ms is None else iso(r.since_ms)
-    return f"{since} .. {'now' if r.until_ms is None else iso(r.until_ms)}"
+    since = "the earliest" if r.since_ms is None else shown_time(r.since_ms)
+    return f"{since} .. {'now' if r.until_ms is None else shown_time(r.until_ms)}"
 
 
 def _alarm(head: str, rest: str) -> Text:
@@ -719,7 +742,7 @@ class RunRow:
     def as_json(self) -> dict[str, Any]:
         p = self.proposal
         return {
-            "time": iso(p.time_ms),
+            "time": shown_time(p.time_ms),
             "time_ms": p.time_ms,
             "topic": p.topic,
             "partition": p.partition,
@@ -889,7 +912,7 @@ def render_run(view: RunView) -> Iterator[RenderableType]:
         for row in view.rows:
             p = row.proposal
             table.add_row(
-                Text(iso(p.time_ms)),
+                Text(shown_time(p.time_ms)),
                 Text(printable(p.proposal_id or "")),
                 Text(printable(str(p.gist["tool"]))),
                 _answer_text(row.decision, DECISION_KEYS),

@@ -24,6 +24,7 @@ from processor.codec.records import (
     dlq_headers,
     dlq_record,
     encode_observation,
+    observation_record,
     position_id,
     unencodable,
 )
@@ -593,3 +594,81 @@ def test_an_offset_range_whose_times_were_read_in_part_says_so(
     assert report.consume_errors == 1
     [cut] = report.incomplete
     assert cut.startswith("tool.proposals/3 at 43 of 50 while reading the records' times")
+
+
+# --- hostile records on the answers' topics ------------------------------------------------
+
+
+def _garbled(contracts: ContractSet, name: str, value: bytes) -> list[tuple[str, bytes]]:
+    """The dead letter of a record the processor refused, one of its headers replaced."""
+    _, _, headers = dlq_record(b"run-1", _dead_letter(contracts), 1_000_000)
+    return [(k, value if k == f"toolsentry.{name}" else v) for k, v in headers if v is not None]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("error.class", b"\x1b[31mSYNTACTIC_PARSE_FAIL"),
+        ("error.class", b"syntactic_parse_fail"),
+        ("error.gate", b"nonsense"),
+        ("error.gate", b""),
+        ("source.partition", b"-3"),
+        ("source.partition", b" 3\n"),
+        ("source.offset", b"+42"),
+        ("source.offset", b"4_2"),
+        ("source.offset", "\u0664\u0662".encode()),  # 42 in Arabic-Indic digits
+        ("source.offset", b"\xff\xfe"),
+    ],
+)
+def test_a_dead_letter_with_a_garbled_header_is_unreadable_never_compared(
+    contracts: ContractSet, name: str, value: bytes
+) -> None:
+    """A class or gate no processor writes would read as a changed decision; a position
+    written as no processor writes one could name some other record."""
+    with pytest.raises(ValueError):
+        recorded_dead_letter(_garbled(contracts, name, value))
+
+
+def test_a_dead_letter_naming_two_positions_is_unreadable(contracts: ContractSet) -> None:
+    _, _, headers = dlq_record(b"run-1", _dead_letter(contracts), 1_000_000)
+    with pytest.raises(ValueError):
+        recorded_dead_letter([*headers, ("toolsentry.source.offset", b"7")])
+    with pytest.raises(ValueError):
+        recorded_dead_letter([*headers, ("toolsentry.error.class", b"UNKNOWN_ERROR")])
+    # The same header twice with the same value says one thing.
+    position, _ = recorded_dead_letter([*headers, ("toolsentry.source.offset", b"42")])
+    assert position == ("tool.proposals", 3, 42)
+
+
+def test_an_observation_decided_by_no_gate_is_unreadable(contracts: ContractSet) -> None:
+    datum = observation_record(_search(contracts), FP)
+    datum["gate"] = "\x1b[2Jroute"
+    obs = codec("observation").decode(codec("observation").encode(datum))
+    with pytest.raises(ValueError):
+        recorded_observation(obs)
+
+
+def test_a_recorded_contract_set_is_shown_escaped(contracts: ContractSet) -> None:
+    """The observation's contract set is free text, whoever wrote the record."""
+    report = _report()
+    d = _search(contracts)
+    recorded = recorded_observation(
+        codec("observation").decode(encode_observation(d, "\x1b]0;owned\x07"))
+    )
+    report.add(replayed(d, FP), recorded)
+    out = io.StringIO()
+    for part in render(report.as_dict()):
+        Console(file=out, width=200, color_system=None).print(part)
+    text = out.getvalue()
+    assert "\x1b" not in text and "\\u001b]0;owned\\u0007 (1)" in text
+
+
+def test_records_stamped_beyond_any_calendar_date_are_reported_not_raised() -> None:
+    """A producer may stamp a record with any 64-bit time: an offset range's records'
+    times bound the report's range, which is printed."""
+    report = Report(2**62, 2**63 - 1, "contracts", FP, None, True)
+    doc = report.as_dict()
+    assert doc["range"]["since"] == f"{2**62} ms after the epoch"
+    assert doc["range"]["since_ms"] == 2**62
+    assert json.loads(json.dumps(doc)) == doc
+    assert "ms after the epoch" in str(next(render(doc)))

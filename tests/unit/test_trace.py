@@ -7,14 +7,16 @@ to what the processor writes shows up here.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
 import pytest
-from confluent_kafka import KafkaError, KafkaException
-from rich.console import Console
+from confluent_kafka import KafkaError, KafkaException, Message
+from rich.console import Console, RenderableType
 from typer.testing import CliRunner
 
 from processor.approvals import iso
@@ -45,6 +47,7 @@ from processor.trace import (
     assemble_run,
     collect,
     collect_run,
+    raw,
     render,
     render_run,
     run_roles,
@@ -675,3 +678,89 @@ def test_the_hint_quotes_a_run_id_a_shell_would_split(contracts: ContractSet) ->
     for part in render_run(view):
         Console(file=out, width=400, color_system=None).print(part)
     assert out.getvalue().splitlines()[-1].endswith("--run-id 'run 7; rm'")
+
+
+# -- hostile records ----------------------------------------------------------------------
+
+
+def _printed(parts: Iterable[RenderableType]) -> str:
+    out = io.StringIO()
+    console = Console(file=out, width=400, color_system=None)
+    for part in parts:
+        console.print(part)
+    return out.getvalue()
+
+
+def test_records_stamped_beyond_any_calendar_date_are_shown_not_raised(
+    contracts: ContractSet,
+) -> None:
+    """A producer may stamp a record with any 64-bit time, and a range open at its end
+    reads it: the table, the warnings and the JSON show its time in epoch milliseconds."""
+    far = 2**62
+    d = _decided(_proposal(), contracts)
+    raws = [
+        _raw(T.proposals, 1, far, orjson.dumps(_proposal())),
+        _raw(T.observations, 2, NOW_MS, encode_observation(d, None)),
+        _raw(EXEC, 3, far + 1, encode_approved_call(d, None)),  # no result: warned of
+    ]
+    t = assemble(PID, collect(PID, raws, ROLES, Counter()), READING)
+    assert [e.kind for e in t.entries] == ["observation", "call", "proposal"]
+    printed = _printed(render(t))
+    assert f"{far} ms after the epoch" in printed and "has no result in range" in printed
+    doc = t.as_json()
+    assert doc["entries"][2]["time"] == f"{far} ms after the epoch"
+    assert doc["entries"][2]["time_ms"] == far
+    run_raws = [_proposed(10, far, orjson.dumps(_proposal("prop-a", run_id=RUN)))]
+    view, _ = _run_view(run_raws)
+    assert f"{far} ms after the epoch" in _printed(render_run(view))
+    assert view.as_json()["rows"][0]["time"] == f"{far} ms after the epoch"
+
+
+def test_a_dead_letter_with_garbled_headers_answers_no_proposal_of_the_run(
+    contracts: ContractSet,
+) -> None:
+    """Headers that name two positions, or a class and gate no processor writes, could
+    tie the dead letter to a record it does not answer: it is counted, not linked."""
+    proposal, dead = _dead_lettered(contracts, TWICE, 12, NOW_MS)
+    given = list(dead.headers.items())
+    twice = Message(
+        topic=T.dlq, partition=0, offset=5, value=dead.value, timestamp=(1, NOW_MS + 1),
+        headers=[*given, ("toolsentry.source.offset", b"13")],
+    )  # fmt: skip
+    assert "toolsentry.source.offset" not in raw(twice).headers
+    garbled = {**dead.headers, "toolsentry.error.class": b"\x1b[2JSUCCESS"}
+    records = [proposal, raw(twice), dataclasses.replace(dead, offset=6, headers=garbled)]
+    view, bad = _run_view(records)
+    assert bad == {T.dlq: 2}
+    [row] = view.rows
+    assert row.decision is None and row.last is None
+    again = Message(
+        topic=T.dlq, partition=0, offset=5, value=dead.value, timestamp=(1, NOW_MS + 1),
+        headers=[*given, ("toolsentry.source.offset", b"12")],
+    )  # fmt: skip
+    view, bad = _run_view([proposal, raw(again)])  # the same value twice says one thing
+    assert bad == {} and _said(view.rows[0].decision) == (
+        "DEAD_LETTER", "SYNTACTIC_PARSE_FAIL", "parse")  # fmt: skip
+
+
+def test_given_its_run_a_proposal_id_reused_by_another_run_is_not_its_life(
+    contracts: ContractSet,
+) -> None:
+    """Proposals, results and approved calls of every run are read (the run's partition
+    narrows the topics keyed by run only): another run's records under the same id are
+    left out, not shown as its life, and their last answer is not its final one."""
+    life = _routed_life(contracts)
+    other_env = _proposal(run_id="run-other", arguments={"not": "an order"})
+    other = _decided(other_env, contracts, NOW_MS + 100)
+    assert other.proposal is not None and other.proposal.proposal_id == PID
+    others = [
+        _raw(T.proposals, 30, NOW_MS + 99, orjson.dumps(other_env)),
+        _raw(T.observations, 31, NOW_MS + 100, encode_observation(other, None)),
+        _raw(T.results, 32, NOW_MS + 101, _result(run_id="run-other", attempt=2)),
+    ]
+    t = assemble(PID, collect(PID, [*life, *others], ROLES, Counter(), "run-1"), READING)
+    assert [e.offset for e in t.entries] == [7, 3, 4, 9, 8] and t.warnings == []
+    assert t.final is not None and t.final.gist["decision"] == "COMPLETED"
+    # Without its run, both are shown, and the analyst is told.
+    t = assemble(PID, collect(PID, [*life, *others], ROLES, Counter()), READING)
+    assert "proposed 2 times under this id" in t.warnings
