@@ -4,8 +4,14 @@ The reader is assigned its partitions: it joins no group, commits nothing and wr
 nothing, so it can run beside a live processor. It reads committed records only
 (``read_committed``): what a processor's aborted transaction wrote never happened. Each
 partition is read from the first record at or after ``since`` up to its end when reading
-began, the last stable offset (a transaction still open then is not waited for), or to
-the first record after ``until``, so a busy topic cannot keep it reading for ever.
+began, the last stable offset (a transaction still open then is not waited for), or,
+given ``until``, to where no record at or before ``until`` can follow, so a busy topic
+cannot keep it reading for ever. That is not the first record stamped after ``until``: a
+producer may stamp a record ahead of its time, up to the topic's
+``message.timestamp.after.max.ms`` (an hour by default since Kafka 4.0), and records
+after it may still be in range. The read goes on to the first record stamped that much
+after ``until`` (to the end, where the topic bounds nothing or its settings cannot be
+read) and yields only those stamped at or before ``until``.
 
 An ``OffsetRange`` narrows one topic to one partition, and that partition to offsets an
 incident names (a consumer-lag alert, a dead letter's headers), within the time range if
@@ -31,6 +37,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+# confluent_kafka.admin re-exports ConfigResource without marking it public for type checkers.
+from confluent_kafka.admin._config import ConfigResource
 
 from processor.config import Settings
 from processor.kafka.offsets import watermarks
@@ -39,6 +49,41 @@ logger = logging.getLogger(__name__)
 
 BATCH = 500
 """Records asked of librdkafka per call: enough to keep the Python side busy."""
+
+UNBOUNDED_AHEAD_MS = 10 * 365 * 86_400_000
+"""A topic that lets records be stamped further ahead than this bounds nothing (the
+broker's default before Kafka 4.0 was Long.MAX_VALUE): its partitions are read to their
+end."""
+
+
+def stamped_ahead_ms(settings: Settings, topics: list[str]) -> dict[str, int | None]:
+    """How far ahead of the broker's clock each topic lets a record be stamped: 0 where
+    the broker stamps records itself (LogAppendTime), None where nothing bounds it or its
+    settings cannot be read."""
+    admin = AdminClient(settings.client_config())
+    resources = {t: ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics}
+    futures = admin.describe_configs(list(resources.values())) if topics else {}
+    out: dict[str, int | None] = dict.fromkeys(topics)
+    for topic, resource in resources.items():
+        try:
+            entries = futures[resource].result(timeout=10)
+        except Exception as exc:  # refused (ACLs), gone, timed out: read to the end
+            logger.warning("%s: cannot read its timestamp settings (%s); reading to its end",
+                           topic, exc)  # fmt: skip
+            continue
+        kind = entries.get("message.timestamp.type")
+        if kind is not None and kind.value == "LogAppendTime":
+            out[topic] = 0
+            continue
+        entry = entries.get("message.timestamp.after.max.ms") or entries.get(
+            "message.timestamp.difference.max.ms"
+        )
+        try:
+            ahead = int(entry.value) if entry is not None else None
+        except (TypeError, ValueError):
+            ahead = None
+        out[topic] = ahead if ahead is not None and 0 <= ahead < UNBOUNDED_AHEAD_MS else None
+    return out
 
 
 @dataclass
@@ -153,11 +198,15 @@ class RetainedReader:
 
     def _plan(self, consumer: Consumer) -> dict[tuple[str, int], Reach]:
         reaches: dict[tuple[str, int], Reach] = {}
+        found = []
         for topic in dict.fromkeys(self.topics):
             meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
             if meta is None or meta.error is not None or not meta.partitions:
                 self.missing.append(topic)
                 continue
+            found.append((topic, meta))
+        ahead = stamped_ahead_ms(self.settings, [t for t, _ in found]) if self.until_ms else {}
+        for topic, meta in found:
             narrowed = self.offsets if self.offsets and self.offsets.topic == topic else None
             if narrowed is not None:
                 narrowed.check_partition(len(meta.partitions))
@@ -167,7 +216,7 @@ class RetainedReader:
                     continue
                 if narrowed is not None and p != narrowed.partition:
                     continue
-                reach = self._reach(consumer, topic, p, narrowed)
+                reach = self._reach(consumer, topic, p, narrowed, ahead.get(topic))
                 if reach.start < reach.end:
                     reaches[(topic, p)] = reach
         self.planned = list(reaches.values())
@@ -175,14 +224,22 @@ class RetainedReader:
         return reaches
 
     def _reach(
-        self, consumer: Consumer, topic: str, partition: int, narrowed: OffsetRange | None
+        self,
+        consumer: Consumer,
+        topic: str,
+        partition: int,
+        narrowed: OffsetRange | None,
+        ahead_ms: int | None = None,
     ) -> Reach:
-        """One partition's read: its time range, within its offset range if it has one."""
+        """One partition's read: its time range, within its offset range if it has one.
+        ``ahead_ms``: how far ahead of its write a record of the topic may be stamped (None:
+        unbounded), which is how far past ``until`` a record still in range may follow."""
         low, high = watermarks(consumer, TopicPartition(topic, partition))
         start = self._offset_at(consumer, topic, partition, self.since_ms, low, high)
         end = high
-        if self.until_ms is not None:
-            end = self._offset_at(consumer, topic, partition, self.until_ms + 1, low, high)
+        if self.until_ms is not None and ahead_ms is not None:
+            beyond = min(self.until_ms + 1 + ahead_ms, _LATEST_MS)
+            end = self._offset_at(consumer, topic, partition, beyond, low, high)
         if narrowed is not None:
             first, after = narrowed.bounds(low, high)
             start, end = max(start, first), min(end, after)
@@ -220,7 +277,8 @@ class RetainedReader:
                 offset = m.offset() or 0
                 if err is None and offset < reach.end:
                     reach.reached = offset + 1
-                    yield m
+                    if self.until_ms is None or _stamped(m) <= self.until_ms:
+                        yield m
                 if reach.reached >= reach.end or offset >= reach.end:
                     reach.reached = reach.end
                     del open_[key]
@@ -246,6 +304,11 @@ class RetainedReader:
                 del open_[(tp.topic, tp.partition)]
                 closed = True
         return closed
+
+
+def _stamped(m: Message) -> int:
+    kind, ms = m.timestamp()
+    return ms if kind != 0 else 0  # (TIMESTAMP_NOT_AVAILABLE: a record of no time)
 
 
 _AGO = {"s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}

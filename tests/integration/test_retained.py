@@ -99,6 +99,28 @@ def test_a_time_range_reads_its_records_and_no_others(stack_settings: Settings) 
     assert _values(other) == []
 
 
+def test_a_record_stamped_ahead_of_the_range_does_not_end_it(stack_settings: Settings) -> None:
+    """A producer may stamp a record ahead of its write (up to the topic's
+    message.timestamp.after.max.ms, an hour on this broker): the first record stamped after
+    ``until`` is then not where the range ends, and the records written after it, stamped
+    in range, are read; the one stamped ahead is not. Before, the read stopped at it."""
+    s = isolated(stack_settings, f"retained-{uuid.uuid4().hex[:6]}")
+    p = _producer(s)
+    now = int(time.time() * 1000)
+    p.begin_transaction()
+    for value, at in (("a", now - 2_000), ("ahead", now + 1_800_000), ("c", now), ("d", now)):
+        p.produce(s.topics.proposals, value.encode(), key=b"run-1", partition=0, timestamp=at)
+    p.commit_transaction(30)
+    _stable(s, s.topics.proposals, 5)
+    until = RetainedReader(s, [s.topics.proposals], until_ms=now + 1_000)
+    assert _values(until) == ["a", "c", "d"]
+    assert until.incomplete == []
+    window = RetainedReader(s, [s.topics.proposals], since_ms=now - 1_000, until_ms=now + 1_000)
+    assert _values(window) == ["c", "d"]
+    later = RetainedReader(s, [s.topics.proposals], until_ms=now + 1_900_000)
+    assert _values(later) == ["a", "ahead", "c", "d"]
+
+
 def test_a_transaction_open_when_reading_begins_is_not_waited_for(
     stack_settings: Settings,
 ) -> None:
