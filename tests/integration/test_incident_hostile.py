@@ -11,7 +11,6 @@ real positions; nothing else runs.
 
 from __future__ import annotations
 
-import io
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ from dataclasses import dataclass
 import orjson
 import pytest
 from confluent_kafka import Producer
-from rich.console import Console, RenderableType
 
 from processor.codec.avro import MAGIC, codec
 from processor.codec.records import encode_observation
@@ -32,6 +30,7 @@ from processor.replay import Match, Report, replay, replay_gates, unknown_refere
 from processor.replay import render as render_report
 from processor.trace import read_run, read_trace, render, render_run
 from tests.integration.harness import ROOT, isolated
+from tests.unit.helpers import printed
 
 pytestmark = pytest.mark.integration
 
@@ -155,14 +154,6 @@ def hostile(stack_settings: Settings) -> Hostile:
     return Hostile(s, gates, since_ms, pid, run, good)
 
 
-def _printed(parts: list[RenderableType]) -> str:
-    out = io.StringIO()
-    console = Console(file=out, width=400, color_system=None)
-    for part in parts:
-        console.print(part)
-    return out.getvalue()
-
-
 def test_a_trace_shows_the_good_records_among_garbage_and_counts_the_rest(
     hostile: Hostile,
 ) -> None:
@@ -178,9 +169,9 @@ def test_a_trace_shows_the_good_records_among_garbage_and_counts_the_rest(
     assert observations == [3, 4]  # the one with a gate no processor writes, shown escaped
     assert t.final is not None and t.final.offset == 4
     assert t.reading.undecodable == {topics.observations: 3, topics.proposals: 4}
-    printed = _printed(list(render(t)))
-    assert "\x1b" not in printed and "\\u001b" in printed
-    assert "1970-01-01T00:00:00.001Z" in printed
+    text = printed(render(t))
+    assert "\x1b" not in text and "\\u001b" in text
+    assert "1970-01-01T00:00:00.001Z" in text
     assert orjson.loads(orjson.dumps(t.as_json()))["found"] is True
 
 
@@ -194,8 +185,8 @@ def test_a_runs_view_takes_no_garbled_dead_letter_for_an_answer(hostile: Hostile
     good = by_offset[h.good[2]]
     assert good.decision is not None and good.decision.offset == 3
     assert view.reading.undecodable[h.settings.topics.dlq] == 7
-    printed = _printed(list(render_run(view)))
-    assert "\x1b" not in printed and "gate=\\u001b[2Jiden" in printed
+    text = printed(render_run(view))
+    assert "\x1b" not in text and "gate=\\u001b[2Jiden" in text
 
 
 def test_a_replay_compares_the_good_proposal_and_takes_no_garbage_for_an_answer(
@@ -210,4 +201,4 @@ def test_a_replay_compares_the_good_proposal_and_takes_no_garbage_for_an_answer(
     # Four observations (cut short, an unknown schema, JSON, a gate no processor writes),
     # seven garbled dead letters and a tombstone.
     assert report.unreadable == 12
-    assert "\x1b" not in _printed(list(render_report(report.as_dict())))
+    assert "\x1b" not in printed(render_report(report.as_dict()))

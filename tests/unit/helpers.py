@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import orjson
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry
+from rich.console import Console, RenderableType
 
 from processor.app import Processor
 from processor.approvals import Approver, sign_approval
@@ -187,3 +190,12 @@ def keyed_processor(
         **settings,
     )
     return Processor(config, metrics=Metrics(CollectorRegistry())), tmp_path / "keys"
+
+
+def printed(parts: Iterable[RenderableType]) -> str:
+    """What a command's renderables print, as plain text on a wide console."""
+    out = io.StringIO()
+    console = Console(file=out, width=400, color_system=None)
+    for part in parts:
+        console.print(part)
+    return out.getvalue()

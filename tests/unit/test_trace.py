@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 import io
 from collections import Counter
-from collections.abc import Iterable
 from typing import Any
 
 import orjson
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Message
-from rich.console import Console, RenderableType
+from rich.console import Console
 from typer.testing import CliRunner
 
 from processor.approvals import iso
@@ -54,7 +53,7 @@ from processor.trace import (
     sight,
     topic_roles,
 )
-from tests.unit.helpers import NOW_MS, PARTITION, decide_envelope, envelope, gates, record
+from tests.unit.helpers import NOW_MS, PARTITION, decide_envelope, envelope, gates, printed, record
 
 T = Topics()
 ROLES = topic_roles(T)
@@ -683,14 +682,6 @@ def test_the_hint_quotes_a_run_id_a_shell_would_split(contracts: ContractSet) ->
 # -- hostile records ----------------------------------------------------------------------
 
 
-def _printed(parts: Iterable[RenderableType]) -> str:
-    out = io.StringIO()
-    console = Console(file=out, width=400, color_system=None)
-    for part in parts:
-        console.print(part)
-    return out.getvalue()
-
-
 def test_records_stamped_beyond_any_calendar_date_are_shown_not_raised(
     contracts: ContractSet,
 ) -> None:
@@ -705,14 +696,14 @@ def test_records_stamped_beyond_any_calendar_date_are_shown_not_raised(
     ]
     t = assemble(PID, collect(PID, raws, ROLES, Counter()), READING)
     assert [e.kind for e in t.entries] == ["observation", "call", "proposal"]
-    printed = _printed(render(t))
-    assert f"{far} ms after the epoch" in printed and "has no result in range" in printed
+    text = printed(render(t))
+    assert f"{far} ms after the epoch" in text and "has no result in range" in text
     doc = t.as_json()
     assert doc["entries"][2]["time"] == f"{far} ms after the epoch"
     assert doc["entries"][2]["time_ms"] == far
     run_raws = [_proposed(10, far, orjson.dumps(_proposal("prop-a", run_id=RUN)))]
     view, _ = _run_view(run_raws)
-    assert f"{far} ms after the epoch" in _printed(render_run(view))
+    assert f"{far} ms after the epoch" in printed(render_run(view))
     assert view.as_json()["rows"][0]["time"] == f"{far} ms after the epoch"
 
 
