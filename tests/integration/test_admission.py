@@ -986,6 +986,105 @@ def test_a_held_failure_whose_later_attempt_never_ran_settles_the_key_once(
     assert (record["state"], record["result"]) == ("FAILED_RETRYABLE", "res-first")
 
 
+_UNANSWERED = (
+    "a failure held for a later attempt that is then given back without running is "
+    "answered only by a redelivered copy of it: the give-back (void, a replay decided as "
+    "something else, withdraw, unrelease, a resubmission waiting again and its request's "
+    "end) neither settles the key with it nor lets the processor answer its proposal, "
+    "whose result the processor no longer has (see admission.lua, settle)"
+)
+
+
+def _given_back(store: AdmissionStore, later: Sent, how: str) -> None:
+    """``later``, admitted and routed, given back without running: voided (its record
+    failed alone on a defect), or its batch aborted and its position decided again as a
+    refused proposal, as another call, or as nothing (a token that lapsed since)."""
+    _, item = later
+    if how == "void":
+        void = void_item(item)
+        assert void is not None
+        assert store.apply([(TENANT, void)]) == [{"status": "voided"}]
+    elif how == "step":
+        refused = step(sig=item["sig"], repair=False, pos=item["pos"])
+        assert store.apply([refused]) == [{"ok": True}]
+    elif how == "changed":
+        other = call(pos=item["pos"])
+        assert whys(store.apply([other])) == ["replay_changed"]
+    else:
+        gone = withdraw_item(TENANT, item["pos"], item["run"], NOW + 10_000)
+        assert store.apply([gone]) == [{"status": "withdrawn"}]
+
+
+@pytest.mark.xfail(reason=_UNANSWERED, strict=True)
+@pytest.mark.parametrize("how", ["void", "step", "changed", "withdraw"])
+def test_a_held_failure_is_answered_when_its_later_attempt_is_given_back(
+    store: AdmissionStore, how: str
+) -> None:
+    """The first attempt's failure after a committed step is held for the second, routed;
+    the second is then given back without running. Nothing is in flight and nothing
+    answered the proposal: the held failure settles the key as it would have, had the
+    second attempt not existed (a compensation asked for), without waiting for a copy of
+    it that may never be redelivered."""
+    _, second, _, key = _held_for_a_second_attempt(store)
+    _given_back(store, second, how)
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record.get("result")) == ("FAILED_FINAL", "res-first")
+    assert record.get("compensation") == "compensate:" + key
+
+
+@pytest.mark.xfail(reason=_UNANSWERED, strict=True)
+@pytest.mark.parametrize("how", ["void", "withdraw"])
+def test_a_held_failure_is_answered_when_a_resubmission_is_given_back_to_its_park(
+    store: AdmissionStore, how: str
+) -> None:
+    """The key moved on from the first attempt to a second, parked; resubmitted with its
+    approvals, the second went, and the first's failure after a committed step was held
+    for it. The resubmission is then given back (it waits for its approvers again) and its
+    request ends. A parked later attempt never goes once an earlier attempt's failure
+    settles the key (see settle), yet neither the give-back nor the request's end answers
+    the held failure: the key is left PENDING, waiting for nobody."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 5, "tool": "charge"}
+    first = call(deadline=NOW + 8000, **limits)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    parked = call(ikey=key, call=call_id, now=NOW + 9001, park=True, rid="req-2",
+                  deadline=NOW + 600_000, **limits)  # fmt: skip
+    assert store.apply([parked]) == [{"ok": True, "attempt": 2}]
+    approved = call(ikey=key, call=call_id, now=NOW + 60_000, deadline=NOW + 600_000, **limits)
+    assert store.apply([approved]) == [{"ok": True, "attempt": 2}]
+    late = _partly_committed(first, attempt=1, result_id="res-first", committed=True)
+    assert store.apply([late]) == [{"status": "held"}]
+    _given_back(store, approved, how)
+    assert store.record(TENANT, key, NOW)["awaiting"] == "1"
+    assert store.apply([_lapse(parked, attempt=2)]) == [{"status": "lapsed"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record.get("result")) == ("FAILED_FINAL", "res-first")
+
+
+@pytest.mark.xfail(reason=_UNANSWERED, strict=True)
+def test_a_held_failure_is_answered_when_the_release_it_was_held_for_is_undone(
+    store: AdmissionStore,
+) -> None:
+    """The second attempt, parked, was released and routed, and the first's failure after a
+    committed step was held for it (decided in the half of a split batch after the
+    release). The batch aborted, and on its replay the release was refused at its recheck:
+    undone (see unrelease), the released call never ran, and the held failure is left
+    unanswered on a record that waits for nobody."""
+    first = call(deadline=NOW + 8000)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    parked = call(ikey=key, call=call_id, now=NOW + 9001, park=True, rid="req-2",
+                  deadline=NOW + 600_000)  # fmt: skip
+    assert store.apply([parked]) == [{"ok": True, "attempt": 2}]
+    released = _release(parked, attempt=2, call=call_id)
+    assert store.apply([released]) == [{"ok": True, "attempt": 2}]
+    late = _partly_committed(first, attempt=1, result_id="res-first", committed=True)
+    assert store.apply([late]) == [{"status": "held"}]
+    assert store.apply([_lapse(parked, released[1]["pos"], attempt=2)]) == [{"status": "lapsed"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record.get("result")) == ("FAILED_FINAL", "res-first")
+
+
 def test_a_copy_of_a_held_failure_answered_under_the_previous_version_answers_nothing(
     store: AdmissionStore,
 ) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from processor.codec.avro import codec
@@ -278,21 +278,24 @@ def test_a_seeded_corpus_reaches_every_outcome() -> None:
     } <= set(reasons), reasons  # fmt: skip
 
 
-def test_the_hypothesis_strategies_reach_every_outcome() -> None:
-    """The same, for what the fuzzers draw (a fixed sample of their strategies)."""
-    seen: Counter[str] = Counter()
+@pytest.mark.parametrize("outcome", [*(o.value for o in DECIDE_OUTCOMES),
+                                     "parse", "resolve", "schema", "route"])  # fmt: skip
+def test_the_hypothesis_strategies_reach_every_outcome(outcome: str) -> None:
+    """The same, for what the fuzzers draw: each outcome and gate is found among the
+    strategies' draws. (Found, not counted in a fixed sample: which values hypothesis
+    draws first depends on the constants of the modules the whole test run has loaded,
+    and a sample of 600 once held no parked call.)"""
 
-    @settings(max_examples=600, database=None, derandomize=True, deadline=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(cases())
-    def sample(case: Case) -> None:
+    def reaches(case: Case) -> bool:
         d = check(source(case.value, case.key, case.marker), case)
-        seen[d.outcome.value] += 1
-        seen[d.gate.value] += 1
+        return outcome in (d.outcome.value, d.gate.value)
 
-    sample()
-    assert all(seen[o.value] > 0 for o in DECIDE_OUTCOMES), seen
-    assert all(seen[g] > 0 for g in ("parse", "resolve", "schema", "route")), seen
+    find(
+        cases(),
+        reaches,
+        settings=settings(max_examples=5_000, database=None, derandomize=True, deadline=None,
+                          phases=[Phase.generate], suppress_health_check=list(HealthCheck)),
+    )  # fmt: skip
 
 
 def test_an_accepted_record_at_the_size_limit_gets_an_observation_that_fits_kafka() -> None:
