@@ -53,6 +53,7 @@ from processor.codec.records import (
     PLATFORM_FAULTS,
     dlq_headers,
     encode_outputs,
+    headers_by_name,
     millis,
     observation_id,
     observation_record,
@@ -216,17 +217,6 @@ def _number(headers: dict[str, str | bytes], name: str) -> int:
     return int(text)
 
 
-def _headers_once(headers: Headers) -> dict[str, str | bytes]:
-    """The headers by name. ValueError for one given twice with different values: a dead
-    letter that names two positions, or two verdicts, names none for sure."""
-    pairs = headers.items() if isinstance(headers, dict) else headers
-    h: dict[str, str | bytes] = {}
-    for k, v in pairs:
-        if v is not None and h.setdefault(k, v) != v:
-            raise ValueError(f"{k!r} given twice, with different values")
-    return h
-
-
 def recorded_dead_letter(headers: Headers) -> tuple[tuple[str, int, int], Recorded]:
     """The position of the record a dead letter stands for, and the verdict it carries.
     KeyError or ValueError (UnicodeDecodeError among them) for a record whose headers do
@@ -234,7 +224,9 @@ def recorded_dead_letter(headers: Headers) -> tuple[tuple[str, int, int], Record
     not written in ASCII digits, a header given twice. A dead letter after an admission
     gate (an output that could not be encoded once Redis had decided) is admission's, as
     its observation would have been."""
-    h = _headers_once(headers)
+    h, twice = headers_by_name(headers)
+    if twice:
+        raise ValueError(f"{sorted(twice)} given twice, with different values")
     position = (
         _header(h, "source.topic"),
         _number(h, "source.partition"),

@@ -37,6 +37,7 @@ from processor.codec.avro import codec, decode_any
 from processor.codec.records import (
     decode_approved_call,
     decode_result,
+    headers_by_name,
     millis,
     position_id,
     printable,
@@ -245,18 +246,10 @@ def run_partitions(settings: Settings, run_id: str) -> dict[str, set[int]]:
 
 
 def raw(m: Message) -> Raw:
-    """The record as read. A header given twice with different values is left out: a
-    dead letter naming two positions names none for sure."""
+    """The record as read, its headers as ``headers_by_name`` keeps them."""
     ts = m.timestamp()
-    given = m.headers() or []
-    pairs = given.items() if isinstance(given, dict) else given
-    headers: dict[str, bytes] = {}
-    twice: set[str] = set()
-    for k, v in pairs:
-        if isinstance(v, bytes) and headers.setdefault(k, v) != v:
-            twice.add(k)
-    for k in twice:
-        del headers[k]
+    by_name, _ = headers_by_name(m.headers() or [])
+    headers = {k: v for k, v in by_name.items() if isinstance(v, bytes)}
     return Raw(
         m.topic() or "", m.partition() or 0, m.offset() or 0, ts[1] if ts else 0, m.value(), headers
     )

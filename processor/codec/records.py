@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+from collections.abc import Iterable, Mapping
 from functools import cache, lru_cache
 from typing import Any, NamedTuple
 
@@ -437,6 +438,23 @@ DLQ_HEADERS = "dlq_headers"
 cut at ``DLQ_HEADER_MAX_BYTES`` (a result's names its call and attempt, so an operator can
 find it without decoding it)."""
 DLQ_HEADER_MAX_BYTES = 256
+
+
+def headers_by_name(
+    given: Mapping[str, str | bytes | None] | Iterable[tuple[str, str | bytes | None]],
+) -> tuple[dict[str, str | bytes], set[str]]:
+    """A record's headers by name (those without a value left out), and the names given
+    twice with different values, which are left out too: a dead letter that names two
+    positions, or two verdicts, names none for sure."""
+    pairs = given.items() if isinstance(given, Mapping) else given
+    headers: dict[str, str | bytes] = {}
+    twice: set[str] = set()
+    for k, v in pairs:
+        if v is not None and headers.setdefault(k, v) != v:
+            twice.add(k)
+    for k in twice:
+        del headers[k]
+    return headers, twice
 
 
 def dlq_headers(

@@ -205,7 +205,11 @@ class RetainedReader:
                 self.missing.append(topic)
                 continue
             found.append((topic, meta))
-        ahead = stamped_ahead_ms(self.settings, [t for t, _ in found]) if self.until_ms else {}
+        ahead = (
+            stamped_ahead_ms(self.settings, [t for t, _ in found])
+            if self.until_ms is not None
+            else {}
+        )
         for topic, meta in found:
             narrowed = self.offsets if self.offsets and self.offsets.topic == topic else None
             if narrowed is not None:
