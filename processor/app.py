@@ -588,9 +588,11 @@ class Processor:
                 self._failed_transaction(consumer, producer, records, exc)
                 return
             offsets_sent = send_offsets()
+        self.admission.take_redeliveries()  # (a batch decided before, then rewound)
         try:
             decisions = self.decide_batch(records)
             outputs = self.encode_batch(records, decisions)
+            outputs += self._redelivered()
         except DependencyDown as exc:
             if offsets_sent is not None:
                 self._abandon(producer, offsets_sent)
@@ -901,8 +903,10 @@ class Processor:
                 # of the call is routed and may run it: that attempt, idempotent under the
                 # key, meets those steps, and its result answers the proposal (a
                 # compensation proposed now could undo what it completes). The record
-                # keeps the failure with its attempt; the DLQ shows it to an operator,
-                # since the later attempt may still end without meeting those steps.
+                # keeps the failure with its attempt, and its record, delivered again if
+                # that attempt is given back without running (see _redelivered); the DLQ
+                # shows it to an operator, since the later attempt may still end without
+                # meeting those steps.
                 out[i] = _result_dead_letter(x, *_HELD)
                 continue
             if status == "conflict":
@@ -1078,6 +1082,21 @@ class Processor:
                     self._count("approvals", "refused")
                 reason, detail = _ANSWERED_ALREADY[status]
                 out[i] = dead_letter(item.src, reason, f"{item.request_id}: {detail}")
+
+    def _redelivered(self) -> list[Output]:
+        """Failures after committed steps held for a later attempt that this batch gave
+        back without running (see admission.lua, redeliver_held): each goes back on
+        ``tool.results`` as it came, in this transaction, and settles its key when it is
+        read (the proposal answered, the compensation it asks for proposed). A header
+        names the position it was first read at."""
+        out: list[Output] = []
+        for r in self.admission.take_redeliveries():
+            self._count("results", r.state, "redelivered")
+            logger.info("delivering again the failure held at %s (its later attempt was "
+                        "given back at %s)", r.of, r.at)  # fmt: skip
+            out.append((self.settings.topics.results, r.key, r.value,
+                        [(REDELIVERY_OF, r.of.encode())]))  # fmt: skip
+        return out
 
     def _count(self, *event: str) -> None:
         """Count an event of the batch being decided, once it commits (see BatchTally)."""
@@ -1478,10 +1497,14 @@ _RESULTS_REFUSED = {
 }
 """Admission's verdicts on results that settle nothing and go to the DLQ: (reason, detail)."""
 
+REDELIVERY_OF = "toolsentry.redelivery.of"
+"""The header of a held failure delivered again (see ``Processor._redelivered``): the
+position it was first read at."""
 _HELD = (
     "result_held_for_later_attempt",
     "an earlier attempt failed after committing steps while a later attempt of its call is "
-    "in flight, whose result answers the proposal",
+    "in flight, whose result answers the proposal (given back without running, it has this "
+    "result delivered again)",
 )
 """How an earlier attempt's failure after committed steps, held while a later attempt is in
 flight (see admission.lua, settle), lands on the DLQ: (reason, detail)."""

@@ -158,8 +158,9 @@ class Metrics:
             "toolsentry_results_total",
             "Executors' results by the state they settled (COMPLETED, FAILED_RETRYABLE, "
             "FAILED_FINAL, EXPIRED) and what they settled (settled, duplicate, superseded, "
-            "held, stale, unknown, mismatch, unrouted, unrouted_attempt, conflict: another "
-            "result of the same attempt reported another outcome first).",
+            "held, redelivered: a held failure put back on tool.results, stale, unknown, "
+            "mismatch, unrouted, unrouted_attempt, conflict: another result of the same "
+            "attempt reported another outcome first).",
             ["state", "status"],
             registry=registry,
         )

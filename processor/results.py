@@ -58,7 +58,7 @@ from processor.model import (
     TaxonomyClass,
 )
 from processor.pipeline import canonical_json, hash_payload
-from processor.state.admission import SETTLED_TTL_MS, Item
+from processor.state.admission import SETTLED_TTL_MS, Item, held_record
 
 RESUMABLE = frozenset({"idempotent_write", "retryable_post_pivot"})
 """Contract semantics whose steps a retry under the same idempotency key finishes without
@@ -525,6 +525,8 @@ def settle_item(
     r = item.result
     key = r["idempotency_key"]
     compensates = key[len(COMPENSATION_PREFIX) :] if is_compensation_key(key) else None
+    committed = _failed_after_commit(item)
+    src = item.src
     return item.tenant_id, {
         "kind": "result",
         "pos": position,
@@ -549,7 +551,13 @@ def settle_item(
         "cached_unsigned": unsigned or "",
         # A failure after committed steps: of an attempt its key moved on from, it settles
         # the key where no later attempt can meet those steps (see admission.lua, settle).
-        "committed": _failed_after_commit(item),
+        "committed": committed,
+        # Its record, kept should its failure be held for a later attempt, and delivered
+        # again if that attempt is given back without running (see admission.lua,
+        # redeliver_held): sent for such failures only.
+        "record": held_record(src.topic, src.partition, src.offset, src.key, src.value or b"")
+        if committed
+        else "",
         # What the record keeps instead should an earlier attempt's failure after committed
         # steps have been held for this attempt, which ended committing none (see
         # admission.lua, settle): sent for such failures only.

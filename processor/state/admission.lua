@@ -11,7 +11,9 @@
 --          2 step     a proposal an earlier gate refused (it still is a step of its run)
 --          3 result   an executor's result for a routed call, with the tool, its version,
 --                     the payload hash and run it claims (checked against the call's
---                     record, see settle), and whether it failed after committed steps
+--                     record, see settle), whether it failed after committed steps, and
+--                     for such a failure the record itself (kept should it be held, see
+--                     redeliver_held)
 --          4 release  a parked call its approvers released (with the deadline its request
 --                     parked it until, and the request it names, see holds)
 --          5 void     a call whose record failed alone on a defect after it was admitted
@@ -35,7 +37,9 @@
 -- outcome; the record stands in that state); a void's "voided" or "unchanged"; a
 -- comp_failed's "marked" or "unchanged"; a lapse's "lapsed", "moved_on", "superseded",
 -- "given_back" or "unchanged"; a withdraw's "withdrawn" or "none". Short strings, not
--- JSON: decoding and encoding are most of a script's cost per item.
+-- JSON: decoding and encoding are most of a script's cost per item. One more element
+-- follows the verdicts: the held failures to deliver again (see redeliver_held), JSON,
+-- [[<position that gave their attempt back>, [{"s": <state>, "r": <record>}, ...]], ...].
 --
 -- Storage: an idempotency record is JSON (s state, h payload hash, n tool and nv the
 -- version its call was routed as (records written before either was kept have none), c
@@ -55,7 +59,8 @@
 -- the attempts of call c routed before whose result had not come when the key moved on,
 -- see admit_call, each {a attempt, v version, f, fs and g the id, state and digest of
 -- its failure after committed steps, held while a later attempt was in flight, fa 1
--- once a result answered the proposal after it was held, see settle}); a run's counters
+-- once a result answered the proposal after it was held, see settle, rd 1 once it was
+-- delivered again, see redeliver_held}); a run's counters
 -- are JSON too. Every record and run the batch names is read before anything is
 -- decided, kept in this script while the batch is decided, and written once at the end,
 -- a hash at a time (see idem_bucket): a Redis command costs a few microseconds from
@@ -72,12 +77,19 @@
 -- its own (or under a record that names another version than it runs as), or leave a
 -- parked call under a record that waits for no approval; and the first call, which never
 -- ran, gives back what it took (see give_back).
+--
+-- Held failures: the record of a failure held for a later attempt (see settle) is kept at
+-- "held:<attempt>:<key>" while it is held, and the held failures a decision delivers
+-- again are kept under that decision's position in the 'redeliver' hash, beside its
+-- verdict: a replay of the position delivers them again, and both go when its batch
+-- commits (see admission.py, forget).
 
 local base = KEYS[1]
 local H = cjson.decode(ARGV[1])
 local items = cjson.decode(ARGV[2])
 local run_ttl = tonumber(ARGV[3])
 local done_key = base .. ':done'
+local redeliver_key = base .. ':redeliver'
 local out = {}
 
 local function opt(v) if v == '' or v == -1 or v == cjson.null then return nil end return v end
@@ -106,7 +118,7 @@ local function unwire(a)
             compensation_tool = opt(a[12]), unsigned = opt(a[13]), attempt = tonumber(a[14]) or 0,
             tool = opt(a[15]), hash = opt(a[16]), run = opt(a[17]),
             version = opt(a[18]), committed = a[19] == 1, cached_held = opt(a[20]),
-            digest = opt(a[21])}
+            digest = opt(a[21]), record = opt(a[22])}
   elseif kind == 5 then
     return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6]}
   elseif kind == 6 then
@@ -658,6 +670,36 @@ local function held_final(rec)
   return false
 end
 
+-- Where the record of the failure of attempt `attempt` of key `ikey` is kept while it is
+-- held for a later attempt (see settle).
+local function held_key(ikey, attempt) return base .. ':held:' .. attempt .. ':' .. ikey end
+
+-- The held failures this batch delivers again: position -> list of '{"s":..,"r":..}'.
+local redelivered = {}
+
+-- The later attempt a failure was held for was given back without running, by the
+-- decision at position `pos`: voided, its position decided again as something else or
+-- as nothing, waiting for its approvers again, or its release undone; or its park ended.
+-- Nothing in flight can meet the held failure's committed steps now, and nothing has
+-- answered its proposal. Its record, kept when it was held, goes back on tool.results
+-- (see app.py) in the same transaction, where it settles the key as any copy of it does
+-- now (see settle): the proposal answered once, the compensation it asks for proposed.
+-- Once per held failure (rd); a replay of `pos` delivers it again. (A failure held by an
+-- earlier version kept no record: a copy of it, redelivered, still settles the key.)
+local function redeliver_held(ikey, rec, pos)
+  for _, missed in ipairs(rec.ua or {}) do
+    if missed.f and not missed.fa and not missed.rd then
+      local kept = redis.call('GET', held_key(ikey, missed.a))
+      if kept then
+        local list = redelivered[pos] or {}
+        list[#list + 1] = '{"s":' .. cjson.encode(missed.fs or '') .. ',"r":' .. kept .. '}'
+        redelivered[pos] = list
+        missed.rd = 1
+      end
+    end
+  end
+end
+
 -- The held failures among missed attempts `ua` (see settle), or nil if there are none.
 local function held_only(ua)
   local held = {}
@@ -733,12 +775,22 @@ local function settle(c)
     if routed_as and routed_as ~= c.version then return {status = 'mismatch'} end
     if c.state ~= 'COMPLETED' and rec.s == 'PENDING' and not unrouted(rec) then
       if missed.f == c.result_id or (missed.g and missed.g == c.digest) then
+        -- (held again, for the attempt in flight now: one given back later delivers it
+        -- again, see redeliver_held)
+        if missed.rd then
+          missed.rd = nil
+          keep_record(c.ikey, rec)
+        end
         return {status = 'duplicate'}
       end
       missed.f, missed.fs, missed.g = c.result_id, c.state, c.digest
+      if c.record then
+        redis.call('SET', held_key(c.ikey, c.attempt), c.record, 'PX', c.ttl)
+      end
       keep_record(c.ikey, rec)
       return {status = 'held'}
     end
+    if missed.f then redis.call('DEL', held_key(c.ikey, c.attempt)) end
     table.remove(rec.ua, k)
     if #rec.ua == 0 then rec.ua = nil end
     -- (a later attempt still parked gives back what parking took, as its request's end
@@ -795,7 +847,10 @@ local function settle(c)
   -- the key a second time and answer again (fa). Its digest stays, so that a result of its
   -- attempt that reports something else is still a conflict.
   for _, missed in ipairs(rec.ua or {}) do
-    if missed.f then missed.fa = 1 end
+    if missed.f and not missed.fa then
+      missed.fa = 1
+      redis.call('DEL', held_key(c.ikey, missed.a))  -- (a copy is superseded from now on)
+    end
   end
   -- (the claims stay while an earlier attempt's failure after committed steps may still
   -- settle the key and ask for a compensation in their name: see above)
@@ -994,7 +1049,7 @@ end
 -- The record a call admitted at attempt `attempt` took, if it still holds it: back to
 -- retryable (nothing ran), or, for a resubmitted parked call, back to waiting for approval
 -- until the deadline it was parked until (in flight till then, as it was).
-local function release_record(ikey, attempt, hash, call, resubmitted, parked_until)
+local function release_record(ikey, attempt, hash, call, resubmitted, parked_until, pos)
   local rec = record_of(ikey)
   if not (attempt and attempt >= 1 and rec and rec.s == 'PENDING' and rec.a == attempt
           and rec.h == hash and (call == nil or rec.c == call)) then
@@ -1016,6 +1071,7 @@ local function release_record(ikey, attempt, hash, call, resubmitted, parked_unt
     -- of its request then finds it given back, see lapse)
     rec.s, rec.w = 'FAILED_RETRYABLE', 0
   end
+  redeliver_held(ikey, rec, pos)
   keep_record(ikey, rec)
   return true
 end
@@ -1043,11 +1099,12 @@ local function void(c)
     -- (a parked call resubmitted with its approvals waits for them again: its request
     -- was never ended, and its approvals are unspent)
     local resubmitted, parked_until = give_back(c.of, rec.r, tool, took_)
-    release_record(c.ikey, attempt, hash, c.call, resubmitted, parked_until)
+    release_record(c.ikey, attempt, hash, c.call, resubmitted, parked_until, c.of)
     -- (a resubmission took no step of its own; not going, it is a proposal like any other)
     if resubmitted then bump(rec.r, 'steps', 1) end
   else  -- a marker an earlier version wrote: the record alone
     rec.s, rec.w = 'FAILED_RETRYABLE', 0
+    redeliver_held(c.ikey, rec, c.of)
     put_record(c.ikey, rec, c.ttl)
   end
   redis.call('HSET', done_key, c.of, 'no|voided|0')
@@ -1072,9 +1129,10 @@ end
 -- resubmission that went ahead, "moved_on" or "superseded" (see went_ahead).
 -- The park `rec` holds ends without its call going: what parking took comes back, and the
 -- record waits for nobody (and its call never ran: see settle).
-local function end_park(ikey, rec)
+local function end_park(ikey, rec, pos)
   give_back_park(rec)
   rec.w, rec.u = 0, 1
+  redeliver_held(ikey, rec, pos)
   keep_record(ikey, rec)
   return {status = 'lapsed'}
 end
@@ -1086,7 +1144,7 @@ local function lapse(c)
   if mine ~= nil then
     local gone = gone_from(rec, c, mine, c.deadline)
     if gone then return {status = gone} end
-    return end_park(c.ikey, rec)
+    return end_park(c.ikey, rec, c.pos)
   end
   -- A record or a request of an earlier version, which name no request: the deadline
   -- tells, as it did.
@@ -1106,7 +1164,7 @@ local function lapse(c)
     return {status = rec.pd and went_ahead(rec.c, c) or 'moved_on'}
   end
   if rec.d ~= c.deadline then return {status = 'unchanged'} end
-  return end_park(c.ikey, rec)
+  return end_park(c.ikey, rec, c.pos)
 end
 
 -- A release that went the first time, its batch then aborted (the call never ran), and
@@ -1120,6 +1178,7 @@ local function unrelease(c)
   end
   give_back(rec.rq or '', rec.r, rec.n, rec.rp, true)
   rec.rp, rec.rq, rec.u = nil, nil, 1  -- (the released call never ran: see settle)
+  redeliver_held(c.ikey, rec, c.pos)
   keep_record(c.ikey, rec)
   return {status = 'lapsed'}
 end
@@ -1135,7 +1194,7 @@ local function withdraw(a, was)
   if not ikey or took_ == '' then return 'none' end
   local attempt = tonumber(string.match(verdict or '', '^ok|(%d+)$'))
   local resubmitted, parked_until = give_back(a[2], a[3], tool, took_)
-  release_record(ikey, attempt, hash, nil, resubmitted, parked_until)
+  release_record(ikey, attempt, hash, nil, resubmitted, parked_until, a[2])
   -- (decided again as a call, it is refused as changed; as a refused proposal, it passes)
   fresh[#fresh + 1] = a[2]
   fresh[#fresh + 1] = 'ok|0'
@@ -1154,8 +1213,22 @@ local RELEASE_AS_LAPSE = {
   ['no|superseded|0'] = 'superseded',
 }
 
+-- The held failures a decision delivered again before (see redeliver_held), delivered
+-- again by its replay: '[<position>, [...]]' each.
+local replayed, replayed_at = {}, {}
+local any_kept  -- (whether the tenant has any: read once, at the first replayed position)
+local function replay_redelivery(pos)
+  if replayed_at[pos] then return end
+  replayed_at[pos] = true
+  if any_kept == nil then any_kept = redis.call('EXISTS', redeliver_key) == 1 end
+  if not any_kept then return end
+  local kept = redis.call('HGET', redeliver_key, pos)
+  if kept then replayed[#replayed + 1] = '[' .. cjson.encode(pos) .. ',' .. kept .. ']' end
+end
+
 for i, a in ipairs(items) do
   local was = earlier[i]
+  if was then replay_redelivery(a[2]) end
   if was and emptied[a[2]] then was = without_take(was) end
   if a[1] == 8 then
     out[i] = withdraw(a, was)
@@ -1199,7 +1272,7 @@ for i, a in ipairs(items) do
         local attempt = tonumber(string.match(verdict or '', '^ok|(%d+)$'))
         local parked_until
         resubmitted, parked_until = give_back(a[2], a[3], tool, took_)
-        release_record(ikey, attempt, hash, nil, resubmitted, parked_until)
+        release_record(ikey, attempt, hash, nil, resubmitted, parked_until, a[2])
       end
       if a[1] == 2 then
         -- Decided as any refused proposal is (a repair counts, once: this verdict is the
@@ -1255,6 +1328,15 @@ end
 for first = 1, #fresh, 2 * CHUNK do
   redis.call('HSET', done_key, unpack(fresh, first, math.min(first + 2 * CHUNK - 1, #fresh)))
 end
+local delivered = replayed
+for pos, list in pairs(redelivered) do
+  local new = table.concat(list, ',')
+  local kept = redis.call('HGET', redeliver_key, pos)
+  kept = kept and (string.sub(kept, 1, -2) .. ',' .. new .. ']') or ('[' .. new .. ']')
+  redis.call('HSET', redeliver_key, pos, kept)
+  delivered[#delivered + 1] = '[' .. cjson.encode(pos) .. ',[' .. new .. ']]'
+end
+out[#items + 1] = '[' .. table.concat(delivered, ',') .. ']'
 -- Each written record or run goes to its day's hash, and leaves the one it came from.
 local function write_back(dirty, values, found_in, bucket, expire_at)
   local puts, drops = {}, {}

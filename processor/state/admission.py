@@ -37,8 +37,10 @@ transaction gets the same verdicts and nothing moves twice.
 
 from __future__ import annotations
 
+import base64
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +70,64 @@ def rate_of(window_sec: int, max_requests: int) -> tuple[int, int] | None:
     return max(1, window_sec * 1000 // max_requests), max_requests
 
 
+@dataclass(frozen=True, slots=True)
+class Redelivery:
+    """A failure after committed steps held for a later attempt of its call, which was
+    then given back without running (see admission.lua, redeliver_held): its record goes
+    back on ``tool.results`` as it came, where it settles the key and answers its proposal."""
+
+    tenant: str
+    at: str
+    """The position whose decision gave the later attempt back."""
+    state: str
+    """The state the held failure reported."""
+    of: str
+    """The held result's own position."""
+    key: bytes | None
+    value: bytes
+
+
+def held_record(topic: str, partition: int, offset: int, key: bytes | None, value: bytes) -> str:
+    """A result's record as admission keeps it while its failure is held (see
+    ``Redelivery``): JSON, which the script embeds as it is."""
+    return orjson.dumps({
+        "of": f"{topic}/{partition}/{offset}",
+        "k": None if key is None else base64.b64encode(key).decode(),
+        "v": base64.b64encode(value).decode(),
+    }).decode()  # fmt: skip
+
+
+def _redeliveries(tenant: str, raw: bytes | str) -> list[Redelivery]:
+    out = []
+    for at, held in orjson.loads(raw):
+        for h in held:
+            r = h["r"]
+            key = None if r["k"] is None else base64.b64decode(r["k"])
+            out.append(Redelivery(tenant, at, h["s"], r["of"], key, base64.b64decode(r["v"])))
+    return out
+
+
 class AdmissionStore:
     def __init__(self, client: RedisClient, ns: str = "ts", run_ttl_ms: int = RUN_TTL_MS) -> None:
         self.client = client
         self.ns = ns
         self.run_ttl_ms = run_ttl_ms
+        self._redeliveries: list[Redelivery] = []
+        self._redelivered_at: dict[str, set[str]] = defaultdict(set)
+        """Positions whose replay markers include held failures delivered again, by
+        tenant: forgotten with them."""
+
+    def take_redeliveries(self) -> list[Redelivery]:
+        """The held failures the calls since the last take delivered again (see
+        ``Redelivery``), each once: a decision's replay delivers its own again."""
+        taken, self._redeliveries = self._redeliveries, []
+        seen: set[tuple[str, str, str]] = set()
+        out = []
+        for r in taken:
+            if (r.tenant, r.at, r.of) not in seen:
+                seen.add((r.tenant, r.at, r.of))
+                out.append(r)
+        return out
 
     def _base(self, tenant: str) -> str:
         return f"{self.ns}:{tenant_tag(tenant)}"
@@ -111,9 +166,14 @@ class AdmissionStore:
         ]
         out: list[Verdict] = [{} for _ in items]
         replies = run_scripts(self.client, _SCRIPT, calls, pipe)[n_forget:]
-        for (_, _, owners), reply in zip(segments, replies, strict=True):
-            for i, text in zip(owners, reply, strict=True):
+        for (tenant, _, owners), reply in zip(segments, replies, strict=True):
+            # (the verdicts, then the held failures delivered again: see admission.lua)
+            for i, text in zip(owners, reply[:-1], strict=True):
                 out[i] = parse_verdict(text)
+            again = _redeliveries(tenant, reply[-1])
+            if again:
+                self._redeliveries += again
+                self._redelivered_at[tenant].update(r.at for r in again)
         return out
 
     def apply_one_by_one(self, items: list[tuple[str, Item]]) -> list[Verdict]:
@@ -140,7 +200,10 @@ class AdmissionStore:
         assigned the partition next calls this: those batches have committed and will
         never be decided again. Returns how many markers went."""
         removed = 0
-        for key in self.client.scan_iter(match=f"{self.ns}:{{*}}:done", count=1000):
+        for key in [
+            *self.client.scan_iter(match=f"{self.ns}:{{*}}:done", count=1000),
+            *self.client.scan_iter(match=f"{self.ns}:{{*}}:redeliver", count=1000),
+        ]:
             stale = []
             for field in self.client.hkeys(key):
                 topic, partition, offset = field.decode().rsplit("/", 2)
@@ -155,9 +218,18 @@ class AdmissionStore:
         by_tenant: dict[str, list[str]] = defaultdict(list)
         for tenant, item in items:
             by_tenant[tenant].append(item["pos"])
+        queued = 0
         for tenant, positions in by_tenant.items():
             pipe.hdel(f"{self._base(tenant)}:done", *positions)
-        return len(by_tenant)
+            queued += 1
+            redelivered = self._redelivered_at.get(tenant)
+            if redelivered and (gone := redelivered.intersection(positions)):
+                pipe.hdel(f"{self._base(tenant)}:redeliver", *gone)
+                queued += 1
+                redelivered -= gone
+                if not redelivered:
+                    del self._redelivered_at[tenant]
+        return queued
 
     def run_counters(self, tenant: str, run: str, now_ms: int | None = None) -> dict[str, float]:
         """steps, class:<group>, cost, sig:<signature>, repairs, bad:<signature> of a run."""
@@ -298,7 +370,7 @@ def _wire(item: Item) -> list[Any]:
                 item.get("attempt", 0), item.get("tool") or "", item.get("hash") or "",
                 item.get("run") or "", item.get("version") or "",
                 1 if item.get("committed") else 0, item.get("cached_held") or "",
-                item.get("digest") or ""]  # fmt: skip
+                item.get("digest") or "", item.get("record") or ""]  # fmt: skip
     if kind == "void":
         return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"]]
     if kind == "comp_failed":

@@ -912,6 +912,115 @@ def test_an_earlier_failure_after_a_charge_is_held_for_the_attempt_in_flight(
         assert mine.client.history(compensation_proposal_id(key)) == []
 
 
+HELD_MARKER = "held-poison-3f9a"
+
+
+def test_a_failure_held_for_an_attempt_that_never_ran_is_delivered_again_and_answers(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """A ticket routed, its result late (the executor behind): past its deadline and the
+    grace, the agent sends the proposal again. The resend is admitted as the second
+    attempt, and the first attempt's result, a failure after a committed step (the ticket
+    created, the customer not told), is held for it. The processor dies before either
+    batch commits, and started again, meets a defect on the resend: it fails alone,
+    answered as an internal error, and never ran. Nothing else would ever answer the
+    proposal or settle its key: the processor delivers the held failure again on
+    tool.results in the same transaction, and read, it settles the key and answers the
+    proposal once (a partial success that a retry under the key finishes). The held
+    failure itself is on the DLQ, for an operator."""
+    doc = yaml.safe_load(LOAD_POLICY.read_text())
+    doc["budgets"]["in_flight_grace_ms"] = 500
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump(doc, sort_keys=False))
+    settings = isolated(stack_settings, "results-again").model_copy(update={"policy_file": policy})
+    redis = connect(settings.redis_url)
+    store = AdmissionStore(redis, settings.redis_namespace)
+    proc = ProcessorProcess(settings, "again-1", tmp_path).start().wait_ready()
+    client = ToolsentryClient(settings, TENANT, principal_token=token(settings, TENANT))
+    dying = ProcessorProcess(settings, "again-1", tmp_path, TOOLSENTRY_FAULT_POINT="after_redis")
+    try:
+        args = {"customer_id": "CUS-004211", "category": "delivery", "priority": "normal",
+                "summary": "Parcel arrived crushed; customer wants a replacement."}  # fmt: skip
+        publish_references(settings, existing(TENANT, "create_ticket", args))
+        wait_until_loaded(settings)
+        key, run = f"k-{uuid.uuid4().hex}", f"run-{uuid.uuid4().hex[:10]}"
+        pid = client.propose("create_ticket", args, idempotency_key=key, run_id=run)
+        assert client.wait(pid, 60)["decision"] == "ROUTED"
+        topic = settings.topics.execution("MEDIUM_RISK_WRITE")
+        [first] = [decode_approved_call(m.value()) for m in read_all(settings, topic, idle=1)]
+        # A result for a call nobody routed, on the partition the late one will take: its
+        # offset committed there, a processor starting reads that partition in its first
+        # fetch, not only after looking up where the partition begins.
+        stray = _result_for({**first, "idempotency_key": f"k-{uuid.uuid4().hex}"})
+        assert _dead_letters(settings, run, [stray]) == ["result_unknown_call"]
+        assert proc.terminate() == 0
+        while time.time() * 1000 < first["deadline"] + 1000:
+            time.sleep(0.2)
+        client.propose("create_ticket", args, idempotency_key=key, run_id=run, proposal_id=pid,
+                       workflow_id=HELD_MARKER)  # fmt: skip
+        client.flush()
+        # The resend admitted (the second attempt), then killed after Redis, before the
+        # commit: nothing of it committed.
+        dying.start().proc.wait(60)  # type: ignore[union-attr]
+        assert store.record(TENANT, key)["attempt"] == "2", dying.log()[-3000:]
+        late = _result_for(first, outcome="FAILED", error_code="notify_failed",
+                           error_message="ticket created, but the customer was not told",
+                           committed_steps=["ticket_created"], data=None)  # fmt: skip
+        _publish_result(settings, late)
+        value = encode_result(late)
+        [held_at] = [m for m in read_all(settings, settings.topics.results, idle=1)
+                     if m.value() == value]  # fmt: skip
+        position = f"{settings.topics.results}/{held_at.partition()}/{held_at.offset()}"
+        done_key = f"{settings.redis_namespace}:{{{TENANT}}}:done"
+        # Killed again after Redis until Redis has held the late result: each start reads
+        # the resend again, and its first batch, killed, holds the late result too only
+        # when both partitions' first fetches came back before the batch was taken.
+        for _ in range(25):
+            if redis.hget(done_key, position) == b"held":
+                break
+            dying.start().proc.wait(60)  # type: ignore[union-attr]
+        assert redis.hget(done_key, position) == b"held", dying.log()[-3000:]
+        assert store.record(TENANT, key)["attempt"] == "2"
+
+        proc = ProcessorProcess(settings, "again-1", tmp_path, TOOLSENTRY_FAULT_POISON=HELD_MARKER)
+        proc.start().wait_ready()
+        deadline = time.monotonic() + 60
+        while not (finals := [o for o in client.history(pid) if o["decision"] == "FAILED"]):
+            assert time.monotonic() < deadline, client.history(pid)
+            time.sleep(0.2)
+        [done] = finals
+        assert done["status"]["taxonomy_class"] == "PARTIAL_SUCCESS"
+        assert done["execution_metadata"]["attempt_number"] == 1
+        assert [e["code"] for e in done["result_payload"]["errors"]] == [
+            "notify_failed", "partially_committed"
+        ]  # fmt: skip
+        decisions = [(o["decision"], o["gate"]) for o in client.history(pid)]
+        assert decisions == [("ROUTED", "route"), ("REJECTED", "internal"), ("FAILED", "result")]
+        record = store.record(TENANT, key)
+        assert (record["state"], record["result"]) == ("FAILED_RETRYABLE", late["result_id"])
+
+        dead = [m for m in read_all(settings, settings.topics.dlq, idle=1) if m.value() == value]
+        assert [dict(m.headers() or [])["toolsentry.error.reason"] for m in dead] == [
+            b"result_held_for_later_attempt"
+        ]
+        results = [m for m in read_all(settings, settings.topics.results, idle=1)
+                   if m.value() == value]  # fmt: skip
+
+        def len_of(record: tuple[bytes | None, dict[str, Any]]) -> int:
+            return len(record[1])  # (the two may be on two partitions: no order between them)
+
+        assert sorted(((m.key(), dict(m.headers() or [])) for m in results), key=len_of) == [
+            (run.encode(), {}), (run.encode(), {"toolsentry.redelivery.of": position.encode()})
+        ]  # fmt: skip
+        assert _finals(settings, pid) == ["FAILED"]
+        assert redis.hlen(f"{settings.redis_namespace}:{{{TENANT}}}:redeliver") == 0
+        assert proc.alive(), proc.log()[-3000:]
+    finally:
+        client.close()
+        dying.kill()
+        proc.terminate()
+
+
 def test_a_result_naming_another_version_of_its_tool_is_dead_lettered(bench: Bench) -> None:
     """A charge routed as 2.1.0 (its contract compensates with a refund) and a result that
     says 2.0.0 ran (that version compensates nothing): its data would be checked against

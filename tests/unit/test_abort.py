@@ -111,6 +111,7 @@ class _Loop(Processor):
         self._stop = threading.Event()
         self._events = Counter()
         self._admitted = []
+        self.admission = SimpleNamespace(take_redeliveries=list)  # type: ignore[assignment]
         self.rewound: list[int] = []
         self.waited = False
 
