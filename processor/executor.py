@@ -89,6 +89,7 @@ from processor.kafka.offsets import next_offsets, records_of, rewind, where
 from processor.kafka.produce import Headers, send
 from processor.model import Decision, Gate, Outcome, SideEffectClass, SourceRecord, TaxonomyClass
 from processor.results import CALL_INVALID, RESULT_TOO_LARGE, RESULT_UNPUBLISHABLE
+from processor.state.references import parse_reference
 
 logger = logging.getLogger(__name__)
 
@@ -622,7 +623,7 @@ class Executor:
             data = None if answer.data is None else orjson.dumps(answer.data).decode()
         elif answer.compensation_arguments is not None:
             compensation = orjson.dumps(answer.compensation_arguments).decode()
-        references = [(r.key(call.tenant_id), r.value()) for r in answer.references]
+        references = [_record_of(call.tenant_id, r) for r in answer.references]
         datum = _result(call, answer, outcome, started, self._now_ms(), self.executor_id)
         datum["data"], datum["compensation_arguments"] = data, compensation
         value = encode_result(datum)
@@ -924,7 +925,14 @@ def _publishable_references(call: Call, answer: Succeeded | Failed) -> tuple[Ref
 
 
 def _record_of(tenant: str, r: ReferenceUpdate) -> tuple[bytes, bytes | None]:
-    return r.key(tenant), r.value()
+    """The ``tool.reference`` record of an update, held to what the reference loader
+    keeps: an update it would refuse (an entity not named as contracts name them, an
+    owner that is neither text nor a whole number, attributes that are not an object)
+    raises ``BadReference``, so that the result says it was not published instead of
+    the update vanishing in the loader, or the entity being forgotten there."""
+    key, value = r.key(tenant), r.value()
+    parse_reference(key, value)
+    return key, value
 
 
 def _step_names(steps: object) -> tuple[str, ...]:

@@ -145,6 +145,35 @@ def test_a_failure_keeps_what_does_serialise(contracts: ContractSet) -> None:
     assert comp is not None and comp.arguments == REFUND
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(ReferenceUpdate("Payment", "PAY-2", "captured"), id="entity-not-lower-case"),
+        pytest.param(ReferenceUpdate("payment", "PAY-2", "captured", 1.5), id="owner-a-fraction"),  # type: ignore[arg-type]
+        pytest.param(ReferenceUpdate("payment", "PAY-2", 7), id="state-not-text"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_reference_update_the_loader_would_refuse_is_reported_not_published(
+    contracts: ContractSet, bad: ReferenceUpdate
+) -> None:
+    """An update that serialises but that the reference loader refuses (or reads as the
+    entity's deletion) is left out and named in the result, as one that does not
+    serialise is: published, it would vanish there, or forget the entity, unseen. An
+    owner that is a whole number is kept: the loader reads it as its digits."""
+    ex = Executor(Settings(), {}, executor_id="unit")
+    good = ReferenceUpdate("payment", "PAY-1", "captured", 4211)  # type: ignore[arg-type]
+    failed = Failed("receipt_failed", "charged, but the receipt could not be stored",
+                    committed_steps=("card_charged",), references=(good, bad))  # fmt: skip
+    out = ex._published(_charge(contracts), failed, FAILED, 0)
+    r = decode_result(out.value)
+    assert "a reference update could not be published: BadReference" in r["error_message"]
+    assert out.references == [(good.key("acme"), good.value())]
+    ran = ex._published(_charge(contracts), Succeeded({"ok": True}, (bad,)), SUCCEEDED, 0)
+    r = decode_result(ran.value)
+    assert (r["outcome"], r["error_code"]) == ("FAILED", "result_unpublishable")
+    assert ran.references == []
+
+
 STEPS = "card_charged"
 BAD_TEXT = "\ud800"
 """A lone surrogate: a Python string no Avro record can carry."""
