@@ -857,7 +857,7 @@ class Processor:
                     extra = _WITHDRAWN
             elif isinstance(x, ResultInput):
                 comp, unsigned = compensation_plan(x, self.contracts, verifier)
-                item = settle_item(x, position(x.src), comp, unsigned)
+                item = settle_item(x, position(x.src), comp, unsigned, self._max_message_bytes)
                 extra = comp
             else:
                 continue
@@ -1503,8 +1503,8 @@ position it was first read at."""
 _HELD = (
     "result_held_for_later_attempt",
     "an earlier attempt failed after committing steps while a later attempt of its call is "
-    "in flight, whose result answers the proposal (given back without running, it has this "
-    "result delivered again)",
+    "in flight, whose result answers the proposal (should that attempt be given back without "
+    "running, this result is delivered again, unless it is too large to write back)",
 )
 """How an earlier attempt's failure after committed steps, held while a later attempt is in
 flight (see admission.lua, settle), lands on the DLQ: (reason, detail)."""

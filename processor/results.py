@@ -519,14 +519,22 @@ def settle_item(
     position: str,
     compensation: Compensation | None,
     unsigned: str | None = None,
+    max_record_bytes: int | None = None,
 ) -> tuple[str, Item]:
     """The result as admission settles it. ``unsigned``: the answer to keep instead when
-    the compensation needs signing and the record has no principal claims to sign with."""
+    the compensation needs signing and the record has no principal claims to sign with.
+    ``max_record_bytes``: the most key and value the processor writes in one record (see
+    app.max_output_bytes); a failure's record larger than that is not kept to be delivered
+    again (see admission.lua, redeliver_held): an executor may write records the
+    processor's producer refuses, and written back, one would fail its batch's
+    transaction every time the batch is decided again."""
     r = item.result
     key = r["idempotency_key"]
     compensates = key[len(COMPENSATION_PREFIX) :] if is_compensation_key(key) else None
     committed = _failed_after_commit(item)
     src = item.src
+    value = src.value or b""
+    writable = max_record_bytes is None or len(src.key or b"") + len(value) <= max_record_bytes
     return item.tenant_id, {
         "kind": "result",
         "pos": position,
@@ -554,9 +562,10 @@ def settle_item(
         "committed": committed,
         # Its record, kept should its failure be held for a later attempt, and delivered
         # again if that attempt is given back without running (see admission.lua,
-        # redeliver_held): sent for such failures only.
-        "record": held_record(src.topic, src.partition, src.offset, src.key, src.value or b"")
-        if committed
+        # redeliver_held): sent for such failures only, and only for one the processor can
+        # write again.
+        "record": held_record(src.topic, src.partition, src.offset, src.key, value)
+        if committed and writable
         else "",
         # What the record keeps instead should an earlier attempt's failure after committed
         # steps have been held for this attempt, which ended committing none (see

@@ -166,6 +166,7 @@ class AdmissionStore:
         ]
         out: list[Verdict] = [{} for _ in items]
         replies = run_scripts(self.client, _SCRIPT, calls, pipe)[n_forget:]
+        self._forgotten(forget or [])
         for (tenant, _, owners), reply in zip(segments, replies, strict=True):
             # (the verdicts, then the held failures delivered again: see admission.lua)
             for i, text in zip(owners, reply[:-1], strict=True):
@@ -191,6 +192,7 @@ class AdmissionStore:
         pipe = self.client.pipeline(transaction=False)
         self._queue_forget(pipe, items)
         pipe.execute()
+        self._forgotten(items)
 
     def forget_committed(self, committed: dict[tuple[str, int], int]) -> int:
         """Drop every replay marker of a position below its partition's committed offset.
@@ -198,7 +200,15 @@ class AdmissionStore:
         Markers normally go with the round trip after their batch commits; a processor
         that dies between its commit and its next batch leaves them behind. Whoever is
         assigned the partition next calls this: those batches have committed and will
-        never be decided again. Returns how many markers went."""
+        never be decided again. Returns how many markers went.
+
+        What this store kept of the positions of its deliveries again (see
+        ``_queue_forget``) goes too. A rebalance revokes every partition, and a batch in
+        flight commits or aborts, before any is assigned: those of a batch that committed
+        go from Redis here, or where their partition is assigned now; those of one that
+        did not are decided again, and their replay returns them again. Otherwise a batch
+        that aborted, then was committed by whoever took its partition, would leave its
+        positions here for as long as this processor runs."""
         removed = 0
         for key in [
             *self.client.scan_iter(match=f"{self.ns}:{{*}}:done", count=1000),
@@ -212,6 +222,7 @@ class AdmissionStore:
                     stale.append(field)
             for first in range(0, len(stale), 1000):
                 removed += int(self.client.hdel(key, *stale[first : first + 1000]))
+        self._redelivered_at.clear()
         return removed
 
     def _queue_forget(self, pipe: Any, items: list[tuple[str, Item]]) -> int:
@@ -226,10 +237,20 @@ class AdmissionStore:
             if redelivered and (gone := redelivered.intersection(positions)):
                 pipe.hdel(f"{self._base(tenant)}:redeliver", *gone)
                 queued += 1
-                redelivered -= gone
+        return queued
+
+    def _forgotten(self, items: list[tuple[str, Item]]) -> None:
+        """Let go of ``items``' positions as holding deliveries again, once the round trip
+        that dropped their markers has answered: one that failed is made again with the
+        same items, and must drop their deliveries too."""
+        if not self._redelivered_at:
+            return
+        for tenant, item in items:
+            redelivered = self._redelivered_at.get(tenant)
+            if redelivered is not None:
+                redelivered.discard(item["pos"])
                 if not redelivered:
                     del self._redelivered_at[tenant]
-        return queued
 
     def run_counters(self, tenant: str, run: str, now_ms: int | None = None) -> dict[str, float]:
         """steps, class:<group>, cost, sig:<signature>, repairs, bad:<signature> of a run."""

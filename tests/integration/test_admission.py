@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -32,6 +33,7 @@ from processor.state.admission import (
     withdraw_item,
 )
 from processor.state.connection import connect, is_script_error
+from tests.integration.harness import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -1082,6 +1084,55 @@ def test_a_delivery_again_left_behind_by_a_processor_that_died_after_its_commit_
     assert store.client.hlen(kept) == 1  # (not below the committed offset: kept)
     assert store.forget_committed({(topic, int(partition)): int(offset) + 1}) >= 1
     assert store.client.hlen(kept) == 0
+
+
+def test_a_delivery_again_goes_with_the_round_trip_that_forgets_its_markers(
+    tmp_path: Path,
+) -> None:
+    """The batch that gave the later attempt back committed, and the round trip that was
+    to forget its markers failed (Redis down): the processor keeps the batch's items and
+    forgets them with its next round trip. The delivery kept for a replay goes then, with
+    the markers (it was left behind for good, the store having already let it go)."""
+    server = RedisServer(tmp_path / "redis", "--appendonly", "yes", "--appendfsync", "always",
+                         "--save", "").start()  # fmt: skip
+    try:
+        store = AdmissionStore(connect(server.url), f"adm-{uuid.uuid4().hex[:8]}")
+        _, second, _, _ = _held_for_a_second_attempt(store)
+        at = _given_back(store, second, "withdraw")
+        assert len(store.take_redeliveries()) == 1
+        kept = f"{store._base(TENANT)}:redeliver"
+        assert store.client.hlen(kept) == 1
+        server.stop()
+        with pytest.raises(redis.ConnectionError):
+            store.apply([], forget=[at])
+        server.start()
+        store.apply([], forget=[at])
+        assert store.client.hlen(kept) == 0
+        assert store.client.hget(f"{store._base(TENANT)}:done", at[1]["pos"]) is None
+    finally:
+        server.kill()
+
+
+def test_what_the_store_keeps_of_deliveries_again_ends_with_the_assignment(
+    store: AdmissionStore,
+) -> None:
+    """A batch that gave the later attempt back aborted, and its partition went to another
+    processor, which decided it again (delivering the held failure again) and committed
+    it. The first processor never commits that position, so nothing it forgets names it:
+    when it is next assigned partitions, what it kept of the delivery goes (Redis holds
+    none of it by then), so a long-lived processor does not keep such positions for ever."""
+    _, second, _, _ = _held_for_a_second_attempt(store)
+    at = _given_back(store, second, "withdraw")
+    assert len(store.take_redeliveries()) == 1
+    other = AdmissionStore(store.client, store.ns)
+    other.apply([at])  # the other processor's replay
+    assert len(other.take_redeliveries()) == 1
+    other.forget([at])  # its commit
+    assert store.client.hlen(f"{store._base(TENANT)}:redeliver") == 0
+    assert store._redelivered_at
+    topic, partition, offset = at[1]["pos"].rsplit("/", 2)
+    store.forget_committed({(topic, int(partition)): int(offset) + 1})
+    assert not store._redelivered_at
 
 
 def test_a_held_failure_delivered_again_while_a_retry_runs_is_held_for_it(

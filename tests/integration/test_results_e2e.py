@@ -915,8 +915,9 @@ def test_an_earlier_failure_after_a_charge_is_held_for_the_attempt_in_flight(
 HELD_MARKER = "held-poison-3f9a"
 
 
+@pytest.mark.parametrize("crash", [False, True], ids=["given_back", "killed_before_commit"])
 def test_a_failure_held_for_an_attempt_that_never_ran_is_delivered_again_and_answers(
-    stack_settings: Settings, tmp_path: Path
+    stack_settings: Settings, tmp_path: Path, crash: bool
 ) -> None:
     """A ticket routed, its result late (the executor behind): past its deadline and the
     grace, the agent sends the proposal again. The resend is admitted as the second
@@ -927,17 +928,23 @@ def test_a_failure_held_for_an_attempt_that_never_ran_is_delivered_again_and_ans
     proposal or settle its key: the processor delivers the held failure again on
     tool.results in the same transaction, and read, it settles the key and answers the
     proposal once (a partial success that a retry under the key finishes). The held
-    failure itself is on the DLQ, for an operator."""
+    failure itself is on the DLQ, for an operator. ``crash``: the processor that gives the
+    resend back is first killed after writing the held failure back, before its commit
+    (nothing of it commits); the next one delivers it again from what Redis kept for the
+    replay of that position, the give-back itself being done already."""
     doc = yaml.safe_load(LOAD_POLICY.read_text())
     doc["budgets"]["in_flight_grace_ms"] = 500
     policy = tmp_path / "policy.yaml"
     policy.write_text(yaml.safe_dump(doc, sort_keys=False))
-    settings = isolated(stack_settings, "results-again").model_copy(update={"policy_file": policy})
+    name = "results-again-killed" if crash else "results-again"
+    settings = isolated(stack_settings, name).model_copy(update={"policy_file": policy})
     redis = connect(settings.redis_url)
     store = AdmissionStore(redis, settings.redis_namespace)
     proc = ProcessorProcess(settings, "again-1", tmp_path).start().wait_ready()
     client = ToolsentryClient(settings, TENANT, principal_token=token(settings, TENANT))
     dying = ProcessorProcess(settings, "again-1", tmp_path, TOOLSENTRY_FAULT_POINT="after_redis")
+    killed = ProcessorProcess(settings, "again-1", tmp_path, TOOLSENTRY_FAULT_POISON=HELD_MARKER,
+                              TOOLSENTRY_FAULT_POINT="before_commit")  # fmt: skip
     try:
         args = {"customer_id": "CUS-004211", "category": "delivery", "priority": "normal",
                 "summary": "Parcel arrived crushed; customer wants a replacement."}  # fmt: skip
@@ -981,6 +988,16 @@ def test_a_failure_held_for_an_attempt_that_never_ran_is_delivered_again_and_ans
             dying.start().proc.wait(60)  # type: ignore[union-attr]
         assert redis.hget(done_key, position) == b"held", dying.log()[-3000:]
         assert store.record(TENANT, key)["attempt"] == "2"
+        redeliver_key = f"{settings.redis_namespace}:{{{TENANT}}}:redeliver"
+        if crash:
+            # (its first batch may hold the late result alone: started again until the
+            # resend's batch gave it back)
+            for _ in range(25):
+                if redis.hlen(redeliver_key) == 1:
+                    break
+                killed.start().proc.wait(60)  # type: ignore[union-attr]
+            assert redis.hlen(redeliver_key) == 1, killed.log()[-3000:]
+            assert store.record(TENANT, key)["state"] == "FAILED_RETRYABLE"
 
         proc = ProcessorProcess(settings, "again-1", tmp_path, TOOLSENTRY_FAULT_POISON=HELD_MARKER)
         proc.start().wait_ready()
@@ -1013,11 +1030,12 @@ def test_a_failure_held_for_an_attempt_that_never_ran_is_delivered_again_and_ans
             (run.encode(), {}), (run.encode(), {"toolsentry.redelivery.of": position.encode()})
         ]  # fmt: skip
         assert _finals(settings, pid) == ["FAILED"]
-        assert redis.hlen(f"{settings.redis_namespace}:{{{TENANT}}}:redeliver") == 0
+        assert redis.hlen(redeliver_key) == 0
         assert proc.alive(), proc.log()[-3000:]
     finally:
         client.close()
         dying.kill()
+        killed.kill()
         proc.terminate()
 
 
