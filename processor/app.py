@@ -101,7 +101,7 @@ from processor.model import (
     Outcome,
     TaxonomyClass,
 )
-from processor.pipeline import Gates, decide_batch, internal_error
+from processor.pipeline import Gates, decide_batch, internal_error, parked_internal_error
 from processor.policy import load_policy
 from processor.results import (
     ADMITTED,
@@ -386,6 +386,10 @@ class Processor:
         """What deciding the batch in hand did besides its decisions (see BatchTally)."""
         self._parked: list[tuple[str, str, str]] = []
         """(tenant, request id, position) of the calls the batch in hand parked."""
+        self._decided: list[Decision] = []
+        """The decisions of the records being decided (admission's answers to releases and
+        refused compensations change them in place): what a record that then fails alone
+        would have answered (see _parked_answer)."""
         self._to_forget: list[tuple[str, Item]] = []
         """Items of committed batches whose markers the next admission call drops."""
 
@@ -724,10 +728,11 @@ class Processor:
         defect in the batch's own steps (admission, results, approvals) would otherwise
         stop the consumer on that batch for good. The batch is then split in halves, each
         decided again, down to the records that fail alone: those are answered as
-        internal errors (nothing of theirs routed, fail closed), the others as they would
-        have been, in order; Redis gives them the verdicts it gave the batch (admission is
-        replay-safe by input position). One such record costs about 2·log2(batch) more
-        round trips, not one per record.
+        internal errors (nothing of theirs routed, fail closed; an approval record that
+        ended a parked call's request so answers that call's proposal, see _parked_answer),
+        the others as they would have been, in order; Redis gives them the verdicts it
+        gave the batch (admission is replay-safe by input position). One such record costs
+        about 2·log2(batch) more round trips, not one per record.
         """
         try:
             return self._decide(records)
@@ -741,10 +746,12 @@ class Processor:
                 # Its markers stay in _admitted: they go once the batch commits.
                 voided = self._void()
                 self._events = Counter()
-                d = self._internal_error(m, exc)
-                if voided and is_compensation(d.proposal):
+                answer = self._parked_answer(m, exc)
+                d = answer or self._internal_error(m, exc)
+                if (voided or answer) and is_compensation(d.proposal):
                     # The processor's own compensation (admission took it under the key
-                    # the original's record names): it will not be proposed again.
+                    # the original's record names, or its request ended): it will not be
+                    # proposed again.
                     d.extra[ADMITTED] = True
                     refused_compensation(d)
                     _ending(self.admission.apply, _compensation_failed(d))
@@ -764,8 +771,10 @@ class Processor:
         """End what the record that just failed alone (or the one at position ``at``) left
         in Redis waiting for it: the idempotency record its call took (FAILED_RETRYABLE:
         nothing ran) and the approval request it parked (so no expiry answers it a second
-        time). Its budgets stay spent: it was a step of its run. True when its call had
-        been admitted (and is now voided).
+        time). Its step stays counted: it was a step of its run. The release an approval
+        record admitted is undone so: the call it released was never routed, and what
+        parking that call took comes back (its park's step stays). True when a call had
+        been admitted, or released (and is now voided).
 
         The request goes first: should Redis fail between the two, the batch is decided
         again with the call still admitted, and parks it again."""
@@ -781,6 +790,21 @@ class Processor:
         verdicts = _ending(self.admission.apply, voids)
         return any(v.get("status") == "voided" for v in verdicts)
 
+    def _parked_answer(self, m: Message, exc: Exception) -> Decision | None:
+        """The answer of an approval record that failed alone after it was decided, when
+        its decision answered a parked proposal (released it, declined it, let it expire,
+        refused it at release, or told it its key went ahead): that proposal, whose
+        request has ended, is told of the internal error instead, else nothing would ever
+        answer it. Nothing runs: a release admitted is voided (see _void), and an ended
+        request's lapse gave back what parking took. None for any other record, which the
+        DLQ keeps as before."""
+        if m.topic() != self.settings.topics.approvals or len(self._decided) != 1:
+            return None
+        answer = self._decided[0]
+        if answer.proposal is None or answer.outcome not in (Outcome.ROUTED, Outcome.REJECTED):
+            return None
+        return parked_internal_error(answer, int(time.time() * 1000), exc)
+
     def _internal_error(self, m: Message, exc: Exception) -> Decision:
         src = source_record(m)
         topics = self.settings.topics
@@ -792,7 +816,7 @@ class Processor:
 
     def _decide(self, records: list[Message]) -> list[Decision]:
         now_ms = int(time.time() * 1000)
-        self._admitted, self._events, self._parked = [], Counter(), []
+        self._admitted, self._events, self._parked, self._decided = [], Counter(), [], []
         srcs = [source_record(m) for m in records]
         topics = self.settings.topics
         proposals = [s for s in srcs if s.topic not in (topics.approvals, topics.results)]
@@ -813,6 +837,7 @@ class Processor:
                 else:
                     slots.append(next(decided))
             decisions = self._settle(self._admit(slots, now_ms), now_ms)
+            self._decided = decisions
             self._admit_releases(decisions, now_ms)
             failed: list[tuple[str, Item]] = []
             for d in decisions:
@@ -957,10 +982,14 @@ class Processor:
             elif v.get("ok") is not True:
                 # Superseded: the key went ahead as another proposal; this one is told so,
                 # as a rejection or an expiry of its request would tell it (see
-                # _end_requests). Anything else is a replay of a position first decided as
-                # the request's end (see admission.lua): changed, and nothing runs.
-                verdict = _SUPERSEDED if v.get("why") == "superseded" else _REPLAY_CHANGED
-                apply_verdict(d, verdict, self.gates.policy.budgets, None)
+                # _end_requests). Voided: released before, and its approval record then
+                # failed alone on a defect (see _void): answered as that failure was.
+                # Anything else is a replay of a position first decided as the request's
+                # end (see admission.lua): changed, and nothing runs.
+                why = v.get("why")
+                verdict = _SUPERSEDED if why == "superseded" else _REPLAY_CHANGED
+                apply_verdict(d, v if why == "voided" else verdict,
+                              self.gates.policy.budgets, None)  # fmt: skip
             elif d.call is not None and v.get("attempt"):
                 d.call.attempt = int(v["attempt"])
         self._admitted += items

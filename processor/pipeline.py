@@ -356,15 +356,19 @@ def _rejected(
     )
 
 
-def internal_error(src: SourceRecord, limits: Limits, now_ms: int, exc: Exception) -> Decision:
-    """The answer to a proposal a defect stopped from being decided: nothing is routed;
-    an observation when the proposal names its run, the DLQ otherwise."""
-    rejection = Rejection(
+def _internal_rejection(exc: Exception) -> Rejection:
+    return Rejection(
         TaxonomyClass.UNKNOWN_ERROR,
         Gate.INTERNAL,
         (FieldError(None, f"internal error: {type(exc).__name__}", "internal_error"),),
         "Nothing was executed; do not retry this call automatically, hand off to a human.",
     )
+
+
+def internal_error(src: SourceRecord, limits: Limits, now_ms: int, exc: Exception) -> Decision:
+    """The answer to a proposal a defect stopped from being decided: nothing is routed;
+    an observation when the proposal names its run, the DLQ otherwise."""
+    rejection = _internal_rejection(exc)
     try:
         parsed = parse_proposal(src, limits)
     except Exception:
@@ -380,3 +384,22 @@ def internal_error(src: SourceRecord, limits: Limits, now_ms: int, exc: Exceptio
             decided_at_ms=now_ms,
         )
     return _rejected(src, parsed[0], rejection, (), now_ms)
+
+
+def parked_internal_error(answer: Decision, now_ms: int, exc: Exception) -> Decision:
+    """The answer to a parked proposal whose request a record of tool.approvals ended (a
+    release, a rejection, an expiry), when a defect then stopped that record from being
+    decided: ``answer``, what the record would have told the proposal, is not given, and
+    nothing is routed. The request has ended, so nothing else will answer the proposal:
+    it is told of the internal error, once, rather than left waiting for ever."""
+    return Decision(
+        answer.source,
+        Outcome.REJECTED,
+        Gate.INTERNAL,
+        answer.proposal,
+        contract_name=answer.contract_name,
+        contract_version=answer.contract_version,
+        side_effect_class=answer.side_effect_class,
+        rejection=_internal_rejection(exc),
+        decided_at_ms=now_ms,
+    )

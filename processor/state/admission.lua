@@ -17,7 +17,9 @@
 --          4 release  a parked call its approvers released (with the deadline its request
 --                     parked it until, and the request it names, see holds)
 --          5 void     a call whose record failed alone on a defect after it was admitted
---                     (answered UNKNOWN_ERROR, never routed)
+--                     (answered UNKNOWN_ERROR, never routed), or, flagged released, a
+--                     parked call whose approval record failed so after its release was
+--                     admitted (see void_release)
 --          6 comp_failed  the compensating call the processor proposed under a key was
 --                     refused by a gate: it will not be proposed again
 --          7 lapse    a parked call's approval request ended without it going (declined,
@@ -120,7 +122,8 @@ local function unwire(a)
             version = opt(a[18]), committed = a[19] == 1, cached_held = opt(a[20]),
             digest = opt(a[21]), record = opt(a[22])}
   elseif kind == 5 then
-    return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6]}
+    return {kind = 'void', pos = a[2], ikey = a[3], call = a[4], ttl = a[5], of = a[6],
+            released = a[7] == 1}
   elseif kind == 6 then
     return {kind = 'comp_failed', pos = a[2], comp = a[3]}
   elseif kind == 7 then
@@ -1183,6 +1186,33 @@ local function unrelease(c)
   return {status = 'lapsed'}
 end
 
+-- A parked call released by its approvers whose approval record then failed alone on a
+-- defect (see app.py, _void): the call was never routed, and its proposal is answered
+-- UNKNOWN_ERROR, so its record must not stay in flight as routed (a retry would meet
+-- IDEMPOTENCY_CONFLICT until its deadline, and a retry after that would be charged again),
+-- nor keep what parking took. The release is undone as unrelease undoes it, and the record
+-- becomes retryable, as a voided call's does: nothing ran, and a retry under the key parks
+-- afresh (its request has ended). Only the release this position admitted is undone: its
+-- verdict "ok" with the attempt the record is at, the record still that release's. Its
+-- verdict becomes a refusal, so a replay of its batch refuses the release too, even should
+-- the defect not recur. Idempotent: a position voided before says so.
+local function void_release(c)
+  local was = redis.call('HGET', done_key, c.of)
+  if was == 'no|voided|0' then return {status = 'voided'} end
+  local attempt = was and tonumber(string.match(was, '^ok|(%d+)$'))
+  local rec = record_of(c.ikey)
+  if not (attempt and attempt >= 1 and rec and rec.c == c.call and (rec.a or 1) == attempt
+          and rec.s == 'PENDING' and rec.w == 0 and not rec.pd) then
+    return {status = 'unchanged'}
+  end
+  if rec.rp then give_back(rec.rq or '', rec.r, rec.n, rec.rp, true) end
+  rec.s, rec.rp, rec.rq, rec.u = 'FAILED_RETRYABLE', nil, nil, 1  -- (never routed: see settle)
+  redeliver_held(c.ikey, rec, c.of)
+  keep_record(c.ikey, rec)
+  redis.call('HSET', done_key, c.of, 'no|voided|0')
+  return {status = 'voided'}
+end
+
 -- A position decided this time as nothing admission counts (a proposal whose token has
 -- expired since, say) after a call was admitted there and its transaction aborted: that
 -- call never ran, and gives back what it took, once, as a call decided again as another
@@ -1299,6 +1329,8 @@ for i, a in ipairs(items) do
       verdict = admit_step(c)
     elseif c.kind == 'release' then
       verdict = release(c)
+    elseif c.kind == 'void' and c.released then
+      verdict = void_release(c)
     elseif c.kind == 'void' then
       verdict = void(c)
     elseif c.kind == 'comp_failed' then

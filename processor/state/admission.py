@@ -393,7 +393,8 @@ def _wire(item: Item) -> list[Any]:
                 1 if item.get("committed") else 0, item.get("cached_held") or "",
                 item.get("digest") or "", item.get("record") or ""]  # fmt: skip
     if kind == "void":
-        return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"]]
+        return [5, item["pos"], item["ikey"], item["call"], item["ttl"], item["of"],
+                1 if item.get("released") else 0]  # fmt: skip
     if kind == "comp_failed":
         return [6, item["pos"], item["comp"]]
     if kind == "lapse":
@@ -519,11 +520,15 @@ def void_item(item: Item) -> Item | None:
     """Undo what admitting the call ``item`` left waiting, for a record that then failed
     alone on a defect: its key's record, if this position took it and it is still PENDING,
     becomes FAILED_RETRYABLE (nothing ran), and the position's verdict a refusal (see
-    admission.lua, void). None for other kinds."""
-    if item["kind"] != "call":
+    admission.lua, void). So for a ``release`` item, whose approval record failed so: the
+    call it released was never routed, and what parking it took is given back (see
+    admission.lua, void_release). None for other kinds."""
+    if item["kind"] not in ("call", "release"):
         return None
     void = {"kind": "void", "pos": "void:" + item["pos"], "ikey": item["ikey"],
             "call": item["call"], "ttl": item["ttl"], "of": item["pos"]}  # fmt: skip
+    if item["kind"] == "release":
+        void["released"] = True
     if "now" in item:  # the clock its record was written under
         void["now"] = item["now"]
     return void

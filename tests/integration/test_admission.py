@@ -1503,9 +1503,6 @@ def test_a_call_whose_record_failed_alone_does_not_hold_its_key(store: Admission
     assert store.apply([(TENANT, void_item(retry[1]))]) == [{"status": "unchanged"}]
     assert store.record(TENANT, key, NOW)["state"] == "COMPLETED"
     assert void_item(step()[1]) is None
-    release = {"kind": "release", "pos": "a/0/1", "run": "r", "ikey": key, "hash": "h1",
-               "call": "c", "deadline": NOW, "ttl": 1}  # fmt: skip
-    assert void_item(release) is None
 
 
 def test_a_parked_call_is_released_once_whichever_path_comes_first(store: AdmissionStore) -> None:
@@ -2108,6 +2105,74 @@ def test_a_release_that_went_then_is_refused_on_its_replay_gives_back_the_park(
     another = call(**limits)
     assert whys(store.apply([another])) == [None]
     assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+
+
+def test_a_released_call_whose_approval_record_failed_alone_does_not_hold_its_key(
+    store: AdmissionStore,
+) -> None:
+    """Released and routed in Redis, then its approval record failed alone on a defect: the
+    call was never routed, and its proposal is answered UNKNOWN_ERROR. Its record must not
+    stay in flight as routed (a retry met IDEMPOTENCY_CONFLICT until its deadline, and one
+    after it was charged again), and what parking took comes back, once (with a budget of
+    one, the run could otherwise make no other call of the class)."""
+    limits = {"sig": "charge", "group": "financial", "class_budget": 1, "cost": 2.0}
+    parked = call(park=True, rid="req-1", deadline=NOW + 600_000, **limits)
+    assert whys(store.apply([parked])) == [None]
+    key = parked[1]["ikey"]
+    released = _release(parked)
+    # A release not admitted at its position holds nothing: its void changes nothing.
+    unadmitted = void_item(_release(parked)[1])
+    assert unadmitted is not None and unadmitted["released"] is True
+    assert store.apply([(TENANT, unadmitted)]) == [{"status": "unchanged"}]
+    assert store.apply([released]) == [{"ok": True, "attempt": 1}]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+    void = void_item(released[1])
+    assert void is not None
+
+    assert store.apply([(TENANT, void)]) == [{"status": "voided"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record["awaiting"], record["unrouted"]) == (
+        "FAILED_RETRYABLE", "0", "1"
+    )  # fmt: skip
+    assert "released_took" not in record and "parked_took" not in record
+    # The park's step stays: it was a proposal of its run.
+    given_back = store.run_counters(TENANT, "run-1", NOW)
+    assert given_back == {"steps": 1}, given_back
+    assert store.apply([(TENANT, void)]) == [{"status": "voided"}]  # idempotent: it says so
+    # A replay of its batch refuses the release too, even should the defect not recur; and
+    # decided then as its request's end (refused at its recheck) gives back nothing twice.
+    assert whys(store.apply([released])) == ["voided"]
+    assert whys(store.apply([_lapse(parked, released[1]["pos"])])) == ["voided"]
+    assert store.run_counters(TENANT, "run-1", NOW) == given_back
+    # Nothing ran: proposed again under its key, the call parks afresh, charged as new.
+    again = call(ikey=key, park=True, rid="req-2", deadline=NOW + 600_000, **limits)
+    assert store.apply([again]) == [{"ok": True, "attempt": 2}]
+    assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
+
+
+def test_a_held_failure_is_delivered_again_when_the_release_it_was_held_for_is_voided(
+    store: AdmissionStore,
+) -> None:
+    """The second attempt, parked, was released, and the first's failure after a committed
+    step was held for it; then the release's approval record failed alone on a defect:
+    voided, the released call never ran. The held failure is delivered again, and settles
+    the key."""
+    first = call(deadline=NOW + 8000)
+    key, call_id = first[1]["ikey"], first[1]["call"]
+    store.apply([first])
+    parked = call(ikey=key, call=call_id, now=NOW + 9001, park=True, rid="req-2",
+                  deadline=NOW + 600_000)  # fmt: skip
+    assert store.apply([parked]) == [{"ok": True, "attempt": 2}]
+    released = _release(parked, attempt=2, call=call_id)
+    assert store.apply([released]) == [{"ok": True, "attempt": 2}]
+    late = _partly_committed(first, attempt=1, result_id="res-first", committed=True)
+    assert store.apply([late]) == [{"status": "held"}]
+    void = void_item(released[1])
+    assert void is not None and store.apply([(TENANT, void)]) == [{"status": "voided"}]
+    again = _delivered_again(store, late, released[1]["pos"])
+    assert store.apply([again]) == [{"status": "settled"}]
+    record = store.record(TENANT, key, NOW)
+    assert (record["state"], record.get("result")) == ("FAILED_FINAL", "res-first")
 
 
 def test_a_release_refused_as_superseded_ends_the_request_for_the_resubmission(

@@ -218,11 +218,13 @@ def _crash_loop(
     """Start, let it die at a fault point or kill it at a random moment, start again,
     until every proposal is decided. Returns the deaths by cause.
 
-    ``chaotic`` has the fault points armed; once every cause has killed it ``QUOTA``
-    times, ``calm`` (the same instance, faults off) decides the rest: the count of
-    deaths, and the wall time, stay bounded. Once everything is decided it is killed
-    once more, idle: the moment a crash is most likely in production, just after a
-    commit and before the next batch."""
+    ``chaotic`` has the fault points armed; once both fault points have killed it
+    ``QUOTA`` times, ``calm`` (the same instance, faults off) decides the rest: the count
+    of deaths, and the wall time, stay bounded. The test's own kills go on, every life,
+    until they too reach ``QUOTA`` (a life that dies at a fault point first, as most do
+    while they are armed, leaves them behind), idle if the input has run out. Once
+    everything is decided it is killed once more, idle: the moment a crash is most likely
+    in production, just after a commit and before the next batch."""
     rng = random.Random(seed)
     settings = chaotic.settings
     lag = GroupLag(settings)
@@ -233,11 +235,12 @@ def _crash_loop(
     deadline = time.monotonic() + 600
     while True:
         assert time.monotonic() < deadline, f"not done in time: {deaths}"
-        quota_met = all(deaths[cause] >= QUOTA for cause in CAUSES)
-        proc = calm if quota_met else chaotic
+        faults_met = all(deaths[cause] >= QUOTA for cause in CAUSES if cause != KILLED)
+        to_kill = deaths[KILLED] < QUOTA
+        proc = calm if faults_met else chaotic
         proc.start().wait_ready()
         kill_at = math.inf
-        if not quota_met and rng.random() < 0.6:
+        if to_kill and (faults_met or rng.random() < 0.6):
             kill_at = time.monotonic() + rng.uniform(0.02, 0.4)
         killed_idle = False
         while proc.alive() and time.monotonic() < kill_at:
@@ -248,8 +251,12 @@ def _crash_loop(
                 if not deaths[IDLE]:
                     killed_idle = True
                     break
-                _produce(settings, sentinels)
-                sentinels_sent = True
+                if to_kill:
+                    if kill_at == math.inf:
+                        kill_at = time.monotonic() + rng.uniform(0.02, 0.4)
+                else:
+                    _produce(settings, sentinels)
+                    sentinels_sent = True
             time.sleep(0.05)
         proc.kill()  # a no-op when it died on its own
         fault = re.search(r"fault point (\w+): SIGKILL", proc.life_log())

@@ -19,7 +19,7 @@ from processor.approval_flow import EXPIRY_CHECK, ApprovalInput, outcome_decisio
 from processor.codec.records import encode_result
 from processor.config import Settings
 from processor.metrics import Metrics
-from processor.model import Decision, Outcome, SourceRecord
+from processor.model import Decision, Gate, Outcome, SourceRecord, TaxonomyClass
 from processor.results import ResultInput, parse_result
 from processor.state.approvals import OpResult
 from tests.integration.test_admission import NOW, TENANT, _written_before, call
@@ -239,3 +239,35 @@ def test_a_result_for_a_call_its_approvers_released_settles_it(processor: Proces
     d = _result(processor, parked)
     assert d.outcome is Outcome.SETTLED, d.dlq_reason
     assert processor.admission.record(TENANT, parked["ikey"], NOW)["state"] == "FAILED_FINAL"
+
+
+def test_a_release_voided_when_its_record_failed_alone_answers_its_replay_alike(
+    processor: Processor,
+) -> None:
+    """Released, then its approval record failed alone on a defect: the release was voided
+    (see Processor._void) and its proposal told of the internal error. The batch's
+    transaction then aborted, and its replay decides the record without the defect: the
+    proposal is told the same, not that something changed and it may simply propose again
+    (the one answer that commits must be the one the first decision gave), and nothing
+    runs."""
+    parked = call(park=True, rid="req_parked", deadline=NOW + 600_000, tool="cancel_order",
+                  **LIMITS)[1]  # fmt: skip
+    processor.admission.apply([(TENANT, parked)])
+    src = SourceRecord("tool.approvals", 0, next(_offsets), b"run-1", b"{}", NOW)
+    item = ApprovalInput(src, "decision", TENANT, parked["rid"], {})
+    result = OpResult("released", None, _entry(parked, "released"))
+    for attempt in ("first", "replay"):
+        d = outcome_decision(item, result, NOW)
+        assert d is not None
+        decisions = [d]
+        processor._admitted = []
+        processor._admit_releases(decisions, NOW)
+        if attempt == "first":
+            assert decisions[0].outcome is Outcome.ROUTED, _codes(decisions[0])
+            assert processor._void() is True
+    d = decisions[0]
+    assert (d.outcome, d.gate, d.taxonomy) == (
+        Outcome.REJECTED, Gate.INTERNAL, TaxonomyClass.UNKNOWN_ERROR
+    )  # fmt: skip
+    assert _codes(d) == ["internal_error"] and d.call is None
+    assert processor.admission.record(TENANT, parked["ikey"], NOW)["state"] == "FAILED_RETRYABLE"

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
+from processor.approval_flow import publish_approvals
 from processor.client import ToolsentryClient
 from processor.codec.avro import codec
 from processor.codec.records import encode_result
@@ -29,6 +30,7 @@ from processor.state.approvals import ApprovalStore
 from processor.state.connection import connect
 from tests.integration.harness import (
     ProcessorProcess,
+    approval,
     existing,
     isolated,
     metric_total,
@@ -172,6 +174,92 @@ def test_what_a_failed_record_left_in_redis_does_not_answer_it_again(
             for m in read_all(settings, settings.topics.observations, idle=1.5)
         )
         assert seen == Counter([search, charge, after])
+        assert proc.alive(), proc.log()[-3000:]
+
+
+CANCEL = {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True}
+
+
+@pytest.mark.parametrize("decision", ["approved", "rejected"])
+def test_an_approval_record_that_fails_alone_answers_its_parked_call_once(
+    stack_settings: Settings, tmp_path: Path, decision: str
+) -> None:
+    """Parked; then its approver's decision (a release, or a rejection) failed alone on a
+    defect after the batch's Redis effects. Its request has ended, so nothing else will
+    answer the parked proposal: it is told of the internal error, once (it was left
+    waiting for ever). Nothing is routed, and what parking took comes back. Released, its
+    key is not left in flight as a routed call (a retry met IDEMPOTENCY_CONFLICT, and one
+    after the deadline was charged again): proposed again, the call parks afresh."""
+    with _processor(
+        stack_settings, tmp_path, f"defects-{decision}", TOOLSENTRY_FAULT_POISON=MARKER
+    ) as (settings, port, proc, client):
+        publish_references(settings, existing("acme", "cancel_order", CANCEL))
+        wait_until_loaded(settings)
+        redis = connect(settings.redis_url)
+        store = AdmissionStore(redis, settings.redis_namespace)
+        key, run = f"k-{uuid.uuid4().hex}", f"run-{uuid.uuid4().hex[:8]}"
+        pid = client.propose("cancel_order", CANCEL, run_id=run, idempotency_key=key)
+        parked = client.wait(pid, 60)
+        assert parked["decision"] == "PENDING_APPROVAL", parked["result_payload"]
+        assert store.run_counters("acme", run) != {"steps": 1}  # (its budgets, taken)
+        vote = approval(settings, "ops-1", parked, decision=decision, reason=f"ok {MARKER}")
+        publish_approvals(settings, run, [vote])
+        after = client.propose("search_kb", {"query": "after", "limit": 3}, run_id="run-after")
+
+        final = client.wait_final(pid, 60)
+        assert (final["decision"], final["gate"]) == ("REJECTED", "internal"), final
+        assert final["status"]["taxonomy_class"] == "UNKNOWN_ERROR"
+        assert [e["code"] for e in final["result_payload"]["errors"]] == ["internal_error"]
+        assert client.wait(after, 60)["decision"] == "ROUTED"
+        assert [o["decision"] for o in client.history(pid)] == ["PENDING_APPROVAL", "REJECTED"]
+        routed = read_all(settings, settings.topics.execution("HIGH_RISK_EXTERNAL"), idle=1)
+        assert routed == []
+        assert read_all(settings, settings.topics.dlq, idle=1) == []
+        assert metric_total(port, "toolsentry_internal_errors_total") == 1
+        # Only the park's step stays: it was a proposal of its run.
+        assert store.run_counters("acme", run) == {"steps": 1}
+        # The request has ended as its approver decided; no expiry answers it again.
+        entry = ApprovalStore(redis, settings.redis_namespace).find(parked["approval_request_id"])
+        assert entry is not None and entry["state"] == {"approved": "released"}.get(
+            decision, decision
+        )
+        assert redis.zcard(f"{settings.redis_namespace}:{{acme}}:parkexp") == 0
+        record = store.record("acme", key)
+        if decision == "approved":
+            assert (record["state"], record["unrouted"]) == ("FAILED_RETRYABLE", "1"), record
+            again = client.propose("cancel_order", CANCEL, run_id=run, idempotency_key=key)
+            assert client.wait(again, 60)["decision"] == "PENDING_APPROVAL"
+        else:  # (a declined call's record waits out its request, as always)
+            assert (record["state"], record["awaiting"]) == ("PENDING", "0"), record
+        assert proc.alive(), proc.log()[-3000:]
+
+
+def test_a_release_whose_outputs_cannot_be_encoded_gives_back_what_parking_took(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """Parked, then released, and the release's outputs could not be encoded: its approval
+    record goes to the DLQ, nothing is routed, and the call's key is not left in flight as
+    a routed call, nor what parking took kept."""
+    poisoned = {"TOOLSENTRY_FAULT_POISON_ENCODING": MARKER}
+    with _processor(stack_settings, tmp_path, "defects-6", **poisoned) as (
+        settings, _, proc, client,
+    ):  # fmt: skip
+        publish_references(settings, existing("acme", "cancel_order", CANCEL))
+        wait_until_loaded(settings)
+        store = AdmissionStore(connect(settings.redis_url), settings.redis_namespace)
+        key, run = f"k-{uuid.uuid4().hex}", f"run-{uuid.uuid4().hex[:8]}"
+        pid = client.propose("cancel_order", CANCEL, run_id=run, idempotency_key=key)
+        parked = client.wait(pid, 60)
+        assert parked["decision"] == "PENDING_APPROVAL", parked["result_payload"]
+        publish_approvals(settings, run, [approval(settings, "ops-1", parked, reason=MARKER)])
+        dead = read_all(settings, settings.topics.dlq, expect=1, idle=1)
+        assert [dict(m.headers() or [])["toolsentry.error.reason"] for m in dead] == [
+            b"encoding_failed"
+        ]
+        assert read_all(settings, settings.topics.execution("HIGH_RISK_EXTERNAL"), idle=1) == []
+        record = store.record("acme", key)
+        assert (record["state"], record["unrouted"]) == ("FAILED_RETRYABLE", "1"), record
+        assert store.run_counters("acme", run) == {"steps": 1}
         assert proc.alive(), proc.log()[-3000:]
 
 

@@ -466,6 +466,39 @@ def test_a_compensation_that_trips_a_defect_fails_and_escalates(
         assert compensation_key(key) not in [c.idempotency_key for c in mine.calls]
 
 
+def test_a_compensation_whose_release_trips_a_defect_fails_and_escalates(
+    stack_settings: Settings, tmp_path: Path
+) -> None:
+    """The processor's own compensating call, parked, is released by its approvers; the
+    approval that releases it fails alone on a defect (the fault hook trips on its reason).
+    The compensation never ran and nobody will propose it again: its answer is
+    COMPENSATION_FAILED, its key is not left in flight as routed, and the original's
+    record says the compensation failed. (It was left parked in its client's eyes, and
+    the original waited for a compensation that would never come.)"""
+    settings = isolated(stack_settings, "results-release-defect")
+    marker = "release-defect-3f9d"
+    with _running(settings, "results-release-defect-1", tmp_path,
+                  TOOLSENTRY_FAULT_POISON=marker) as mine:  # fmt: skip
+        pid, key, _ = _charge(mine, 12.5, "WO-55511-A")
+        assert mine.result(pid)["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
+        comp = compensation_proposal_id(key)
+        parked = mine.client.wait(comp, 60)
+        assert parked["decision"] == "PENDING_APPROVAL", parked["result_payload"]["errors"]
+        votes = [approval(settings, "ops-1", parked),
+                 approval(settings, "ops-2", parked, reason=f"refund {marker}")]  # fmt: skip
+        publish_approvals(settings, parked["run_id"], votes)
+        failed = mine.client.wait_final(comp, 60)
+        assert (failed["decision"], failed["gate"]) == ("REJECTED", "internal"), failed
+        assert failed["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
+        assert failed["status"]["escalate"] is True
+        codes = [e["code"] for e in failed["result_payload"]["errors"]]
+        assert codes == ["internal_error", "compensation_refused"]
+        assert mine.store.record(TENANT, compensation_key(key))["state"] == "FAILED_RETRYABLE"
+        assert mine.store.record(TENANT, key)["compensation_failed"] == "1"
+        mine.drain()
+        assert compensation_key(key) not in [c.idempotency_key for c in mine.calls]
+
+
 def test_a_compensation_a_gate_refuses_fails_and_escalates(bench: Bench) -> None:
     # The order is still in a state refunds are not allowed in: the state gate refuses the
     # compensating refund. Nobody will propose it again, so the answer must escalate.
