@@ -1207,14 +1207,16 @@ def test_a_held_failure_is_delivered_again_when_a_resubmission_is_given_back_to_
     assert store.take_redeliveries() == []
 
 
-def test_a_held_failure_is_delivered_again_when_the_release_it_was_held_for_is_undone(
-    store: AdmissionStore,
+@pytest.mark.parametrize("how", ["undone", "voided"])
+def test_a_held_failure_is_delivered_again_when_the_release_it_was_held_for_never_ran(
+    store: AdmissionStore, how: str
 ) -> None:
     """The second attempt, parked, was released and routed, and the first's failure after a
-    committed step was held for it (decided in the half of a split batch after the
-    release). The batch aborted, and on its replay the release was refused at its recheck:
-    undone (see unrelease), the released call never ran. The held failure is delivered
-    again, and settles the key."""
+    committed step was held for it. The released call then never ran: its batch aborted,
+    and on its replay the release was refused at its recheck (undone, see unrelease), the
+    held failure having been decided in the half of a split batch after the release; or
+    the release's approval record failed alone on a defect (voided, see void_release). The
+    held failure is delivered again, and settles the key."""
     first = call(deadline=NOW + 8000)
     key, call_id = first[1]["ikey"], first[1]["call"]
     store.apply([first])
@@ -1225,9 +1227,13 @@ def test_a_held_failure_is_delivered_again_when_the_release_it_was_held_for_is_u
     assert store.apply([released]) == [{"ok": True, "attempt": 2}]
     late = _partly_committed(first, attempt=1, result_id="res-first", committed=True)
     assert store.apply([late]) == [{"status": "held"}]
-    lapse = _lapse(parked, released[1]["pos"], attempt=2)
-    assert store.apply([lapse]) == [{"status": "lapsed"}]
-    again = _delivered_again(store, late, lapse[1]["pos"])
+    if how == "undone":
+        lapse = _lapse(parked, released[1]["pos"], attempt=2)
+        assert store.apply([lapse]) == [{"status": "lapsed"}]
+    else:
+        void = void_item(released[1])
+        assert void is not None and store.apply([(TENANT, void)]) == [{"status": "voided"}]
+    again = _delivered_again(store, late, released[1]["pos"])
     assert store.apply([again]) == [{"status": "settled"}]
     record = store.record(TENANT, key, NOW)
     assert (record["state"], record.get("result")) == ("FAILED_FINAL", "res-first")
@@ -2148,31 +2154,6 @@ def test_a_released_call_whose_approval_record_failed_alone_does_not_hold_its_ke
     again = call(ikey=key, park=True, rid="req-2", deadline=NOW + 600_000, **limits)
     assert store.apply([again]) == [{"ok": True, "attempt": 2}]
     assert store.run_counters(TENANT, "run-1", NOW)["class:financial"] == 1.0
-
-
-def test_a_held_failure_is_delivered_again_when_the_release_it_was_held_for_is_voided(
-    store: AdmissionStore,
-) -> None:
-    """The second attempt, parked, was released, and the first's failure after a committed
-    step was held for it; then the release's approval record failed alone on a defect:
-    voided, the released call never ran. The held failure is delivered again, and settles
-    the key."""
-    first = call(deadline=NOW + 8000)
-    key, call_id = first[1]["ikey"], first[1]["call"]
-    store.apply([first])
-    parked = call(ikey=key, call=call_id, now=NOW + 9001, park=True, rid="req-2",
-                  deadline=NOW + 600_000)  # fmt: skip
-    assert store.apply([parked]) == [{"ok": True, "attempt": 2}]
-    released = _release(parked, attempt=2, call=call_id)
-    assert store.apply([released]) == [{"ok": True, "attempt": 2}]
-    late = _partly_committed(first, attempt=1, result_id="res-first", committed=True)
-    assert store.apply([late]) == [{"status": "held"}]
-    void = void_item(released[1])
-    assert void is not None and store.apply([(TENANT, void)]) == [{"status": "voided"}]
-    again = _delivered_again(store, late, released[1]["pos"])
-    assert store.apply([again]) == [{"status": "settled"}]
-    record = store.record(TENANT, key, NOW)
-    assert (record["state"], record.get("result")) == ("FAILED_FINAL", "res-first")
 
 
 def test_a_release_refused_as_superseded_ends_the_request_for_the_resubmission(

@@ -2,7 +2,9 @@
 (``Processor._end_requests`` and ``_admit_releases``) against a real redis-server and a
 real Redis Cluster: a parked proposal gets its final observation once, whichever way its
 request ends, and none where it was answered already; and a result for a call whose
-request ended without it going (``Processor._admit``) settles nothing."""
+request ended without it going (``Processor._admit``) settles nothing. And a failure held
+for a later attempt that never ran goes back on tool.results (``Processor._redelivered``)
+only as a record the processor can write."""
 
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from processor.app import Processor
+from processor.app import REDELIVERY_OF, Processor
 from processor.approval_flow import EXPIRY_CHECK, ApprovalInput, outcome_decision
 from processor.codec.records import encode_result
 from processor.config import Settings
 from processor.metrics import Metrics
 from processor.model import Decision, Gate, Outcome, SourceRecord, TaxonomyClass
 from processor.results import ResultInput, parse_result
+from processor.state.admission import withdraw_item
 from processor.state.approvals import OpResult
 from tests.integration.test_admission import NOW, TENANT, _written_before, call
 from tests.unit.helpers import CONTRACTS_DIR
@@ -158,16 +161,19 @@ def test_a_request_whose_park_was_given_back_answers_nothing_of_a_later_park(
     assert (record["awaiting"], record["request"]) == ("1", "req_later")
 
 
-def _result(p: Processor, parked: dict[str, Any]) -> Decision:
-    """What the processor makes of a result for ``parked``'s call, as an executor would
-    report it had the call run: it cancelled the order, then failed."""
+def cancelled_then_failed(
+    p: Processor, c: dict[str, Any], message: str = "cancelled, but nobody was told"
+) -> tuple[Decision, SourceRecord]:
+    """What the processor makes of a result for call ``c``'s first attempt, as an executor
+    would report it had the call run: it cancelled the order, then failed (with
+    ``message``). The decision, and the result's record."""
     datum = {
-        "result_id": uuid.uuid4().hex, "call_id": parked["call"], "proposal_id": parked["call"],
-        "run_id": parked["run"], "tenant_id": TENANT, "trace_id": "t-1",
+        "result_id": uuid.uuid4().hex, "call_id": c["call"], "proposal_id": c["call"],
+        "run_id": c["run"], "tenant_id": TENANT, "trace_id": "t-1",
         "tool_name": "cancel_order", "tool_version": "1.0.0",
-        "side_effect_class": "HIGH_RISK_EXTERNAL", "idempotency_key": parked["ikey"],
-        "payload_hash": parked["hash"], "attempt": 1, "outcome": "FAILED", "retryable": False,
-        "error_code": "notify_failed", "error_message": "cancelled, but nobody was told",
+        "side_effect_class": "HIGH_RISK_EXTERNAL", "idempotency_key": c["ikey"],
+        "payload_hash": c["hash"], "attempt": 1, "outcome": "FAILED", "retryable": False,
+        "error_code": "notify_failed", "error_message": message,
         "taxonomy_class": None, "committed_steps": ["order_cancelled"], "data": None,
         "compensation_arguments": orjson.dumps({"order_id": "WO-1"}).decode(),
         "started_at": NOW - 20, "finished_at": NOW, "executor_id": "exec-1",
@@ -178,7 +184,11 @@ def _result(p: Processor, parked: dict[str, Any]) -> Decision:
     assert isinstance(res, ResultInput), res
     [d] = p._admit([res], NOW)
     assert isinstance(d, Decision)
-    return d
+    return d, src
+
+
+def _result(p: Processor, parked: dict[str, Any]) -> Decision:
+    return cancelled_then_failed(p, parked)[0]
 
 
 def _ended(p: Processor, parked: dict[str, Any], how: str) -> None:
@@ -271,3 +281,34 @@ def test_a_release_voided_when_its_record_failed_alone_answers_its_replay_alike(
     )  # fmt: skip
     assert _codes(d) == ["internal_error"] and d.call is None
     assert processor.admission.record(TENANT, parked["ikey"], NOW)["state"] == "FAILED_RETRYABLE"
+
+
+@pytest.mark.parametrize("size", ["fits", "too_large"])
+def test_a_held_failure_is_delivered_again_only_as_a_record_the_processor_can_write(
+    processor: Processor, size: str
+) -> None:
+    """The first attempt's failure after a committed step is held for the second, which is
+    then given back without running (withdrawn on a replay). Its record goes back on
+    tool.results as it came. An executor may write a larger record than the processor's
+    producer takes (its own message.max.bytes, the topic's): written back, it would fail
+    every transaction that carried it, and the batch would be aborted and decided again
+    for ever. Such a failure is held as before, with no record kept to deliver again."""
+    p = processor
+    first = call(deadline=NOW + 8000, tool="cancel_order", **LIMITS)[1]
+    second = call(ikey=first["ikey"], call=first["call"], now=NOW + 9001,
+                  deadline=NOW + 600_000, tool="cancel_order", **LIMITS)[1]  # fmt: skip
+    assert p.admission.apply([(TENANT, first)]) == [{"ok": True, "attempt": 1}]
+    assert p.admission.apply([(TENANT, second)]) == [{"ok": True, "attempt": 2}]
+    message = "cancelled, but nobody was told; " * (1 if size == "fits" else 31_200)
+    held, src = cancelled_then_failed(p, first, message)
+    assert (held.outcome, held.dlq_reason) == (Outcome.DEAD_LETTER, "result_held_for_later_attempt")
+    withdrawn = withdraw_item(TENANT, second["pos"], second["run"], NOW + 10_000)
+    assert p.admission.apply([withdrawn]) == [{"status": "withdrawn"}]
+    again = p._redelivered()
+    assert all(len(key or b"") + len(v) <= p._max_message_bytes for _, key, v, _ in again)
+    if size == "fits":
+        of = f"{src.topic}/{src.partition}/{src.offset}".encode()
+        assert again == [("tool.results", src.key, src.value, [(REDELIVERY_OF, of)])]
+    else:
+        assert len(src.value or b"") > p._max_message_bytes
+        assert again == []

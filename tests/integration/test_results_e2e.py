@@ -453,17 +453,22 @@ def test_a_compensation_that_trips_a_defect_fails_and_escalates(
     with _running(settings, "results-defect-1", tmp_path, **poisoned) as mine:
         pid, key, _ = _charge(mine, 12.5, "WO-55510-A")
         assert mine.result(pid)["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
-        failed = mine.client.wait(compensation_proposal_id(key), 60)
-        assert (failed["decision"], failed["gate"]) == ("REJECTED", "internal")
-        assert failed["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
-        assert failed["status"]["escalate"] is True
-        codes = [e["code"] for e in failed["result_payload"]["errors"]]
-        assert codes == ["internal_error", "compensation_refused"]
-        # Its key was given back, and nothing of it was parked or routed.
-        assert mine.store.record(TENANT, compensation_key(key))["state"] == "FAILED_RETRYABLE"
-        assert mine.store.record(TENANT, key)["compensation_failed"] == "1"
-        mine.drain()
-        assert compensation_key(key) not in [c.idempotency_key for c in mine.calls]
+        _failed_on_a_defect(mine, key, mine.client.wait(compensation_proposal_id(key), 60))
+
+
+def _failed_on_a_defect(mine: Bench, key: str, failed: dict[str, Any]) -> None:
+    """``failed``, the answer of the compensation proposed under ``key``'s record, tells of
+    the defect it failed on, and escalates; its key was given back, the original's record
+    says the compensation failed, and nothing of it was routed."""
+    assert (failed["decision"], failed["gate"]) == ("REJECTED", "internal"), failed
+    assert failed["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
+    assert failed["status"]["escalate"] is True
+    codes = [e["code"] for e in failed["result_payload"]["errors"]]
+    assert codes == ["internal_error", "compensation_refused"]
+    assert mine.store.record(TENANT, compensation_key(key))["state"] == "FAILED_RETRYABLE"
+    assert mine.store.record(TENANT, key)["compensation_failed"] == "1"
+    mine.drain()
+    assert compensation_key(key) not in [c.idempotency_key for c in mine.calls]
 
 
 def test_a_compensation_whose_release_trips_a_defect_fails_and_escalates(
@@ -487,16 +492,7 @@ def test_a_compensation_whose_release_trips_a_defect_fails_and_escalates(
         votes = [approval(settings, "ops-1", parked),
                  approval(settings, "ops-2", parked, reason=f"refund {marker}")]  # fmt: skip
         publish_approvals(settings, parked["run_id"], votes)
-        failed = mine.client.wait_final(comp, 60)
-        assert (failed["decision"], failed["gate"]) == ("REJECTED", "internal"), failed
-        assert failed["status"]["taxonomy_class"] == "COMPENSATION_FAILED"
-        assert failed["status"]["escalate"] is True
-        codes = [e["code"] for e in failed["result_payload"]["errors"]]
-        assert codes == ["internal_error", "compensation_refused"]
-        assert mine.store.record(TENANT, compensation_key(key))["state"] == "FAILED_RETRYABLE"
-        assert mine.store.record(TENANT, key)["compensation_failed"] == "1"
-        mine.drain()
-        assert compensation_key(key) not in [c.idempotency_key for c in mine.calls]
+        _failed_on_a_defect(mine, key, mine.client.wait_final(comp, 60))
 
 
 def test_a_compensation_a_gate_refuses_fails_and_escalates(bench: Bench) -> None:
