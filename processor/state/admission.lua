@@ -1174,15 +1174,22 @@ end
 -- refused at its recheck on the replay: its request has ended after all, and what parking
 -- took comes back, as the lapse it now is would have given it. "unchanged" where the
 -- record is no longer that release's (written by an earlier version, which kept no take).
+-- The release `rec` holds, undone by the decision at `pos`: the released call never ran.
+-- What parking it took comes back (rp, taken at rq), the record knows its call was never
+-- routed (see settle), and a failure held for it is delivered again.
+local function undo_release(ikey, rec, pos)
+  if rec.rp then give_back(rec.rq or '', rec.r, rec.n, rec.rp, true) end
+  rec.rp, rec.rq, rec.u = nil, nil, 1
+  redeliver_held(ikey, rec, pos)
+  keep_record(ikey, rec)
+end
+
 local function unrelease(c)
   local rec = record_of(c.ikey)
   if not (rec and rec.h == c.hash and rec.s == 'PENDING' and rec.w == 0 and rec.rp) then
     return {status = 'unchanged'}
   end
-  give_back(rec.rq or '', rec.r, rec.n, rec.rp, true)
-  rec.rp, rec.rq, rec.u = nil, nil, 1  -- (the released call never ran: see settle)
-  redeliver_held(c.ikey, rec, c.pos)
-  keep_record(c.ikey, rec)
+  undo_release(c.ikey, rec, c.pos)
   return {status = 'lapsed'}
 end
 
@@ -1205,10 +1212,8 @@ local function void_release(c)
           and rec.s == 'PENDING' and rec.w == 0 and not rec.pd) then
     return {status = 'unchanged'}
   end
-  if rec.rp then give_back(rec.rq or '', rec.r, rec.n, rec.rp, true) end
-  rec.s, rec.rp, rec.rq, rec.u = 'FAILED_RETRYABLE', nil, nil, 1  -- (never routed: see settle)
-  redeliver_held(c.ikey, rec, c.of)
-  keep_record(c.ikey, rec)
+  rec.s = 'FAILED_RETRYABLE'
+  undo_release(c.ikey, rec, c.of)
   redis.call('HSET', done_key, c.of, 'no|voided|0')
   return {status = 'voided'}
 end
