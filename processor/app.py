@@ -391,6 +391,8 @@ class Processor:
         refused compensations change them in place): what a record that then fails alone
         would have answered (see _parked_answer)."""
         self._to_forget: list[tuple[str, Item]] = []
+        self._unread: list[TopicPartition] | None = None
+        """Partitions assigned whose replay markers are still to be read (see _read_markers)."""
         """Items of committed batches whose markers the next admission call drops."""
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -497,6 +499,7 @@ class Processor:
         # without its revoke callback, and its partitions would stay counted (and lagging).
         self._assigned.clear()
         self._committed_at.clear()
+        self._unread = None
         self._count_assigned()
         self.metrics.consumer_lag.clear()
         with contextlib.ExitStack() as stack:
@@ -594,6 +597,7 @@ class Processor:
             offsets_sent = send_offsets()
         self.admission.take_redeliveries()  # (a batch decided before, then rewound)
         try:
+            self._read_markers(consumer)
             decisions = self.decide_batch(records)
             outputs = self.encode_batch(records, decisions)
             outputs += self._redelivered()
@@ -874,11 +878,17 @@ class Processor:
                 item = admission_item(x, contract, budgets, now_ms) if budgets else None
                 extra: Any = (contract, budgets)
                 p = x.proposal
-                if item is None and p is not None and p.tenant_id and _token_lapsed(x):
-                    # Nothing to admit; but a call admitted at this position before, in a
-                    # transaction that aborted, while its token was still good, must give
-                    # back what it took.
-                    item = withdraw_item(p.tenant_id, position(x.source), p.run_id, now_ms)
+                if (
+                    item is None
+                    and p is not None
+                    and p.tenant_id
+                    and self.admission.may_hold_call(p.tenant_id, pos := position(x.source))
+                ):
+                    # Nothing to admit (its token no longer verifies: it expired, or the
+                    # keys were rotated); but a call admitted at this position before, in
+                    # a transaction that aborted, must give back what it took. (Its tenant
+                    # was its token's, which is the proposal's.)
+                    item = withdraw_item(p.tenant_id, pos, p.run_id, now_ms)
                     extra = _WITHDRAWN
             elif isinstance(x, ResultInput):
                 comp, unsigned = compensation_plan(x, self.contracts, verifier)
@@ -1372,18 +1382,35 @@ class Processor:
         self.metrics.assigned_partitions.set(owned)
 
     def _forget_committed(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """Replay markers a crashed predecessor left for batches it had committed."""
+        """Replay markers a crashed predecessor left for batches it had committed, and
+        where those it left for batches that did not commit wait (see ``_read_markers``)."""
+        self._unread = partitions
+        try:
+            self._read_markers(consumer)
+        except DependencyDown as exc:
+            logger.warning("replay markers not read (read before the next batch): %s", exc)
+
+    def _read_markers(self, consumer: Consumer) -> None:
+        """Read the replay markers of the partitions last assigned, once: those below
+        their committed offsets go, and the positions of the others are noted (see
+        ``AdmissionStore.forget_committed``). No batch is decided before: a proposal
+        decided again where a predecessor's call was admitted, in a transaction that
+        aborted, may have to withdraw it. Raises DependencyDown until Redis and the broker
+        answer."""
+        partitions = self._unread
+        if partitions is None:
+            return
         try:
             committed = {
-                (tp.topic, tp.partition): tp.offset
-                for tp in consumer.committed(partitions, 10)
-                if tp.offset >= 0
+                (tp.topic, tp.partition): tp.offset for tp in consumer.committed(partitions, 10)
             }
-            self._committed_at.update(committed)
             removed = self.admission.forget_committed(committed)
-        except _DEPENDENCY_ERRORS as exc:
-            logger.warning("stale replay markers not cleared (next assignment retries): %s", exc)
-            return
+        except REDIS_ERRORS as exc:
+            raise DependencyDown(f"redis: {exc}") from exc
+        except (KafkaException, BufferError) as exc:
+            raise DependencyDown(f"committed offsets: {exc}", "kafka") from exc
+        self._unread = None
+        self._committed_at.update({tp: offset for tp, offset in committed.items() if offset >= 0})
         if removed:
             logger.info("cleared %d replay markers of committed batches", removed)
 
@@ -1587,23 +1614,6 @@ _CONFLICT = "result_conflict"
 
 _WITHDRAWN = object()
 """Marks a proposal's withdraw item in ``Processor._admit``: its verdict changes nothing."""
-
-_LAPSED_TOKEN = frozenset({"token_expired", "delegation_expired"})
-
-
-def _token_lapsed(d: Decision) -> bool:
-    """Whether ``d`` was refused only because its token has expired: the one way the same
-    record, admitted as a call before its transaction aborted, asks nothing of admission
-    when it is decided again. (Other refusals of identity would have refused it then too;
-    a token that never verified asks nothing of Redis, so unverified traffic costs none.)"""
-    rej = d.rejection
-    return (
-        d.principal is None
-        and rej is not None
-        and rej.gate is Gate.IDENTITY
-        and any(e.code in _LAPSED_TOKEN for e in rej.errors)
-    )
-
 
 _DEPENDENCY_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, KafkaException, BufferError)
 

@@ -116,6 +116,11 @@ class AdmissionStore:
         self._redelivered_at: dict[str, set[str]] = defaultdict(set)
         """Positions whose replay markers include held failures delivered again, by
         tenant: forgotten with them."""
+        self._replaying: set[tuple[str, str]] = set()
+        """(tenant tag, position) of every call this store was asked to admit in a batch
+        not known to have committed, and of every marker a predecessor left above its
+        partition's committed offset (see ``forget_committed``): where a call may have
+        been admitted in a transaction that aborted (see ``may_hold_call``)."""
 
     def take_redeliveries(self) -> list[Redelivery]:
         """The held failures the calls since the last take delivered again (see
@@ -151,6 +156,9 @@ class AdmissionStore:
             if header.get("day_cap") is None:
                 header["day_cap"] = -1  # JSON null would read as a table in Lua
             header["horizon_days"] = HORIZON_DAYS
+        for tenant, item in items:
+            if item["kind"] == "call":  # (before the round trip: its answer may be lost)
+                self._replaying.add((tenant_tag(tenant), item["pos"]))
         pipe = self.client.pipeline(transaction=False)
         n_forget = self._queue_forget(pipe, forget or [])
         calls = [
@@ -194,13 +202,25 @@ class AdmissionStore:
         pipe.execute()
         self._forgotten(items)
 
+    def may_hold_call(self, tenant: str, pos: str) -> bool:
+        """Whether a call may have been admitted at input position ``pos`` in a batch whose
+        transaction then aborted: this store admitted one there and has not seen its batch
+        commit, or a predecessor's marker waits there. A proposal decided there again that
+        asks nothing of admission (its token no longer verifies: it expired, or the keys
+        were rotated meanwhile) withdraws (see ``withdraw_item``); elsewhere it costs Redis
+        nothing, so unverified traffic does not."""
+        return (tenant_tag(tenant), pos) in self._replaying
+
     def forget_committed(self, committed: dict[tuple[str, int], int]) -> int:
         """Drop every replay marker of a position below its partition's committed offset.
 
-        Markers normally go with the round trip after their batch commits; a processor
-        that dies between its commit and its next batch leaves them behind. Whoever is
-        assigned the partition next calls this: those batches have committed and will
-        never be decided again. Returns how many markers went.
+        ``committed``: every partition assigned, with its committed offset (negative where
+        none is). Markers normally go with the round trip after their batch commits; a
+        processor that dies between its commit and its next batch leaves them behind.
+        Whoever is assigned the partition next calls this: those batches have committed
+        and will never be decided again. Returns how many markers went. Those at or above
+        the committed offset are of batches that did not commit, decided again now: their
+        positions are noted (see ``may_hold_call``), and nothing else is.
 
         What this store kept of the positions of its deliveries again (see
         ``_queue_forget``) goes too. A rebalance revokes every partition, and a batch in
@@ -210,19 +230,29 @@ class AdmissionStore:
         that aborted, then was committed by whoever took its partition, would leave its
         positions here for as long as this processor runs."""
         removed = 0
+        replaying: set[tuple[str, str]] = set()
+        done = ":done"
         for key in [
-            *self.client.scan_iter(match=f"{self.ns}:{{*}}:done", count=1000),
+            *self.client.scan_iter(match=f"{self.ns}:{{*}}{done}", count=1000),
             *self.client.scan_iter(match=f"{self.ns}:{{*}}:redeliver", count=1000),
         ]:
+            name = key.decode()
+            tag = name[len(self.ns) + 1 : name.rindex(":")]
             stale = []
             for field in self.client.hkeys(key):
-                topic, partition, offset = field.decode().rsplit("/", 2)
+                pos = field.decode()
+                topic, partition, offset = pos.rsplit("/", 2)
                 upto = committed.get((topic, int(partition)))
-                if upto is not None and int(offset) < upto:
+                if upto is None:
+                    continue  # (a partition not assigned here)
+                if int(offset) < upto:
                     stale.append(field)
+                elif name.endswith(done):
+                    replaying.add((tag, pos))
             for first in range(0, len(stale), 1000):
                 removed += int(self.client.hdel(key, *stale[first : first + 1000]))
         self._redelivered_at.clear()
+        self._replaying = replaying
         return removed
 
     def _queue_forget(self, pipe: Any, items: list[tuple[str, Item]]) -> int:
@@ -242,7 +272,11 @@ class AdmissionStore:
     def _forgotten(self, items: list[tuple[str, Item]]) -> None:
         """Let go of ``items``' positions as holding deliveries again, once the round trip
         that dropped their markers has answered: one that failed is made again with the
-        same items, and must drop their deliveries too."""
+        same items, and must drop their deliveries too. Their batches committed: they will
+        not be decided again."""
+        if self._replaying:
+            for tenant, item in items:
+                self._replaying.discard((tenant_tag(tenant), item["pos"]))
         if not self._redelivered_at:
             return
         for tenant, item in items:

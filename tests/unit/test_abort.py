@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import redis
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
@@ -77,6 +78,9 @@ class _Clients:
     def consumer_group_metadata(self) -> object:
         return object()
 
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, 5) for tp in partitions]
+
     def begin_transaction(self) -> None:
         self.calls.append("begin")
 
@@ -112,10 +116,14 @@ class _Loop(Processor):
         self._events = Counter()
         self._admitted = []
         self.admission = SimpleNamespace(take_redeliveries=list)  # type: ignore[assignment]
+        self._unread = None
+        self._committed_at = {}
         self.rewound: list[int] = []
         self.waited = False
+        self.decided = 0
 
     def decide_batch(self, records: list[Any]) -> list[Any]:
+        self.decided += 1
         if self.failure is not None:
             raise self.failure
         time.sleep(self.deciding_s)
@@ -295,3 +303,33 @@ def test_the_expiry_sweeper_outlives_its_failures_and_replaces_a_failed_producer
     sweeper.join(5)
     assert len(made) == (2 if replaced else 1)
     assert (store.postponed > 0) is replaced
+
+
+def test_no_batch_is_decided_before_the_replay_markers_of_its_partitions_are_read() -> None:
+    """Assigned while Redis could not answer, the processor does not know where a crashed
+    predecessor's calls wait for their replay (see AdmissionStore.forget_committed): a
+    proposal decided again there may have to give its call back. So each batch is rewound
+    and waited out until the markers are read, then decided."""
+    down = redis.ConnectionError("connection refused")
+    read: list[dict[tuple[str, int], int]] = []
+
+    def forget_committed(committed: dict[tuple[str, int], int]) -> int:
+        if down is not None:
+            raise down
+        read.append(committed)
+        return 0
+
+    clients = _Clients()
+    loop = _Loop(None)
+    loop.admission.forget_committed = forget_committed  # type: ignore[attr-defined]
+    assigned = [TopicPartition("tool.proposals", 0)]
+    loop._forget_committed(clients, assigned)  # type: ignore[arg-type]  # (the assignment)
+    for _ in range(2):
+        loop._process_batch(clients, clients, [_Record(5)])  # type: ignore[arg-type]
+        assert (loop.decided, loop.waited, loop.rewound) == (0, True, [5])
+    down = None
+    loop.waited = False
+    loop._process_batch(clients, clients, [_Record(5)])  # type: ignore[arg-type]
+    assert (loop.decided, loop.waited) == (1, False)
+    assert read == [{("tool.proposals", 0): 5}] and loop._unread is None
+    assert clients.calls[-1] == "commit"

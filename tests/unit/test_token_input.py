@@ -5,18 +5,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 
 from processor import b64url
 from processor.config import IdentitySettings
-from processor.contracts.registry import ContractSet
-from processor.gates.parse import Limits
 from processor.identity import MAX_HEADER_CHARS, TokenIssuer, Verifier
 from processor.keys import init_keys
 from processor.model import FieldError, Principal
-from processor.pipeline import Gates, decide
-from tests.unit.helpers import envelope, record
 
 
 @pytest.mark.parametrize(
@@ -99,31 +94,3 @@ def test_an_expiry_or_start_that_is_not_a_number_is_refused(
     token = issuer.mint("t-1", "u-1", "a-1", ["orders:read"], **claims)
     got = verifier.verify(token)
     assert isinstance(got, FieldError) and got.code == "token_claims_invalid", got
-
-
-def test_only_a_token_that_expired_since_sends_a_withdraw_to_admission(
-    tmp_path: Path, contracts: ContractSet
-) -> None:
-    """A record admitted as a call, whose transaction aborted, asks nothing of admission
-    when decided again only if its token expired meanwhile: then a withdraw gives back what
-    the call took. A token that never verified sends nothing to Redis at all."""
-    from processor.app import _token_lapsed
-
-    issuer, verifier = _issuer_and_verifier(tmp_path)
-    gates = Gates(contracts, Limits(), verifier)
-    wall = time.time()
-    good = issuer.mint("tenant-1", "u-1", "a-1", ["orders:write"], ttl_s=100, now=wall)
-    tokens = {
-        "expired": (good, wall + 200),
-        "good": (good, wall),
-        "forged": (good[:-4] + ("AAAA" if not good.endswith("AAAA") else "BBBB"), wall),
-        "malformed": ("not-a-token", wall),
-        "missing": (None, wall),
-    }
-    lapsed = {}
-    for name, (token, now_s) in tokens.items():
-        env = envelope("cancel_order") | ({"principal_token": token} if token else {})
-        d = decide(record(orjson.dumps(env)), gates, int(now_s * 1000), {})
-        lapsed[name] = _token_lapsed(d)
-    assert lapsed == {"expired": True, "good": False, "forged": False, "malformed": False,
-                      "missing": False}  # fmt: skip
