@@ -200,9 +200,9 @@ def taxonomy(
 
 @app.command("config")
 def show_config(config: ConfigOpt = None) -> None:
-    """Print the effective settings (file + environment + defaults) as JSON."""
+    """Print the effective settings (file + environment + defaults) as JSON, secrets masked."""
     s = _settings(config)
-    console.print_json(json.dumps(s.model_dump(mode="json")))
+    console.print_json(json.dumps(s.shown()))
 
 
 # -- stack -------------------------------------------------------------------------------------
@@ -238,13 +238,16 @@ def stack_status(config: ConfigOpt = None) -> None:
 @stack_app.command("logs")
 def stack_logs(
     service: Annotated[str, typer.Argument(help="kafka or redis")] = "kafka",
-    lines: Annotated[int, typer.Option("-n", help="Lines from the end.")] = 50,
+    lines: Annotated[int, typer.Option("-n", help="Lines from the end.", min=1)] = 50,
     config: ConfigOpt = None,
 ) -> None:
     """Print the end of a service's log."""
     from processor.stack import LocalStack
 
-    path = LocalStack(_settings(config)).log_path(service)
+    try:
+        path = LocalStack(_settings(config)).log_path(service)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="SERVICE") from exc
     if not path.exists():
         console.print(f"no log at {path}")
         raise typer.Exit(1)

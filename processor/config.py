@@ -13,10 +13,13 @@ how a secured cluster is reached, e.g.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -39,7 +42,7 @@ SIDE_EFFECT_TOPIC_SUFFIXES = (
 class Topics(BaseModel):
     """Topic names, all derived from one prefix so a deployment can namespace them."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     prefix: str = "tool."
 
@@ -100,27 +103,27 @@ class Topics(BaseModel):
 class StackSettings(BaseModel):
     """The local development stack: one Kafka broker and one redis-server."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     data_dir: Path = Path(".stack")
     """Broker log dirs, Redis dump, logs and pid files live here."""
-    kafka_port: int = 9092
-    kafka_controller_port: int = 9093
+    kafka_port: int = Field(default=9092, ge=1, le=65535)
+    kafka_controller_port: int = Field(default=9093, ge=1, le=65535)
     kafka_version: str = "4.2.0"
     kafka_heap: str = "512m"
     """Enough for a single node on loopback; the log cleaner buffer is sized to fit."""
     kafka_cache_dir: Path = Path.home() / ".cache" / "toolsentry"
     """Where the broker jars from Maven Central are kept, outside git, fetched once."""
-    redis_port: int = 6379
-    partitions: int = 6
+    redis_port: int = Field(default=6379, ge=1, le=65535)
+    partitions: int = Field(default=6, ge=1)
     """Partitions per topic created by ``stack up``; caps how many processors share the load."""
-    ready_timeout_s: float = 120.0
+    ready_timeout_s: float = Field(default=120.0, gt=0)
 
 
 class IdentitySettings(BaseModel):
     """Who is asking: principals come only from signed tokens verified with these keys."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     mode: Literal["verify", "development"] = "verify"
     """``development`` trusts the envelope's tenant and grants every scope. It is for a
@@ -133,7 +136,7 @@ class IdentitySettings(BaseModel):
     audience: str = "toolsentry"
     issuer: str | None = None
     """When set, tokens must carry exactly this ``iss``."""
-    leeway_s: int = 30
+    leeway_s: int = Field(default=30, ge=0)
     """Clock skew tolerated on ``exp`` and ``nbf``."""
     delegation_key_file: Path | None = None
     """A private JWK (Ed25519) the processor signs the compensating calls it proposes
@@ -146,7 +149,7 @@ class IdentitySettings(BaseModel):
     """Other delegation keys whose tokens verify (JWKs, public halves suffice; each with
     a kid of its own): during a rotation, the next key before any instance signs with
     it, and the previous one for ``delegation_ttl_s`` (and until lag is gone) after."""
-    delegation_ttl_s: int = 900
+    delegation_ttl_s: int = Field(default=900, ge=1)
     """Lifetime of a compensating call's token: how long it may wait on
     ``tool.proposals`` (a backlog, an outage) and still be decided."""
 
@@ -163,6 +166,8 @@ class Settings(BaseSettings):
         frozen=True,
         extra="forbid",
         env_parse_none_str="null",
+        # A refused value is named, never echoed: it may sit beside a password.
+        hide_input_in_errors=True,
     )
 
     bootstrap_servers: str = "127.0.0.1:9092"
@@ -205,7 +210,7 @@ class Settings(BaseSettings):
     static_membership: bool = True
     """Use ``group.instance.id`` = instance_id (plus a digest of the subscribed topics),
     so a restarted instance gets its partitions back without a rebalance."""
-    transaction_timeout_ms: int = 15000
+    transaction_timeout_ms: int = Field(default=15000, ge=1)
     """Upper bound on how long a crashed instance's open transaction blocks readers."""
     processing_guarantee: Literal["exactly-once"] = "exactly-once"
     batch_max_records: int = Field(default=2000, ge=1, le=1_000_000)
@@ -217,16 +222,16 @@ class Settings(BaseSettings):
     """How long the loop blocks waiting for the first record of a batch (only
     bounds how quickly it notices a stop request when idle; librdkafka reads a negative
     wait as for ever, and none at all would spin)."""
-    max_record_bytes: int = 1_048_576
+    max_record_bytes: int = Field(default=1_048_576, ge=1)
     """A proposal larger than this is not parsed; it goes to the DLQ."""
-    max_arguments_bytes: int = 65_536
-    max_arguments_depth: int = 32
+    max_arguments_bytes: int = Field(default=65_536, ge=1)
+    max_arguments_depth: int = Field(default=32, ge=1)
     contracts_dir: Path = Path("contracts")
     contracts_poll_s: float = Field(default=2.0, ge=0)
     """How often the contract folder and the key, policy and approvers files are checked
     for changes; a change is taken once it has held still for one poll (SIGHUP checks
     them all at once)."""
-    metrics_port: int = 9464
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
     """Prometheus /metrics port; 0 disables the endpoint."""
     redis_url: str = "redis://127.0.0.1:6379/0"
     """One server: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or
@@ -264,6 +269,7 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        _refuse_unknown_variables(settings_cls)
         return (init_settings, env_settings, _FileSource(settings_cls))
 
     def client_config(self, **extra: Any) -> dict[str, Any]:
@@ -300,6 +306,65 @@ class Settings(BaseSettings):
     @property
     def transactional_id(self) -> str:
         return f"{self.group_id}-{self.instance_id}"
+
+    def shown(self) -> dict[str, Any]:
+        """These settings as JSON data with every secret masked, for showing to a person:
+        the passwords and private keys of the librdkafka settings and of ``redis_url``."""
+        data = self.model_dump(mode="json")
+        for field in ("kafka", "consumer", "producer"):
+            data[field] = {
+                k: SECRET_MASK if _SECRET_KAFKA_KEY.search(k) else v for k, v in data[field].items()
+            }
+        data["redis_url"] = _masked_url(self.redis_url)
+        return data
+
+
+SECRET_MASK = "***"
+_SECRET_KAFKA_KEY = re.compile(r"password|secret|key\.pem", re.IGNORECASE)
+"""librdkafka settings that hold a secret: ``sasl.password``, ``ssl.key.password``,
+``ssl.keystore.password``, ``sasl.oauthbearer.client.secret``, ``ssl.key.pem``."""
+
+
+def _masked_url(url: str) -> str:
+    """``url`` with the password of its user info and of a ``password`` query option
+    masked (redis-py reads both)."""
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    netloc = parts.netloc
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.split(':', 1)[0]}:{SECRET_MASK}@{hosts}"
+    query = parts.query
+    if "password" in query.lower():
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode(
+            [(k, SECRET_MASK if "password" in k.lower() else v) for k, v in pairs], safe="*"
+        )
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+ENV_PREFIX = "TOOLSENTRY_"
+NOT_SETTINGS = frozenset({"CONFIG", "JSON_SCHEMA_SUITE"})
+NOT_SETTINGS_PREFIXES = ("TEST_", "FAULT_")
+"""Variables under the prefix that are not settings: the settings file, the
+JSON-Schema-Test-Suite, the test suite's external stack and fault injection
+(``processor.faults``)."""
+
+
+def _refuse_unknown_variables(settings_cls: type[BaseSettings]) -> None:
+    """A ``TOOLSENTRY_`` variable that names no setting is refused, naming the closest one:
+    a misspelt variable would otherwise be ignored and its default used without a word."""
+    fields = {name.upper() for name in settings_cls.model_fields}
+    for variable in sorted(os.environ):
+        name = variable.upper()
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX) :]
+        head = rest.split("__", 1)[0]
+        if head in fields or rest in NOT_SETTINGS or rest.startswith(NOT_SETTINGS_PREFIXES):
+            continue
+        close = difflib.get_close_matches(head, sorted(fields), n=1)
+        hint = f" (did you mean {ENV_PREFIX}{close[0]}?)" if close else ""
+        raise ValueError(f"environment variable {variable} is not a setting{hint}")
 
 
 def _abs(path: Path | None) -> str:

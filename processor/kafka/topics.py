@@ -7,6 +7,7 @@ pass-through librdkafka settings (security, SASL, ...) apply to the admin client
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -21,6 +22,8 @@ from processor.config import Settings
 # -1 takes the broker's default.replication.factor: 1 on the local stack, the
 # cluster's own choice elsewhere.
 _BROKER_DEFAULT_REPLICATION = -1
+
+logger = logging.getLogger(__name__)
 
 
 def _topic_config(settings: Settings, topic: str) -> dict[str, str]:
@@ -37,13 +40,17 @@ def ensure_topics(
 
     Partitions default to ``settings.stack.partitions``; the replication factor is
     the broker's default (1 on the local stack); the ``reference`` topic is compacted.
-    Existing topics are left alone. Returns the names created, once they are visible
-    in the metadata with a leader for every partition.
+    Existing topics are left alone (adding partitions would move keys to other
+    partitions), with a warning naming each whose partition count differs. Returns the
+    names created, once they are visible in the metadata with a leader for every partition.
     """
     deadline = time.monotonic() + timeout_s
     count = partitions if partitions is not None else settings.stack.partitions
     admin = AdminClient(settings.client_config())
-    existing = set(admin.list_topics(timeout=timeout_s).topics)
+    existing = admin.list_topics(timeout=timeout_s).topics
+    _warn_other_counts(
+        {t: len(existing[t].partitions) for t in settings.topics.all() if t in existing}, count
+    )
     missing = [t for t in settings.topics.all() if t not in existing]
     if not missing:
         return []
@@ -71,6 +78,16 @@ def ensure_topics(
             created.append(name)
     _wait_for_leaders(admin, created, deadline)
     return created
+
+
+def _warn_other_counts(found: dict[str, int], count: int) -> None:
+    other = {t: n for t, n in found.items() if n != count}
+    if other:
+        logger.warning(
+            "existing topics keep their partition count, not the %d asked for: %s",
+            count,
+            ", ".join(f"{t} ({n})" for t, n in sorted(other.items())),
+        )
 
 
 def _wait_for_leaders(admin: AdminClient, topics: list[str], deadline: float) -> None:

@@ -205,6 +205,9 @@ class KafkaService(Service):
     def command(self) -> list[str]:
         return self._java("kafka.Kafka", str(self.properties_path), heap=self.stack.kafka_heap)
 
+    def ports(self) -> list[int]:
+        return [self.stack.kafka_port, self.stack.kafka_controller_port]
+
     def owns(self, cmd: str) -> bool:
         return "kafka.Kafka" in cmd and str(self.properties_path) in cmd
 

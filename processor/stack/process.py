@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from abc import ABC, abstractmethod
@@ -116,6 +117,10 @@ class Service(ABC):
     def command(self) -> list[str]: ...
 
     @abstractmethod
+    def ports(self) -> list[int]:
+        """The loopback ports the process listens on."""
+
+    @abstractmethod
     def probe(self, timeout_s: float) -> str | None:
         """None when the service answers, else why it does not."""
 
@@ -163,6 +168,7 @@ class Service(ABC):
         """
         if self.pid() is not None:
             return False
+        self._check_ports_free()
         self.prepare()
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.before_spawn()
@@ -178,6 +184,17 @@ class Service(ABC):
         _children[proc.pid] = proc
         self.pid_file.write_text(f"{proc.pid}\n")
         return True
+
+    def _check_ports_free(self) -> None:
+        """Refuse to start on a port another process listens on. The new process would
+        exit at once, but the readiness probe could be answered by that other process
+        first (another redis-server answers PING), and ``up`` would report it ready."""
+        for port in self.ports():
+            if not port_free(port):
+                raise StackError(
+                    f"{self.name} cannot start: 127.0.0.1:{port} is in use by another "
+                    "process; stop it or choose another port in the stack settings"
+                )
 
     def wait_ready(self) -> None:
         """Block until the service answers; raise with the log tail on exit or timeout."""
@@ -244,6 +261,18 @@ class Service(ABC):
                 return True
             time.sleep(_POLL_S)
         return not pid_alive(pid)
+
+
+def port_free(port: int) -> bool:
+    """Whether a server could listen on ``127.0.0.1:port`` now. SO_REUSEADDR, as servers
+    set it, so connections of a stopped process lingering in TIME_WAIT do not count."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def run_checked(cmd: Sequence[str], what: str, timeout_s: float | None = None) -> str:

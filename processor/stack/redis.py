@@ -6,6 +6,7 @@ Persistence is off: the local stack's Redis holds development state only.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -97,10 +98,15 @@ class RedisService(Service):
             *self.extra_args(),
         ]
 
+    def ports(self) -> list[int]:
+        return [self.port]
+
     def owns(self, cmd: str) -> bool:
         # redis-server rewrites its title to "redis-server 127.0.0.1:<port>" soon after exec.
+        # The port must end there: ours on 6379 is not the server on 63790.
         return "redis-server" in cmd and (
-            f":{self.port}" in cmd or f"--port {self.port} " in f"{cmd} "
+            re.search(rf":{self.port}(?!\d)", cmd) is not None
+            or f"--port {self.port} " in f"{cmd} "
         )
 
     def probe(self, timeout_s: float) -> str | None:

@@ -34,6 +34,9 @@ class ClusterNodeService(RedisService):
         super().__init__(port, data_dir, ready_timeout_s)
         self.bus_port = bus_port
 
+    def ports(self) -> list[int]:
+        return [self.port, self.bus_port]
+
     def extra_args(self) -> list[str]:
         return [
             "--cluster-enabled",

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import socket
+import subprocess
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +23,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # public, unt
 
 from processor.config import Settings
 from processor.kafka.topics import ensure_topics, topic_partitions
-from processor.stack import LocalStack, private_stack_settings
+from processor.stack import LocalStack, StackError, private_stack_settings
 
 pytestmark = pytest.mark.integration
 
@@ -98,8 +102,26 @@ def test_reference_topic_is_compacted(stack_settings: Settings) -> None:
     )
 
 
-def test_ensure_topics_again_creates_nothing(stack_settings: Settings) -> None:
+def test_ensure_topics_again_creates_nothing(
+    stack_settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
     assert ensure_topics(stack_settings) == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_topics_with_another_partition_count_are_kept_with_a_warning(
+    stack_settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Adding partitions would move keys; an operator who asked for more is told instead
+    of being answered that every topic exists."""
+    asked = stack_settings.stack.partitions + 2
+    with caplog.at_level(logging.WARNING, logger="processor.kafka.topics"):
+        assert ensure_topics(stack_settings, partitions=asked) == []
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"not the {asked} asked for" in warning
+    for topic in stack_settings.topics.all():
+        assert f"{topic} ({stack_settings.stack.partitions})" in warning
+        assert topic_partitions(stack_settings, topic) == stack_settings.stack.partitions
 
 
 def test_produce_and_consume(stack_settings: Settings) -> None:
@@ -207,3 +229,48 @@ def test_second_independent_stack_up_and_down(tmp_path_factory: pytest.TempPathF
     assert not any(_port_open(port) for port in ports)
     assert all(not st.running for st in stack.status().values())
     stack.down()  # idempotent
+
+
+def test_a_redis_port_another_server_answers_on_is_refused(tmp_path: Path) -> None:
+    """Our redis-server would exit at once, but the other one answers PING: ``up`` must
+    say the port is taken, not report a stack ready that is not ours."""
+    settings = private_stack_settings(tmp_path / "stack")
+    port = settings.stack.redis_port
+    redis_server = shutil.which("redis-server")
+    assert redis_server is not None
+    other = subprocess.Popen(
+        [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir",
+         str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    stack = LocalStack(settings)
+    try:
+        deadline = time.monotonic() + 10
+        while not _ping(settings.redis_url):
+            assert time.monotonic() < deadline, "the other redis-server did not start"
+            time.sleep(0.05)
+        with pytest.raises(StackError, match=f"127.0.0.1:{port} is in use"):
+            stack.up()
+        assert all(not st.running for st in stack.status().values())
+        assert other.poll() is None and _ping(settings.redis_url)
+    finally:
+        stack.down()
+        other.terminate()
+        other.wait(10)
+
+
+def test_a_taken_broker_port_is_refused_and_redis_stopped_again(tmp_path: Path) -> None:
+    settings = private_stack_settings(tmp_path / "stack")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", settings.stack.kafka_controller_port))
+        taken.listen()
+        stack = LocalStack(settings)
+        try:
+            with pytest.raises(
+                StackError,
+                match=f"kafka cannot start: 127.0.0.1:{settings.stack.kafka_controller_port}",
+            ):
+                stack.up()
+            assert all(not st.running for st in stack.status().values())
+        finally:
+            stack.down()

@@ -99,6 +99,8 @@ def test_a_setting_refused_at_start_exits_2_naming_it(
     [
         ({"TOOLSENTRY_KAFKA": "{not json"}, None, 'error parsing value for field "kafka"'),
         ({"TOOLSENTRY_CONFIG": "missing.yaml"}, None, "No such file or directory"),
+        ({"TOOLSENTRY_BOOTSTRAP_SERVER": "b:9092"}, None, "did you mean"),
+        ({}, "stack: {partitons: 3}\n", "stack.partitons: Extra inputs are not permitted"),
         ({}, "kafka: [\n", "while parsing"),
         ({}, "- kafka\n", "the config file must hold a mapping"),
     ],
@@ -126,3 +128,19 @@ def test_settings_that_cannot_be_read_exit_2_saying_why(
 
 def test_a_log_level_is_read_in_any_case() -> None:
     assert load_settings(None, log_level="debug").log_level == "DEBUG"
+
+
+def test_config_shows_the_settings_with_their_secrets_masked() -> None:
+    result = CliRunner().invoke(
+        app,
+        ["config"],
+        env={
+            "TOOLSENTRY_CONFIG": "",
+            "TOOLSENTRY_KAFKA": '{"sasl.username": "ts", "sasl.password": "kafka-s3cret"}',
+            "TOOLSENTRY_REDIS_URL": "redis://ts:redis-s3cret@cache:6379/0",
+        },
+    )
+    assert result.exit_code == 0, result.output
+    assert "s3cret" not in result.output, result.output
+    assert '"sasl.username": "ts"' in result.output
+    assert "redis://ts:***@cache:6379/0" in result.output

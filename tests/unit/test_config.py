@@ -292,3 +292,125 @@ def test_incremental_rebalancing_is_refused(field: str, setting: dict[str, objec
         Settings(**{field: setting})  # type: ignore[arg-type]
     eager = Settings(consumer={"partition.assignment.strategy": "roundrobin"})
     assert eager.consumer["partition.assignment.strategy"] == "roundrobin"
+
+
+@pytest.mark.parametrize(
+    ("text", "knob"),
+    [
+        ("stack: {partitons: 3}\n", "stack.partitons"),
+        ("identity: {jwks_fle: keys.json}\n", "identity.jwks_fle"),
+        ("topics: {prefx: acme.}\n", "topics.prefx"),
+    ],
+)
+def test_a_misspelt_nested_setting_in_the_file_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str, knob: str
+) -> None:
+    """A misspelt key would otherwise be dropped and its default used without a word."""
+    monkeypatch.setenv("TOOLSENTRY_CONFIG", str(write_config(tmp_path, text)))
+    with pytest.raises(pydantic.ValidationError) as refused:
+        Settings()
+    assert [".".join(map(str, e["loc"])) for e in refused.value.errors()] == [knob]
+
+
+@pytest.mark.parametrize(
+    ("variable", "says"),
+    [
+        ("TOOLSENTRY_BOOTSTRAP_SERVER", "did you mean TOOLSENTRY_BOOTSTRAP_SERVERS?"),
+        ("TOOLSENTRY_REDIS_URI", "did you mean TOOLSENTRY_REDIS_URL?"),
+        ("TOOLSENTRY_CONFIG_FILE", "TOOLSENTRY_CONFIG_FILE is not a setting"),
+    ],
+)
+def test_a_misspelt_environment_variable_is_refused(
+    monkeypatch: pytest.MonkeyPatch, variable: str, says: str
+) -> None:
+    monkeypatch.setenv(variable, "x")
+    with pytest.raises(ValueError, match=f"{variable} is not a setting") as refused:
+        Settings()
+    assert says in str(refused.value)
+
+
+def test_a_misspelt_nested_environment_variable_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TOOLSENTRY_STACK__PARTITONS", "3")
+    with pytest.raises(pydantic.ValidationError, match=r"stack\.partitons"):
+        Settings()
+
+
+def test_variables_under_the_prefix_that_are_not_settings_are_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in (
+        "TOOLSENTRY_TEST_BOOTSTRAP",
+        "TOOLSENTRY_FAULT_POINT",
+        "TOOLSENTRY_JSON_SCHEMA_SUITE",
+    ):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("TOOLSENTRY_STACK__PARTITIONS", "3")
+    assert Settings().stack.partitions == 3
+
+
+@pytest.mark.parametrize(
+    ("knob", "value"),
+    [
+        ("stack.partitions", 0),
+        ("stack.partitions", -3),
+        ("stack.kafka_port", 0),
+        ("stack.kafka_port", 65536),
+        ("stack.kafka_controller_port", -1),
+        ("stack.redis_port", 70000),
+        ("stack.ready_timeout_s", 0),
+        ("metrics_port", -1),
+        ("metrics_port", 65536),
+        ("max_record_bytes", -1),
+        ("max_arguments_bytes", 0),
+        ("max_arguments_depth", 0),
+        ("transaction_timeout_ms", -15000),
+        ("identity.leeway_s", -1),
+        ("identity.delegation_ttl_s", 0),
+    ],
+)
+def test_a_size_port_or_time_out_of_range_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, knob: str, value: int
+) -> None:
+    monkeypatch.setenv("TOOLSENTRY_" + knob.upper().replace(".", "__"), str(value))
+    with pytest.raises(pydantic.ValidationError) as refused:
+        Settings()
+    assert [".".join(map(str, e["loc"])) for e in refused.value.errors()] == [knob]
+
+
+def test_a_refused_setting_never_echoes_what_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The value refused sits beside passwords in the same setting; a traceback or a log
+    line would carry them."""
+    monkeypatch.setenv(
+        "TOOLSENTRY_KAFKA", '{"group.protocol": "consumer", "sasl.password": "s3cr3t"}'
+    )
+    with pytest.raises(pydantic.ValidationError, match=r"group\.protocol") as refused:
+        Settings()
+    assert "s3cr3t" not in str(refused.value)
+    assert "s3cr3t" not in repr(refused.value)
+
+
+def test_shown_settings_mask_every_secret() -> None:
+    s = Settings(
+        kafka={
+            "security.protocol": "SASL_SSL",
+            "sasl.username": "toolsentry",
+            "sasl.password": "kafka-s3cret",
+            "ssl.key.password": "key-s3cret",
+            "ssl.key.pem": "-----BEGIN PRIVATE KEY-----pem-s3cret",
+        },
+        consumer={"sasl.oauthbearer.client.secret": "oauth-s3cret", "fetch.min.bytes": 1},
+        producer={"ssl.keystore.password": "store-s3cret"},
+        redis_url="rediss://ops:redis-s3cret@cache:6380/0?ssl_cert_reqs=required",
+    )
+    shown = s.shown()
+    text = str(shown)
+    assert "s3cret" not in text, text
+    assert shown["kafka"]["sasl.username"] == "toolsentry"
+    assert shown["kafka"]["sasl.password"] == "***"
+    assert shown["consumer"]["fetch.min.bytes"] == 1
+    assert shown["redis_url"] == "rediss://ops:***@cache:6380/0?ssl_cert_reqs=required"
+    cluster = Settings(redis_url="redis+cluster://:pw-s3cret@a:1,b:2?password=q-s3cret").shown()
+    assert "s3cret" not in cluster["redis_url"], cluster["redis_url"]
+    assert Settings().shown()["redis_url"] == "redis://127.0.0.1:6379/0"
