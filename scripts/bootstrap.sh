@@ -18,10 +18,11 @@ command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || 
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 if ((${#need[@]})); then
   echo "bootstrap: installing ${need[*]}"
-  sudo_cmd=""
-  [[ $(id -u) -ne 0 ]] && sudo_cmd="sudo"
-  $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need[@]}" >/dev/null
+  # (through env: sudo resets the environment, and a package's prompt would hang the run)
+  as_root=(env DEBIAN_FRONTEND=noninteractive)
+  [[ $(id -u) -ne 0 ]] && as_root=(sudo "${as_root[@]}")
+  "${as_root[@]}" apt-get update -qq
+  "${as_root[@]}" apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
 if [[ ! -x .venv/bin/python ]]; then

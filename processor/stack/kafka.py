@@ -112,6 +112,9 @@ def fetch_jars(stack: StackSettings) -> Path:
                 "mvn",
                 "-q",
                 "-B",
+                # A download whose checksum does not match fails the fetch (Maven's default
+                # only warns), so a corrupt jar from a bad proxy is never cached as done.
+                "--strict-checksums",
                 "-f",
                 str(pom),
                 f"{MAVEN_DEPENDENCY_PLUGIN}:copy-dependencies",
