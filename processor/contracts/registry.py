@@ -8,6 +8,8 @@ the reason.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -171,8 +173,50 @@ def read_contract_file(path: Path) -> Any:
     """
     text = path.read_bytes()
     if path.suffix == ".json":
-        return orjson.loads(text)
-    return yaml_rs.loads(text.decode("utf-8"), parse_datetime=False)
+        doc = orjson.loads(text)
+        # orjson keeps the last of two equal keys, as PyYAML would: the reviewed
+        # ``confirmation_required: true`` could be undone by a later ``false``.
+        json.loads(text, object_pairs_hook=_unique_keys)
+    else:
+        doc = yaml_rs.loads(text.decode("utf-8"), parse_datetime=False)
+    _refuse_non_finite(doc)
+    return doc
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _refuse_non_finite(doc: Any) -> None:
+    """Raise ``ValueError`` at a YAML ``.nan`` or ``.inf`` (or a number too large for a
+    float). JSON has neither, and nothing downstream expects one: a bound of NaN refuses
+    every number, and a cost of NaN reaches the budget script as null."""
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        if type(node) is dict:
+            stack.extend(node.values())
+        elif type(node) is list:
+            stack.extend(node)
+        elif type(node) is float and not math.isfinite(node):
+            raise ValueError(f"{_pointer(_path_to(doc, node))}: {node} is not a JSON number")
+
+
+def _path_to(doc: Any, target: float) -> list[Any]:
+    """The path of ``target`` (that very object) in ``doc``."""
+    stack: list[tuple[Any, list[Any]]] = [(doc, [])]
+    while stack:
+        node, where = stack.pop()
+        if node is target:
+            return where
+        if type(node) is dict:
+            stack.extend((v, [*where, k]) for k, v in node.items())
+        elif type(node) is list:
+            stack.extend((v, [*where, i]) for i, v in enumerate(node))
+    return []
 
 
 def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract | None:

@@ -44,6 +44,10 @@ import jsonschema_specifications
 import regress
 from jsonschema import Draft202012Validator, FormatChecker, SchemaError, ValidationError, validators
 from jsonschema.exceptions import best_match
+from referencing import Registry
+from referencing._core import Resolver
+from referencing.exceptions import Unresolvable
+from referencing.jsonschema import DRAFT202012
 
 Check = Callable[[Any], bool]
 
@@ -309,9 +313,18 @@ ReferenceValidator = validators.extend(
 )
 
 
+_OFFLINE: Registry[Any] = Registry()
+"""Where the reference validator looks up a ``$ref`` beyond the schema's own document: only
+the JSON Schema specifications (python-jsonschema adds them), never the network. Without a
+registry of its own, python-jsonschema fetches any other URI with ``urlopen``, on every
+call that reaches it: a contract could make the processor request any address, and its
+verdict would be whatever that address answered."""
+
+
 def reference_validator(schema: Mapping[str, Any]) -> Any:
-    """python-jsonschema 2020-12 with ECMA regexes, decimal multipleOf, asserted formats."""
-    return ReferenceValidator(schema, format_checker=FORMAT_CHECKER)
+    """python-jsonschema 2020-12 with ECMA regexes, decimal multipleOf, asserted formats,
+    and no schema fetched over the network."""
+    return ReferenceValidator(schema, format_checker=FORMAT_CHECKER, registry=_OFFLINE)
 
 
 _METASCHEMA = Draft202012Validator(Draft202012Validator.META_SCHEMA)
@@ -382,12 +395,23 @@ def check_schema(schema: Mapping[str, Any]) -> None:
             raise SchemaError.create_from(error)
     found = list(_walk(schema, "#"))
     for where, key, value in found:
-        if key != "$ref":
+        if key == "pattern":
             try:
                 ecma_regex(value)
             except Exception as exc:
                 raise ValueError(f"{where}: {value!r} is not an ECMA-262 regex: {exc}") from exc
-    if any(key == "$id" for where, key, _ in found if where != "#/$id"):
+    nested = any(key == "$id" for where, key, _ in found if where != "#/$id")
+    if nested or any(key == "$dynamicRef" or not _pointer_ref(value)
+                     for _, key, value in found if key in ("$ref", "$dynamicRef")):  # fmt: skip
+        root = jsonschema_specifications.REGISTRY.resolver_with_root(
+            DRAFT202012.create_resource(schema)
+        )
+        for where, value in _unresolved(schema, "#", root):
+            raise ValueError(
+                f"{where}: {value!r} does not resolve to a schema here: a $ref names this "
+                "document or the JSON Schema specification, and nothing is fetched"
+            )
+    if nested:
         return  # a nested resource: its refs resolve against it, which the reference does
     for where, key, value in found:
         if key == "$ref" and not _resolves(schema, value):
@@ -405,11 +429,11 @@ _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchema
 
 
 def _walk(node: Any, where: str) -> Iterator[tuple[str, str, Any]]:
-    """(where, keyword, value) of every pattern, $ref and $id in a schema: a pattern
+    """(where, keyword, value) of every pattern, $ref, $dynamicRef and $id in a schema: a pattern
     property's regex too, and nothing inside enum, const, examples or default values."""
     if isinstance(node, dict):
         for key, value in node.items():
-            if key in ("pattern", "$ref", "$id") and isinstance(value, str):
+            if key in ("pattern", "$ref", "$dynamicRef", "$id") and isinstance(value, str):
                 yield f"{where}/{key}", key, value
             elif key == "patternProperties" and isinstance(value, dict):
                 for p, sub in value.items():
@@ -423,6 +447,32 @@ def _walk(node: Any, where: str) -> Iterator[tuple[str, str, Any]]:
     elif isinstance(node, list):
         for i, item in enumerate(node):
             yield from _walk(item, f"{where}/{i}")
+
+
+def _unresolved(node: Any, where: str, resolver: Resolver[Any]) -> Iterator[tuple[str, str]]:
+    """(where, value) of every $ref and $dynamicRef that names nothing in the document (or
+    in the specifications), each resolved against the base URI its enclosing $ids give it,
+    as the reference validator resolves it. The walk is ``_walk``'s."""
+    if isinstance(node, dict):
+        if isinstance(node.get("$id"), str) and where != "#":
+            resolver = resolver.in_subresource(DRAFT202012.create_resource(node))
+        for key, value in node.items():
+            if key in ("$ref", "$dynamicRef") and isinstance(value, str):
+                try:
+                    resolver.lookup(value)
+                except Unresolvable:
+                    yield f"{where}/{key}", value
+            elif key == "patternProperties" and isinstance(value, dict):
+                for p, sub in value.items():
+                    yield from _unresolved(sub, f"{where}/patternProperties/{p}", resolver)
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                for name, sub in value.items():
+                    yield from _unresolved(sub, f"{where}/{key}/{name}", resolver)
+            elif key not in ("enum", "const", "examples", "default"):
+                yield from _unresolved(value, f"{where}/{key}", resolver)
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _unresolved(item, f"{where}/{i}", resolver)
 
 
 _IN_PLACE = ("not", "if", "then", "else")
@@ -503,6 +553,11 @@ def _ref_cycle(root: Any) -> str | None:
                 state[child] = 1
                 path.append((child, iter(same_value.get(child, ()))))
     return None
+
+
+def _pointer_ref(ref: str) -> bool:
+    """Whether a $ref is a JSON pointer into its own document (``#`` or ``#/...``)."""
+    return ref == "#" or ref.startswith("#/")
 
 
 def _resolves(root: Any, ref: str) -> bool:

@@ -52,8 +52,29 @@ def json_type(value: Any) -> str:
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
+_ECHO = 64
+"""The most of one value or field name of the arguments a hint quotes back: a hint made
+mostly of the model's own text would fill next_action, which observations clip, and the
+instructions after it (the other fields, calling the tool again) would be cut off."""
+
+
+def _segment(name: Any) -> str:
+    """One step of a field's path, escaped as in a JSON pointer (RFC 6901): a field
+    called ``a/b`` is ``a~1b``, so that it cannot read as the field ``b`` inside ``a``.
+    A name longer than ``_ECHO`` is clipped."""
+    text = str(name)
+    if len(text) > _ECHO:
+        text = text[: _ECHO - 3] + "..."
+    return text.replace("~", "~0").replace("/", "~1")
+
+
 def _path(parts: Any) -> str | None:
-    return "/".join(str(p) for p in parts) or None
+    return "/".join(_segment(p) for p in parts) or None
+
+
+def _child(where: str | None, name: Any) -> str:
+    """The path of the field ``name`` inside the object at ``where``."""
+    return f"{where}/{_segment(name)}" if where else _segment(name)
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -85,7 +106,7 @@ def _example(schema: Any) -> str | None:
 
 def _type_hint(field: str, expected: Any, value: Any) -> str:
     names = expected if isinstance(expected, list) else [expected]
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) <= _ECHO:
         v = value.strip()
         if ("integer" in names and re.fullmatch(r"-?(0|[1-9][0-9]*)", v)) or (
             "number" in names and _NUMERIC.match(v)
@@ -93,8 +114,9 @@ def _type_hint(field: str, expected: Any, value: Any) -> str:
             return f'{field} must be a number: emit {v} not "{value}"'
         if "boolean" in names and v.lower() in ("true", "false"):
             return f'{field} must be a boolean: emit {v.lower()} not "{value}"'
-    if "string" in names and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return f'{field} must be a string: emit "{value}" not {value}'
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if "string" in names and number and len(text := str(value)) <= _ECHO:
+        return f'{field} must be a string: emit "{text}" not {text}'
     return f"{field} must be {' or '.join(names)}, not {json_type(value)}"
 
 
@@ -165,7 +187,7 @@ def _describe(e: ValidationError, contract: Contract) -> list[tuple[TaxonomyClas
         out = []
         for missing in [r for r in e.validator_value if r not in present]:
             sub = schema.get("properties", {}).get(missing, {})
-            full = f"{where}/{missing}" if where else missing
+            full = _child(where, missing)
             hint = f"add {full}"
             if isinstance(sub, dict) and "enum" in sub:
                 hint += f" (one of: {', '.join(map(str, sub['enum']))})"
@@ -186,15 +208,14 @@ def _describe(e: ValidationError, contract: Contract) -> list[tuple[TaxonomyClas
         message, hint = f"{what} is not allowed", f"remove {what}"
         return [(cls, FieldError(where, message, "forbidden_field", None, None, hint))]
     if kw == "propertyNames":
-        field = str(e.instance)[:100]
+        field = _child(where, e.instance)
         hint = f"{field} is not an allowed field name: remove or rename it"
-        return [(cls, FieldError(f"{where}/{field}" if where else str(field),
-                                 hint, "bad_field_name", None, None, hint))]  # fmt: skip
+        return [(cls, FieldError(field, hint, "bad_field_name", None, None, hint))]
     if kw in ("additionalProperties", "unevaluatedProperties") and isinstance(e.instance, dict):
         allowed = list(schema.get("properties", {}))
         out = []
         for extra in _extras(e, schema):
-            full = f"{where}/{extra}" if where else extra
+            full = _child(where, extra)
             accepted = f"accepted fields: {', '.join(allowed)}" if allowed else "no other fields"
             hint = f"remove {full}; {accepted}"
             out.append(

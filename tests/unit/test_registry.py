@@ -322,6 +322,47 @@ def test_unparseable_or_non_mapping_yaml(text: str, reason: str, tmp_path: Path)
     assert reason in p.reason
 
 
+def test_a_json_contract_with_a_key_twice_is_refused(tmp_path: Path) -> None:
+    """Before, the last of the two was loaded: a reviewer who read the first
+    ``"confirmation_required": true`` got a contract that asks for no confirmation."""
+    text = orjson.dumps(BASE).decode()
+    assert '"confirmation_required":true' in text
+    twice = text.replace(
+        '"confirmation_required":true',
+        '"confirmation_required":true,"confirmation_required":false',
+    )
+    (tmp_path / "cancel_order.json").write_text(twice)
+    p = only(refused(tmp_path))
+    assert (p.file, p.path) == ("cancel_order.json", "/")
+    assert "duplicate key 'confirmation_required'" in p.reason
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "1e400"])
+def test_a_number_json_cannot_hold_is_refused(value: str, tmp_path: Path) -> None:
+    """Before, a cost of .nan loaded (NaN passes ``minimum: 0``) and reached the budget
+    script as null."""
+    shutil.copy(CONTRACTS_DIR / "lookup_order" / "1.0.0.yaml", tmp_path / "good.yaml")
+    text = yaml.safe_dump(BASE)
+    assert "cost_per_call: 0.0" in text
+    (tmp_path / "bad.yaml").write_text(
+        text.replace("cost_per_call: 0.0", f"cost_per_call: {value}")
+    )
+    p = only(refused(tmp_path))
+    assert (p.file, p.path) == ("bad.yaml", "/")
+    assert "/runtime/cost_profile/cost_per_call: " in p.reason
+    assert "is not a JSON number" in p.reason
+
+
+def test_a_nan_bound_in_an_input_schema_is_refused(tmp_path: Path) -> None:
+    """A maximum of NaN: the fast validator refuses every number, the reference none."""
+
+    def bound(doc: dict[str, Any]) -> None:
+        doc["affordance"]["input_schema"]["properties"]["order_id"]["maximum"] = float("nan")
+
+    p = only(refused(folder_with(tmp_path, bound)))
+    assert "/affordance/input_schema/properties/order_id/maximum: nan" in p.reason
+
+
 def test_problems_in_several_files_are_all_listed(tmp_path: Path) -> None:
     folder_with(tmp_path, lambda d: d["identity"].pop("owner"), name="a.yaml")
     (tmp_path / "b.yaml").write_text("x: [")

@@ -529,3 +529,46 @@ def test_unevaluated_fields_failing_a_subschema_are_the_ones_named(tmp_path: Pat
     })  # fmt: skip
     got = check_arguments({"propertyNames": 5}, named)
     assert _fields(got) == [("propertyNames", "type_mismatch")]
+
+
+def test_a_field_name_holding_a_slash_or_a_tilde_is_escaped_in_its_path(tmp_path: Path) -> None:
+    """Before, the field "a/b" inside meta was reported as meta/a/b, the path of the field
+    b inside meta's field a; each step is now escaped as in a JSON pointer."""
+    contract = _with_schema(tmp_path, {
+        "type": "object", "additionalProperties": False,
+        "properties": {
+            "query": {"type": "string"},
+            "meta": {"type": "object", "additionalProperties": {"type": "string"},
+                     "propertyNames": {"maxLength": 3}},
+        },
+    })  # fmt: skip
+    got = check_arguments({"query": "q", "meta": {"a/b": 1, "x~1y": "z"}, "c/d": 1}, contract)
+    assert sorted(_fields(got)) == [
+        ("c~1d", "unknown_field"),
+        ("meta/a~1b", "type_mismatch"),
+        ("meta/x~01y", "bad_field_name"),
+    ]
+    assert got is not None and "remove c~1d" in got.next_action
+    nested = check_arguments({"query": "q", "meta": {"a": {"b": 1}}}, contract)
+    assert _fields(nested) == [("meta/a", "type_mismatch")]
+
+
+def test_a_hint_quotes_back_at_most_a_little_of_the_arguments(tmp_path: Path) -> None:
+    """Before, a 5,000-digit string where a number belongs, or a 5,000-character field
+    name, was quoted back whole: next_action (clipped to 2,048 characters in the
+    observation) ended inside the quote, without the other fixes or the call again."""
+    contract = _with_schema(tmp_path, {
+        "type": "object", "required": ["query"], "additionalProperties": False,
+        "properties": {"query": {"type": "string"}, "n": {"type": "integer"},
+                       "s": {"type": "string"}},
+    })  # fmt: skip
+    for arguments in ({"n": "1" * 5000}, {"s": 10**4000}, {"query": "q", "k" * 5000: 1}):
+        got = check_arguments(arguments, contract)
+        assert got is not None
+        assert len(got.next_action) < 300, got.next_action
+        assert got.next_action.endswith("then call search_kb again.")
+        assert all(len(e.hint or "") < 300 and len(e.field or "") <= 64 for e in got.errors)
+    got = check_arguments({"query": "q", "k" * 5000: 1}, contract)
+    assert got is not None and "accepted fields: n, query, s" in got.next_action
+    short = check_arguments({"query": "q", "n": "12"}, contract)
+    assert short is not None and short.errors[0].hint == 'n must be a number: emit 12 not "12"'

@@ -7,12 +7,16 @@ fetches it. When it is missing these tests fail, they never skip.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import re
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import referencing.jsonschema
@@ -727,6 +731,94 @@ def test_a_schema_that_would_fail_at_call_time_is_refused_when_loaded(
 )
 def test_refs_that_are_not_json_pointers_are_left_to_the_reference(schema: dict[str, Any]) -> None:
     check_schema(schema)
+
+
+class _Schemas(http.server.BaseHTTPRequestHandler):
+    """Serves one schema for any path, and counts the requests."""
+
+    requests: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        self.requests.append(self.path)
+        body = b'{"type": "string"}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def schema_server() -> Iterator[str]:
+    """A real HTTP server on a free local port, serving a schema that would let "x" pass."""
+    _Schemas.requests = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Schemas)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_a_remote_ref_is_never_fetched(schema_server: str) -> None:
+    """Before, python-jsonschema fetched the URI with urlopen at load and on every call
+    that reached it: a contract could make the processor request any address."""
+    schema = {"type": "object", "properties": {"a": {"$ref": f"{schema_server}/s.json"}}}
+    with pytest.raises(ValueError, match=r"#/properties/a/\$ref: .* does not resolve"):
+        check_schema(schema)
+    validator = ArgumentValidator(schema)
+    for arguments in ({"a": "x"}, {"a": 1}):
+        with pytest.raises(Exception, match="Unresolvable"):
+            validator.is_valid(arguments)
+        with pytest.raises(Exception, match="Unresolvable"):
+            validator.errors(arguments)
+    assert _Schemas.requests == []
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"$defs": {"x": {"$dynamicRef": "https://example.com/s#meta"}}}, "#/$defs/x/$dynamicRef"),
+        # Relative to the document's $id: https://example.com/other.json, which it lacks.
+        ({"$id": "https://example.com/root.json", "items": {"$ref": "other.json"}}, "#/items"),
+        # A nested resource's refs resolve against its own $id.
+        (
+            {"$defs": {"n": {"$id": "urn:n", "properties": {"a": {"$ref": "#/$defs/gone"}}}}},
+            "#/$defs/n/properties/a",
+        ),
+        ({"properties": {"enum": {"$ref": "#nowhere"}}}, "#/properties/enum"),
+    ],
+)
+def test_a_ref_to_a_schema_the_document_lacks_is_refused_when_loaded(
+    schema: dict[str, Any], where: str
+) -> None:
+    with pytest.raises(ValueError, match=f"{re.escape(where)}.* does not resolve"):
+        check_schema(schema)
+
+
+def test_refs_to_resources_the_document_declares_load() -> None:
+    check_schema(
+        {
+            "$id": "https://example.com/root.json",
+            "$defs": {"o": {"$id": "other.json", "$defs": {"s": {"type": "string"}}}},
+            "properties": {
+                "a": {"$ref": "other.json"},
+                "b": {"$ref": "https://example.com/other.json#/$defs/s"},
+            },
+        }
+    )
+
+
+def test_an_id_is_not_read_as_a_pattern() -> None:
+    """Before, every $id was compiled as a regex: "urn:example:orders(" was refused as
+    "not an ECMA-262 regex"."""
+    check_schema({"$defs": {"o": {"$id": "urn:example:orders(", "type": "string"}}})
 
 
 _LOOPS = [
