@@ -40,6 +40,7 @@ from processor.gates.semantic import (
     reference_keys,
     resolve_references,
 )
+from processor.kafka.produce import deliver
 from processor.model import (
     CLEARANCE_LEVELS,
     ApprovedCall,
@@ -105,10 +106,8 @@ def parse_approval_record(src: SourceRecord) -> ApprovalInput | str:
 def publish_approvals(settings: Settings, run_id: str, approvals: list[dict[str, Any]]) -> None:
     """Put approval decisions on ``tool.approvals`` (keyed by run), as an operator does."""
     producer = Producer(settings.client_config(**{"enable.idempotence": True}))
-    for approval in approvals:
-        producer.produce(settings.topics.approvals, orjson.dumps(approval), run_id.encode())
-    if producer.flush(15):
-        raise TimeoutError("the approval decisions were not delivered")
+    key = run_id.encode()
+    deliver(producer, settings.topics.approvals, [(key, orjson.dumps(a)) for a in approvals], 15)
 
 
 def position(src: SourceRecord) -> str:

@@ -169,20 +169,40 @@ def demo(
     ] = False,
 ) -> None:
     """Play a scripted support agent against the running stack and show each decision,
-    and, for the calls that ran, their results."""
-    from processor.demo import WIDE, play
+    and, for the calls that ran, their results. Exit status 1 when a decision differs
+    from the script or does not come, 2 when the broker, Redis or the processors'
+    reference loader does not answer."""
+    from processor.demo import WIDE, StackUnavailable, play
 
+    _positive(timeout, "--timeout")
     s = _settings(config)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = WIDE  # a log or a pipe has no width to fit
-    ok = play(s, tenant, timeout, console, keys, None if no_executor else executor_db)
+    try:
+        ok = play(s, tenant, timeout, console, keys, None if no_executor else executor_db)
+    except StackUnavailable as exc:
+        _alarm("the demo cannot run", f": {exc}")
+        console.print("Is the stack up (toolsentry stack up) and a processor running "
+                      "(toolsentry run)?", soft_wrap=True)  # fmt: skip
+        raise typer.Exit(2) from exc
     raise typer.Exit(0 if ok else 1)
+
+
+def _positive(seconds: float, hint: str) -> None:
+    """A wait of no time, or less, would report every answer as missing."""
+    if not seconds > 0:
+        raise typer.BadParameter("must be more than 0 seconds", param_hint=hint)
 
 
 @app.command("taxonomy")
 def taxonomy(
     readme: Annotated[
-        Path | None, typer.Option(help="Rewrite the table between the markers in this file.")
+        Path | None,
+        typer.Option(
+            help="Rewrite the table between the markers in this file.",
+            exists=True,
+            dir_okay=False,
+        ),
     ] = None,
 ) -> None:
     """The error taxonomy: each class's response vector, who raises it, the next action."""
@@ -398,9 +418,10 @@ def contracts_show(
 
 @app.command("eval")
 def evaluate(
-    suite: Annotated[Path, typer.Option(help="Suite folder (suite.yaml, cases/).")] = Path(
-        "tests/conformance"
-    ),
+    suite: Annotated[
+        Path,
+        typer.Option(help="Suite folder (suite.yaml, cases/).", exists=True, file_okay=False),
+    ] = Path("tests/conformance"),
     keys: Annotated[Path, typer.Option(help="Where the suite's keys are (or go).")] = Path(
         ".stack/eval-keys"
     ),
@@ -417,6 +438,7 @@ def evaluate(
     with (JWKS, approvers, the suite's policy). Exit status 1 below 100%."""
     from processor.evaluate import Runner, load_suite, prepare_keys, summary
 
+    _positive(timeout, "--timeout")
     loaded = load_suite(suite)
     if prepare:
         k = prepare_keys(loaded, keys)
@@ -504,19 +526,33 @@ def reference_put(
     config: ConfigOpt = None,
 ) -> None:
     """Publish one entity (or its tombstone) to tool.reference."""
+    from processor.kafka.produce import DeliveryError
     from processor.reference_data import publish_references
 
     s = _settings(config)
     value = None if state is None else {"state": state, **({"owner": owner} if owner else {})}
-    publish_references(s, [(key, value)])
+    try:
+        publish_references(s, [(key, value)])
+    except (TimeoutError, DeliveryError) as exc:
+        _alarm("not published", f": {exc}")
+        raise typer.Exit(1) from exc
     console.print(f"{key}: {'deleted' if value is None else state}")
 
 
 def _approval_store(s: Settings) -> Any:
+    """The approval queue, or exit 2 saying Redis does not answer (not a traceback)."""
+    from redis.exceptions import RedisClusterException, RedisError
+
     from processor.state.approvals import ApprovalStore
     from processor.state.connection import connect
 
-    return ApprovalStore(connect(s.redis_url, socket_timeout=5), s.redis_namespace)
+    try:
+        client = connect(s.redis_url, socket_timeout=5)
+        client.ping()
+    except (RedisError, RedisClusterException) as exc:
+        _alarm("Redis does not answer", f": {exc}")
+        raise typer.Exit(2) from exc
+    return ApprovalStore(client, s.redis_namespace)
 
 
 @approvals_app.command("list")
@@ -587,6 +623,7 @@ def _decide(
 
     from processor.approval_flow import publish_approvals
     from processor.approvals import load_private_key, sign_for_request
+    from processor.kafka.produce import DeliveryError
 
     e = _approval_store(s).find(request_id)
     if e is None:
@@ -599,8 +636,8 @@ def _decide(
     approval = sign_for_request(load_private_key(key), approver_id, e, now_ms, decision, reason)
     try:
         publish_approvals(s, e["run_id"], [approval])
-    except TimeoutError as exc:
-        typer.echo("the decision was not delivered", err=True)
+    except (TimeoutError, DeliveryError) as exc:
+        typer.echo(f"the decision was not delivered: {exc}", err=True)
         raise typer.Exit(1) from exc
     console.print(f"{decision} {request_id} as {approver_id} ({approval['approval_id']})")
 
@@ -927,6 +964,7 @@ def executor_run(
     finished and committed first; the calls not started yet are left to the next owner
     of their partitions)."""
     import signal
+    import sqlite3
 
     from prometheus_client import REGISTRY
 
@@ -947,7 +985,7 @@ def executor_run(
             metrics_registry=REGISTRY if metrics_port else None,
             recorded=store.recorded,
         )
-    except ValueError as exc:
+    except (ValueError, sqlite3.Error) as exc:
         _alarm("cannot start", f": {exc}")
         raise typer.Exit(2) from exc
     signal.signal(signal.SIGTERM, lambda *_: executor.stop())

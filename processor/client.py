@@ -41,6 +41,7 @@ from processor.codec.avro import codec
 from processor.config import Settings
 from processor.gates.parse import is_id
 from processor.kafka.offsets import high_watermark
+from processor.kafka.produce import DeliveryError
 
 _ENDS = ("COMPLETED", "FAILED", "REJECTED")
 _FAILED_KEPT = 16
@@ -54,8 +55,8 @@ class ObservationTimeout(TimeoutError):
     pass
 
 
-class DeliveryError(RuntimeError):
-    """The broker refused or never acknowledged a proposal."""
+class ClientClosed(RuntimeError):
+    """The client was closed while a caller waited: nothing more will be read for it."""
 
 
 class ToolsentryClient:
@@ -299,6 +300,8 @@ class ToolsentryClient:
                             continue
                         if wanted(o):
                             return o
+                    if self._closed.is_set():
+                        raise ClientClosed(f"closed while waiting for {what} of {proposal_id}")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise ObservationTimeout(f"no {what} for {proposal_id} in {timeout}s")
@@ -346,7 +349,11 @@ class ToolsentryClient:
         return self.wait(self.propose(tool, arguments, run_id=run_id, **kwargs), timeout)
 
     def close(self) -> None:
+        """Stop reading observations; a caller still waiting gets ClientClosed at once
+        rather than waiting out its timeout for answers no longer read."""
         self._closed.set()
+        with self._cond:
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(5)
             self._consumer.close()

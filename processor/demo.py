@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import jwt
+from confluent_kafka import KafkaException
+from redis.exceptions import RedisClusterException, RedisError
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -38,11 +40,22 @@ from processor.client import ObservationTimeout, ToolsentryClient
 from processor.config import Settings
 from processor.executor import Executor
 from processor.identity import TokenIssuer, generate_ed25519_jwk
+from processor.kafka.produce import DeliveryError
 from processor.keys import KeyBundle, init_keys
 from processor.reference_data import publish_references, wait_until_loaded
 from processor.state.approvals import ApprovalStore
 from processor.state.connection import connect
 from processor.support_executor import SupportStore, demo_orders
+
+
+class StackUnavailable(RuntimeError):
+    """The broker, Redis or the processors' reference loader did not answer: the script
+    could not be played, which is not a decision that differs from it."""
+
+
+_UNAVAILABLE = (KafkaException, RedisError, RedisClusterException, TimeoutError, DeliveryError)
+"""What the demo's own calls raise when the stack is not up or a processor not running (a
+decision that does not come is ObservationTimeout, caught where it is awaited)."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +190,11 @@ def _approve(
     """What ``toolsentry approvals approve`` does, for each operator in turn."""
     store = ApprovalStore(connect(settings.redis_url), settings.redis_namespace)
     entry = store.find(observation["approval_request_id"])
-    assert entry is not None, "the parked call is not in Redis"
+    if entry is None:
+        raise StackUnavailable(
+            f"the parked call {observation['approval_request_id']} is not in Redis: does the "
+            "processor use the same redis_url and redis_namespace?"
+        )
     now_ms = int(time.time() * 1000)
     approvals = [
         sign_for_request(load_private_key(keys.approver_key(a)), a, entry, now_ms)
@@ -261,10 +278,25 @@ def play(
     executor_db: Path | None = None,
 ) -> bool:
     """Run the script; True when every decision matched what the script expects.
+    StackUnavailable when the broker, Redis or the reference loader does not answer.
 
     ``executor_db``: run the reference support executor in-process over this SQLite
     file (recreated), so routed calls come back with results; None when an executor
     already runs elsewhere."""
+    try:
+        return _play(settings, tenant, timeout, console, keys_dir, executor_db)
+    except _UNAVAILABLE as exc:
+        raise StackUnavailable(str(exc) or type(exc).__name__) from exc
+
+
+def _play(
+    settings: Settings,
+    tenant: str,
+    timeout: float,
+    console: Console,
+    keys_dir: Path,
+    executor_db: Path | None,
+) -> bool:
     keys = init_keys(keys_dir)
     token, forged = _prepare(settings, tenant, keys)
     executor = thread = None

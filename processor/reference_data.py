@@ -10,6 +10,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from processor.config import Settings
 from processor.kafka.offsets import high_watermark
+from processor.kafka.produce import deliver
 from processor.state.connection import connect
 from processor.state.references import load_state
 
@@ -24,11 +25,8 @@ def publish_references(
     producer = Producer(
         settings.client_config(**{"enable.idempotence": True, "partitioner": "murmur2_random"})
     )
-    for key, value in entities:
-        body = None if value is None else orjson.dumps(value)
-        producer.produce(settings.topics.reference, body, key.encode())
-    if producer.flush(30):
-        raise TimeoutError("reference data was not delivered")
+    records = [(k.encode(), None if v is None else orjson.dumps(v)) for k, v in entities]
+    deliver(producer, settings.topics.reference, records, 30)
 
 
 def wait_until_loaded(settings: Settings, timeout: float = 60.0) -> None:

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from processor.cli import app
 from processor.config import load_settings
-from tests.unit.helpers import CONTRACTS_DIR
+from processor.stack.local import free_ports
+from tests.unit.helpers import CONTRACTS_DIR, ROOT
 
 
 def test_contracts_check_loads_the_settings_folder(tmp_path: Path) -> None:
@@ -144,3 +145,78 @@ def test_config_shows_the_settings_with_their_secrets_masked() -> None:
     assert "s3cret" not in result.output, result.output
     assert '"sasl.username": "ts"' in result.output
     assert "redis://ts:***@cache:6379/0" in result.output
+
+
+def _nowhere() -> dict[str, str]:
+    """Settings naming a broker and a Redis that are not there (closed ports), and records
+    that expire unsent at once."""
+    kafka_port, redis_port = free_ports(2)
+    return {
+        "TOOLSENTRY_BOOTSTRAP_SERVERS": f"127.0.0.1:{kafka_port}",
+        "TOOLSENTRY_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+        "TOOLSENTRY_KAFKA": '{"message.timeout.ms": 300, "log_level": 0}',
+        "COLUMNS": "200",
+    }
+
+
+def test_the_demo_without_a_stack_exits_2_saying_what_to_start(tmp_path: Path) -> None:
+    """It ended in a traceback (exit 1, as for a decision that differs from the script)."""
+    result = CliRunner().invoke(
+        app,
+        ["demo", "--keys", str(tmp_path / "keys"), "--executor-db", str(tmp_path / "s.db")],
+        env=_nowhere(),
+    )
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "the demo cannot run" in result.output and "not delivered" in result.output
+    assert "toolsentry stack up" in result.output
+
+
+@pytest.mark.parametrize(
+    "command", [["demo"], ["eval", "--suite", str(ROOT / "tests" / "conformance")]]
+)
+@pytest.mark.parametrize("timeout", ["0", "-1"])
+def test_a_wait_of_no_time_is_a_usage_error(command: list[str], timeout: str) -> None:
+    """It reported every decision as missing (is the processor running?)."""
+    result = CliRunner().invoke(app, [*command, "--timeout", timeout], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "--timeout" in result.output and "more than 0" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["stack", "logs", "zookeeper"], "unknown service 'zookeeper'"),
+        (["taxonomy", "--readme", "missing.md"], "does not exist"),
+        (["eval", "--suite", "missing"], "does not exist"),
+        (["executor", "run", "--db", "missing/support.db"], "cannot start"),
+    ],
+)
+def test_a_bad_value_is_named_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], says: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert says in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["approvals", "list"],
+        ["approvals", "show", "r-1"],
+        ["approvals", "approve", "r-1", "--key", "k.jwk", "--as", "ops-1"],
+    ],
+)
+def test_approvals_without_redis_exit_2_saying_so(args: list[str]) -> None:
+    result = CliRunner().invoke(app, args, env=_nowhere())
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "Redis does not answer" in result.output
+
+
+def test_reference_data_the_broker_did_not_take_is_not_published() -> None:
+    result = CliRunner().invoke(
+        app, ["reference", "put", "acme/order/WO-1", "--state", "shipped"], env=_nowhere()
+    )
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert "not published" in result.output and "shipped" not in result.output

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from processor.client import DeliveryError, ToolsentryClient, _ids
+from processor.client import ClientClosed, DeliveryError, ToolsentryClient, _ids
 from processor.config import Settings
 from processor.stack.local import free_ports
 
@@ -72,3 +74,25 @@ def test_the_client_follows_only_a_run_the_processor_can_answer_under(
     """The run a raw record names is followed only when the processor keys its answer by
     it; a lone surrogate was followed, and encoding it raised out of send_raw."""
     assert _ids(value) == ids
+
+
+def test_closing_the_client_releases_a_caller_waiting_on_it(client: ToolsentryClient) -> None:
+    """A caller waiting in another thread got no word of close(): it waited out its whole
+    timeout for observations no longer read, then reported them missing."""
+    raised: list[Exception] = []
+
+    def wait() -> None:
+        try:
+            client.wait("p-never-answered", 30)
+        except Exception as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    client.close()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert [type(e) for e in raised] == [ClientClosed]
+    with pytest.raises(ClientClosed):
+        client.wait("p-after-close", 30)
