@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from confluent_kafka import KafkaError, Message, Producer
 
@@ -19,12 +19,13 @@ def send(
     key: bytes | None,
     value: bytes | None,
     headers: Headers | None = None,
+    on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
 ) -> None:
     """Produce one record, waiting while the local queue is full: a transaction's records
     may not be dropped, and the queue drains as deliveries complete."""
     while True:
         try:
-            producer.produce(topic, value=value, key=key, headers=headers)
+            producer.produce(topic, value=value, key=key, headers=headers, on_delivery=on_delivery)
             return
         except BufferError:
             producer.poll(0.05)
@@ -47,12 +48,7 @@ def deliver(
             failed.append(err)
 
     for key, value in records:
-        while True:
-            try:
-                producer.produce(topic, value=value, key=key, on_delivery=delivered)
-                break
-            except BufferError:
-                producer.poll(0.05)
+        send(producer, topic, key, value, on_delivery=delivered)
     remaining = producer.flush(timeout)
     if remaining:
         raise TimeoutError(f"{remaining} record(s) to {topic} not acknowledged in {timeout}s")

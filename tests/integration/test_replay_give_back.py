@@ -27,7 +27,7 @@ from processor.state.admission import AdmissionStore
 from processor.state.connection import connect
 from tests.integration.harness import ProcessorProcess, isolated, read_all, token
 from tests.integration.test_admission import call
-from tests.unit.helpers import envelope, keyed_processor
+from tests.unit.helpers import Consumed, envelope, keyed_processor
 
 pytestmark = pytest.mark.integration
 
@@ -35,42 +35,17 @@ TENANT = "acme"
 TOPIC = "tool.proposals"
 
 
-class _Message:
-    """A consumed record, as far as deciding a batch looks at one."""
-
-    def __init__(self, value: bytes, offset: int) -> None:
-        self._value, self._offset = value, offset
-
-    def topic(self) -> str:
-        return TOPIC
-
-    def partition(self) -> int:
-        return 0
-
-    def offset(self) -> int:
-        return self._offset
-
-    def key(self) -> bytes:
-        return b"run-1"
-
-    def value(self) -> bytes:
-        return self._value
-
-    def timestamp(self) -> tuple[int, int]:
-        return 1, 1_700_000_000_000
-
-
 def _processor(tmp_path: Path, redis_url: str, namespace: str) -> tuple[Processor, Path]:
     return keyed_processor(tmp_path, redis_url=redis_url, redis_namespace=namespace)
 
 
-def _ticket(keys: Path, key: str, run: str) -> _Message:
+def _ticket(keys: Path, key: str, run: str) -> Consumed:
     """A ticket proposed with a token of the issuer ``keys`` holds now."""
     token = TokenIssuer.from_jwk_file(keys / "issuer.jwk").mint(TENANT, "u-1", "agent-1",
                                                                  ["tickets:write"])  # fmt: skip
     env = envelope("create_ticket", tenant_id=TENANT, run_id=run, idempotency_key=key,
                    proposal_id=f"p-{key}", principal_token=token)  # fmt: skip
-    return _Message(orjson.dumps(env), offset=7)
+    return Consumed(TOPIC, 7, orjson.dumps(env))
 
 
 def _rotate(p: Processor, keys: Path, tmp_path: Path) -> None:
@@ -79,7 +54,7 @@ def _rotate(p: Processor, keys: Path, tmp_path: Path) -> None:
     assert p.reload_trust(force=True)
 
 
-def _decided(p: Processor, m: _Message) -> Decision:
+def _decided(p: Processor, m: Consumed) -> Decision:
     [d] = p.decide_batch([m])  # type: ignore[list-item]
     return d
 
@@ -144,7 +119,7 @@ def test_a_proposal_refused_for_its_token_where_no_call_waits_costs_redis_nothin
         env = envelope("create_ticket", tenant_id=TENANT, idempotency_key=uuid.uuid4().hex)
         if presented is not None:
             env["principal_token"] = presented
-        batch.append(_Message(orjson.dumps(env), offset))
+        batch.append(Consumed(TOPIC, offset, orjson.dumps(env)))
     decisions = p.decide_batch(batch)  # type: ignore[arg-type]
     for d in decisions:
         assert d.rejection is not None and d.rejection.gate is Gate.IDENTITY

@@ -63,6 +63,37 @@ def record(
     return SourceRecord(topic, partition, offset, key, value, NOW_MS - 5)
 
 
+class Consumed:
+    """A consumed record, as far as the processor's and the executor's loops look at one."""
+
+    def __init__(
+        self, topic: str, offset: int, value: bytes, partition: int = 0, key: bytes = b"run-1"
+    ) -> None:
+        self._topic, self._offset, self._value = topic, offset, value
+        self._partition, self._key = partition, key
+
+    def error(self) -> None:
+        return None
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes:
+        return self._key
+
+    def value(self) -> bytes:
+        return self._value
+
+    def timestamp(self) -> tuple[int, int]:
+        return 1, 1_700_000_000_000
+
+
 def envelope(tool: str = "cancel_order", **fields: Any) -> dict[str, Any]:
     """A valid proposal envelope for ``tool``; ``fields`` override or add envelope fields."""
     env: dict[str, Any] = {

@@ -26,50 +26,23 @@ from processor.config import Settings
 from processor.contracts.registry import ContractSet
 from processor.executor import Call, Executor, Succeeded
 from processor.model import Outcome
-from tests.unit.helpers import SCHEMAS_DIR, decide_envelope, envelope
-
-
-class _Record:
-    def __init__(self, topic: str, offset: int, value: bytes, partition: int = 0) -> None:
-        self._topic, self._offset, self._value = topic, offset, value
-        self._partition = partition
-
-    def error(self) -> None:
-        return None
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return self._partition
-
-    def offset(self) -> int:
-        return self._offset
-
-    def key(self) -> bytes:
-        return b"run-1"
-
-    def value(self) -> bytes:
-        return self._value
-
-    def timestamp(self) -> tuple[int, int]:
-        return 0, 1_700_000_000_000
+from tests.unit.helpers import SCHEMAS_DIR, Consumed, decide_envelope, envelope
 
 
 class _Consumer:
     """Hands out one batch; ``moved`` runs inside poll(), as a rebalance callback would."""
 
-    def __init__(self, records: list[_Record], moved: Any = None) -> None:
+    def __init__(self, records: list[Consumed], moved: Any = None) -> None:
         self.records, self.moved = records, moved
         self.seeks: list[tuple[str, int, int]] = []
         self.paused: set[tuple[str, int]] = set()
 
-    def poll(self, timeout: float) -> _Record | None:
+    def poll(self, timeout: float) -> Consumed | None:
         if self.moved is not None:
             self.moved()
         return self.records[0] if self.records else None
 
-    def consume(self, n: int, timeout: float) -> list[_Record]:
+    def consume(self, n: int, timeout: float) -> list[Consumed]:
         return self.records[1:]
 
     def seek(self, tp: TopicPartition) -> None:
@@ -157,7 +130,10 @@ def test_a_batch_read_while_its_partitions_moved_is_rewound_not_run(
     producer, consumer = _Producer(), _Consumer([])
     executor = _executor(consumer, producer, ran=ran)
     executor.clock = lambda: (d.decided_at_ms or 0) / 1000  # within the call's deadline
-    consumer.records = [_Record(executor.topics[0], 4, call), _Record(executor.topics[0], 5, call)]
+    consumer.records = [
+        Consumed(executor.topics[0], 4, call),
+        Consumed(executor.topics[0], 5, call),
+    ]
     consumer.moved = lambda: setattr(executor, "_rebalanced", True)
     assert executor.run_once(0.1) == 0
     assert ran == [] and producer.calls == []  # nothing ran, was published or committed
@@ -188,7 +164,7 @@ def test_a_stop_starts_no_more_calls_and_commits_those_that_finished(
     executor.handlers["lookup_order"] = lookup
     batch = [(0, 4), (1, 20), (0, 5), (1, 21)]
     consumer.records = [
-        _Record(topic, offset, _call_id(call, f"c-{partition}-{offset}"), partition)
+        Consumed(topic, offset, _call_id(call, f"c-{partition}-{offset}"), partition)
         for partition, offset in batch
     ]
     assert executor.run_once(0.1) == 2
@@ -207,7 +183,7 @@ def test_a_stop_asked_for_while_a_batch_is_read_runs_none_of_it(contracts: Contr
     call, now_ms = _approved_call(contracts)
     ran: list[Call] = []
     executor, producer, consumer, topic = _rig(now_ms, ran=ran)
-    consumer.records = [_Record(topic, 4, call), _Record(topic, 5, call)]
+    consumer.records = [Consumed(topic, 4, call), Consumed(topic, 5, call)]
     consumer.moved = executor.stop  # inside poll(), as a signal would come
     assert executor.run_once(0.1) == 0
     assert ran == [] and producer.calls == []  # nothing run, published or committed
@@ -284,7 +260,7 @@ def test_records_that_are_not_calls_are_dead_lettered_in_the_batch_s_transaction
     registry = CollectorRegistry()
     executor, producer, consumer, topic = _rig(now_ms, registry=registry)
     values = [b"not avro", call, corrupt, observation]
-    consumer.records = [_Record(topic, 7 + i, v) for i, v in enumerate(values)]
+    consumer.records = [Consumed(topic, 7 + i, v) for i, v in enumerate(values)]
     assert executor.run_once(0.1) == 4
     assert producer.calls == ["begin", "offsets", *["produce"] * 4, "commit"]
     assert producer.offsets == [(topic, 0, 11)]
@@ -312,10 +288,10 @@ def test_a_call_of_an_unknown_schema_holds_its_partition_and_nothing_after_it_ru
     ran: list[Call] = []
     executor, producer, consumer, topic = _rig(now_ms, ran=ran, registry=registry)
     consumer.records = [
-        _Record(topic, 4, call),
-        _Record(topic, 5, _newer_call(call)),
-        _Record(topic, 6, call),
-        _Record(topic, 20, call, partition=1),  # another partition carries on
+        Consumed(topic, 4, call),
+        Consumed(topic, 5, _newer_call(call)),
+        Consumed(topic, 6, call),
+        Consumed(topic, 20, call, partition=1),  # another partition carries on
     ]
     assert executor.run_once(0.1) == 2
     assert len(ran) == 2
@@ -328,7 +304,7 @@ def test_a_call_of_an_unknown_schema_holds_its_partition_and_nothing_after_it_ru
     # Read again once the hold is over: still unknown here, held again, and counted.
     assert executor._held[(topic, 0)] > time.monotonic() + executor_module.HOLD_S - 1
     executor._held[(topic, 0)] = 0.0
-    consumer.records = [_Record(topic, 5, _newer_call(call)), _Record(topic, 6, call)]
+    consumer.records = [Consumed(topic, 5, _newer_call(call)), Consumed(topic, 6, call)]
     assert executor.run_once(0.1) == 0
     assert len(ran) == 2 and producer.calls.count("commit") == 1
     assert consumer.paused == {(topic, 0)} and consumer.seeks[-1] == (topic, 0, 5)
@@ -338,7 +314,7 @@ def test_a_call_of_an_unknown_schema_holds_its_partition_and_nothing_after_it_ru
 def test_a_held_partition_is_resumed_after_the_hold(contracts: ContractSet) -> None:
     call, now_ms = _approved_call(contracts)
     executor, producer, consumer, topic = _rig(now_ms)
-    consumer.records = [_Record(topic, 5, _newer_call(call))]
+    consumer.records = [Consumed(topic, 5, _newer_call(call))]
     assert executor.run_once(0.1) == 0
     assert consumer.paused == {(topic, 0)} and producer.calls == []
     consumer.records = []
@@ -376,7 +352,7 @@ def test_a_call_that_cannot_be_run_is_answered_as_not_run_and_dead_lettered(
     ran: list[Call] = []
     executor, producer, consumer, topic = _rig(now_ms, ran=ran, registry=registry)
     values = [listed, broken, nameless]
-    consumer.records = [_Record(topic, 3 + i, v) for i, v in enumerate(values)]
+    consumer.records = [Consumed(topic, 3 + i, v) for i, v in enumerate(values)]
     assert executor.run_once(0.1) == 3
     assert ran == []
     assert producer.calls == ["begin", "offsets", *["produce"] * 5, "commit"]
@@ -422,7 +398,10 @@ def test_a_call_naming_an_id_longer_than_any_the_processor_writes_is_not_run(
     at_bound = _unrunnable(call, **{k: "y" * ID_MAX_CHARS for k in fields})
     ran: list[Call] = []
     executor, producer, consumer, topic = _rig(now_ms, ran=ran)
-    consumer.records = [_Record(topic, 3, _unrunnable(call, **fields)), _Record(topic, 4, at_bound)]
+    consumer.records = [
+        Consumed(topic, 3, _unrunnable(call, **fields)),
+        Consumed(topic, 4, at_bound),
+    ]
     assert executor.run_once(0.1) == 2
     assert len(ran) == 1 and getattr(ran[0], name) == "y" * ID_MAX_CHARS
     topics = [p["topic"] for p in producer.produced]
@@ -443,10 +422,10 @@ def test_the_answer_to_a_call_that_cannot_be_run_is_not_kept_for_a_redelivery(
     executor = _executor(consumer, producer, ran=ran)
     executor.clock = lambda: now_ms / 1000
     topic = executor.topics[0]
-    consumer.records = [_Record(topic, 3, _unrunnable(call, arguments="[]"))]
+    consumer.records = [Consumed(topic, 3, _unrunnable(call, arguments="[]"))]
     assert executor.run_once(0.1) == 0  # aborted and rewound
     assert executor._given_back == {}
-    consumer.records = [_Record(topic, 3, call)]
+    consumer.records = [Consumed(topic, 3, call)]
     assert executor.run_once(0.1) == 1
     assert len(ran) == 1
     [r] = [decode_result(p["value"]) for p in producer.produced[-1:]]
