@@ -624,6 +624,12 @@ def _decision_warnings(own: list[Entry]) -> list[str]:
         out.append(f"proposed {proposed} times under this id")
     if len(decisions) > 1:
         out.append(f"{len(decisions)} decision observations, one expected")
+    runs = sorted({e.run_id for e in own if e.run_id is not None})
+    if len(runs) > 1:
+        # (an id reused by another run: its records are not this proposal's life, and the
+        # last answer shown may be the other run's)
+        named = ", ".join(printable(r, 40) for r in runs[:3]) + (", ..." if len(runs) > 3 else "")
+        out.append(f"the id is used by {len(runs)} runs ({named}): --run-id shows one run's")
     if proposed and not decisions and not any(e.kind == "dead letter" for e in own):
         out.append("no decision observation in range: not decided yet, or after --until")
     return out

@@ -755,3 +755,4 @@ def test_given_its_run_a_proposal_id_reused_by_another_run_is_not_its_life(
     # Without its run, both are shown, and the analyst is told.
     t = assemble(PID, collect(PID, [*life, *others], ROLES, Counter()), READING)
     assert "proposed 2 times under this id" in t.warnings
+    assert "the id is used by 2 runs (run-1, run-other): --run-id shows one run's" in t.warnings
