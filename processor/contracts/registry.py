@@ -59,6 +59,9 @@ class SemanticRule:
     program: Any
     message: str
     next_action: str
+    cost_exponent: int = 1
+    """The evaluation cost is at most the context's size to this power (see
+    ``cost_exponent``): 1 for a rule without comprehensions."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,24 +316,23 @@ def _semantics(
     """Compile the CEL rules once; check each reference names a real argument."""
     section = doc.get("semantics", {})
     rules: list[SemanticRule] = []
+    examples = [e["arguments"] for e in doc["affordance"]["examples"] if e.get("valid", True)]
     for i, rule in enumerate(section.get("rules", [])):
         where = f"/semantics/rules/{i}/expression"
+        expression = rule["expression"]
         try:
-            program = cel_engine.compile_expression(rule["expression"])
+            program = cel_engine.compile_expression(expression)
         except ValueError as exc:
             problems.append(Problem(rel, where, f"CEL does not compile: {exc}"))
             continue
-        # Comprehension variables show up too; only top-level names can be unknown.
-        unknown = {v for v in program.variables() if "." not in v} - _RULE_VARIABLES
-        unknown -= _comprehension_variables(rule["expression"])
-        if unknown:
-            problems.append(
-                Problem(
-                    rel, where, f"unknown variables {sorted(unknown)}; use args, principal, refs"
-                )
-            )
+        reason = _unusable_rule(program, expression, examples)
+        if reason is not None:
+            problems.append(Problem(rel, where, f"rule {rule['id']!r}: {reason}"))
             continue
-        rules.append(SemanticRule(rule["id"], program, rule["message"], rule["next_action"]))
+        rules.append(
+            SemanticRule(rule["id"], program, rule["message"], rule["next_action"],
+                         cost_exponent(expression))
+        )  # fmt: skip
     arguments = doc["affordance"]["input_schema"].get("properties", {})
     references: list[Reference] = []
     for i, ref in enumerate(section.get("references", [])):
@@ -358,11 +360,67 @@ def _semantics(
     return tuple(rules), tuple(references)
 
 
-_MACRO_VARIABLE = re.compile(r"\.(?:all|exists|exists_one|map|filter)\(\s*([a-z_][a-z0-9_]*)\s*,")
+def _unusable_rule(program: Any, expression: str, examples: list[Any]) -> str | None:
+    """Why a compiled rule would misbehave on live calls, or None.
+
+    Each of these would otherwise compile, load, and then refuse every call naming the
+    rule, as if the model's arguments broke it."""
+    # Comprehension variables show up too; only top-level names can be unknown, and the
+    # type denotations (``int`` in ``type(x) == int``) are listed though the engine
+    # resolves them itself.
+    unknown = {v for v in program.variables() if "." not in v} - _RULE_VARIABLES
+    unknown -= _comprehension_variables(expression)
+    unknown = {v for v in unknown if not cel_engine.names_itself(v)}
+    if unknown:
+        return f"unknown variables {sorted(unknown)}; use args, principal, refs"
+    functions = [f for f in program.functions() if not cel_engine.is_operator(f)]
+    missing = [f for f in functions if not cel_engine.has_function(f)]
+    if missing:
+        return f"the CEL engine has no function {', '.join(missing)}"
+    if _NEGATION in program.functions():
+        # The engine negates the smallest int64 into itself instead of failing with an
+        # overflow; subtraction is checked.
+        return "unary minus on a computed value can overflow silently; write 0 - x or 0.0 - x"
+    for i, arguments in enumerate(examples):
+        try:
+            program.execute({"args": arguments})
+        except Exception as exc:  # principal and refs are absent: only this error counts
+            name = cel_engine.undefined_name(exc)
+            if name in functions:
+                return f"the CEL engine has no {name} for the arguments of valid example {i}"
+    return None
+
+
+_NEGATION = "-_"
+
+_MACRO = re.compile(
+    r"\.\s*(all|exists|exists_one|existsOne|map|filter)\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*,"
+)
+"""A comprehension macro and its variable; any identifier may name the variable."""
+
+_MACRO_WEIGHT = {"map": 2, "filter": 2}
+"""The engine builds the list a ``map`` or ``filter`` returns by copying it once per
+element, so those cost the square of their range by themselves; the other macros stop
+or go on per element and cost their range."""
 
 
 def _comprehension_variables(expression: str) -> set[str]:
-    return set(_MACRO_VARIABLE.findall(expression))
+    return {name for _, name in _MACRO.findall(expression)}
+
+
+def cost_exponent(expression: str) -> int:
+    """An exponent ``e`` such that evaluating the rule costs at most ``size ** e`` steps,
+    ``size`` being that of the values it reads (see ``semantic.context_size``).
+
+    Without comprehensions a CEL expression reads each value it names a bounded number of
+    times: linear, ``e = 1``. Each comprehension repeats its body once per element of a
+    range no larger than ``size`` (a ``map`` or ``filter`` twice over, see
+    ``_MACRO_WEIGHT``), and reading an argument inside a body costs up to ``size`` again
+    in this engine, so every macro in the text, nested, chained or side by side, adds its
+    weight to the exponent. Counting in the source text over-estimates (a macro name in a
+    string literal counts too), never under-estimates.
+    """
+    return 1 + sum(_MACRO_WEIGHT.get(macro, 1) for macro, _ in _MACRO.findall(expression))
 
 
 def contract_files(directory: Path) -> tuple[list[Path], list[Problem]]:

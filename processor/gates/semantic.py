@@ -10,6 +10,8 @@ Outcomes, in order:
 
 - an id that exists nowhere: ``SEMANTIC_INVALIDITY``, and ``next_action``
   names the lookup tool: the model invented or misremembered it;
+- an argument too large for the rules to be checked within ``RULE_COST_LIMIT``, or an
+  integer outside the 64 bits CEL computes with: ``OUT_OF_BOUNDS``;
 - a rule of the contract is false: ``SEMANTIC_INVALIDITY`` naming the rule;
 - an id of another tenant: ``PERMISSION_DENIED``;
 - an entity in a state the action does not allow: ``STALE_STATE``.
@@ -21,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from processor.contracts.registry import Contract, Reference
+from processor.contracts.registry import Contract, Reference, SemanticRule
 from processor.model import FieldError, Gate, Principal, Proposal, Rejection, TaxonomyClass
 
 RefKey = tuple[str, str, str]
@@ -110,6 +112,9 @@ def check_semantics(
             if entry is not None and entry is not FOREIGN
         }
         context = {"args": p.arguments, "principal": principal.as_cel(), "refs": refs}
+        refusal = _beyond_the_engine(contract.rules, context)
+        if refusal is not None:
+            return refusal
         failed: list[tuple[str, str, str]] = []
         for rule in contract.rules:
             try:
@@ -148,6 +153,106 @@ def check_semantics(
             "this tenant's lookups.",
         )
     return None
+
+
+RULE_COST_LIMIT = 4_000_000
+"""The most ``context_size(...) ** rule.cost_exponent`` a rule is evaluated at. The engine
+has no step limit of its own and cannot be interrupted, and a rule runs on the consumer's
+thread: at this bound the costliest shapes measured (a comprehension whose body reads an
+argument list, a ``map`` producing lists) take about 0.1 s. A rule without comprehensions
+(exponent 1) is never limited; one comprehension allows about 2,000 values, a ``map`` or two
+nested comprehensions about 150."""
+
+_STRING_UNIT = 16
+"""Characters of a string counted as one value: a rule scans strings (``contains``,
+``matches``) many times faster than it steps through a list."""
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+_Link = tuple[Any, "_Link"] | None
+"""A path as (last key, the parent's path)."""
+
+
+def context_size(value: Any) -> tuple[int, tuple[Any, ...] | None]:
+    """The size of what a rule may read: one per value (a list, a map, each element and
+    each entry included), plus one per ``_STRING_UNIT`` characters; and the path of the
+    first integer outside int64, which the engine would turn into a uint or a rounded
+    double instead of failing with an overflow. Iterative, and each value's path is a
+    link to its parent's, so that deep nesting costs neither recursion nor copies."""
+    size = 0
+    beyond: tuple[_Link] | None = None
+    stack: list[tuple[Any, _Link]] = [(value, None)]
+    while stack:
+        node, where = stack.pop()
+        size += 1
+        if isinstance(node, dict):
+            stack.extend((v, (k, where)) for k, v in node.items())
+        elif isinstance(node, list | tuple):
+            stack.extend((v, (i, where)) for i, v in enumerate(node))
+        elif isinstance(node, str | bytes):
+            size += len(node) // _STRING_UNIT
+        elif type(node) is int and beyond is None and not _INT64[0] <= node <= _INT64[1]:
+            beyond = (where,)
+    return size, None if beyond is None else _unlink(beyond[0])
+
+
+def _unlink(link: _Link) -> tuple[Any, ...]:
+    parts: list[Any] = []
+    while link is not None:
+        parts.append(link[0])
+        link = link[1]
+    return tuple(reversed(parts))
+
+
+def _pointer(parts: tuple[Any, ...]) -> str:
+    """A field's path as the schema gate writes it: JSON-pointer segments, no leading /."""
+    return "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def _beyond_the_engine(
+    rules: tuple[SemanticRule, ...], context: dict[str, Any]
+) -> Rejection | None:
+    """Refuse, before any rule runs, a context the rules cannot be evaluated over faithfully
+    (an integer beyond int64) or within ``RULE_COST_LIMIT``. Both refusals fail closed and
+    say the arguments are too large, not that they break a rule."""
+    size, beyond = context_size(context)
+    if beyond is not None:
+        field = _pointer(beyond[1:]) if beyond[:1] == ("args",) else None
+        return Rejection(
+            TaxonomyClass.OUT_OF_BOUNDS,
+            Gate.SEMANTIC,
+            (
+                FieldError(
+                    field,
+                    f"{_pointer(beyond)}: integer outside the 64-bit range the contract's "
+                    "rules compute with",
+                    "integer_overflow",
+                    expected=f"{_INT64[0]}..{_INT64[1]}",
+                ),
+            ),
+            "Send the number within the signed 64-bit range; a value this large cannot be "
+            "checked against the tool's rules.",
+        )
+    costly = [r for r in rules if r.cost_exponent > 1 and size**r.cost_exponent > RULE_COST_LIMIT]
+    if not costly:
+        return None
+    return Rejection(
+        TaxonomyClass.OUT_OF_BOUNDS,
+        Gate.SEMANTIC,
+        tuple(
+            FieldError(
+                None,
+                f"rule {r.rule_id}: arguments of size {size} are too large for this rule to "
+                f"be checked (size ** {r.cost_exponent} exceeds {RULE_COST_LIMIT})",
+                "rule_cost_exceeded",
+                expected=r.rule_id,
+            )
+            for r in costly
+        ),
+        "The arguments are too large for the tool's rules to be checked in one call: send "
+        "fewer or shorter items, splitting the work over several calls.",
+    )
 
 
 def check_state(contract: Contract, resolved: Resolved) -> Rejection | None:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from processor.contracts.cel_engine import compile_expression
+from processor.contracts.cel_engine import compile_expression, has_function, names_itself
 
 
 def _run(code: str) -> str:
@@ -46,3 +46,17 @@ def test_a_rule_compiles_and_runs() -> None:
 def test_an_expression_that_does_not_compile_raises_value_error() -> None:
     with pytest.raises(ValueError):
         compile_expression("args.amount <=")
+
+
+@pytest.mark.parametrize(
+    ("name", "known"),
+    [("size", True), ("matches", True), ("getFullYear", True), ("timestamp", True),
+     ("type", True), ("lowerAscii", False), ("max", False), ("noSuchThing", False)],
+)  # fmt: skip
+def test_the_engine_is_asked_which_functions_it_has(name: str, known: bool) -> None:
+    assert has_function(name) is known
+
+
+def test_type_denotations_are_not_variables() -> None:
+    assert names_itself("int") and names_itself("null_type")
+    assert not names_itself("args") and not names_itself("order")

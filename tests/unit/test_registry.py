@@ -12,7 +12,7 @@ import orjson
 import pytest
 import yaml
 
-from processor.contracts.registry import ContractError, Problem, load_contracts
+from processor.contracts.registry import ContractError, Problem, cost_exponent, load_contracts
 from processor.model import SideEffectClass
 from tests.unit.helpers import CONTRACTS_DIR
 
@@ -424,3 +424,63 @@ def test_comprehension_variables_are_not_unknown(tmp_path: Path) -> None:
     rule = {"id": "r", "expression": "[args.reason_code].all(x, x != 'fraud_suspected')",
             "message": "m", "next_action": "n"}  # fmt: skip
     load_contracts(folder_with(tmp_path, _with_semantics({"rules": [rule]})))
+
+
+def _rule(expression: str) -> dict[str, Any]:
+    return {"semantics": {"rules": [{"id": "r1", "expression": expression, "message": "m",
+                                     "next_action": "n"}]}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("expression", "reason"),
+    [
+        ("args.reason_code.lowerAscii() == 'fraud_suspected'", "no function lowerAscii"),
+        ("max(1, 2) == 2", "no function max"),
+        ("size(args.order_id) > 0 && args.order_id.trim() != ''", "no function trim"),
+        # timestamp exists, but not for an int: the valid example reaches the call.
+        ("timestamp(size(args.order_id)) != timestamp('2000-01-01T00:00:00Z')",
+         "no timestamp for the arguments of valid example 0"),
+        ("-size(args.order_id) < 0", "unary minus on a computed value"),
+        ("type(order) == int", "unknown variables ['order']"),
+        ("args.order_id.all(Item, Item != 'x') && Other", "unknown variables ['Other']"),
+    ],
+)  # fmt: skip
+def test_rules_that_would_misbehave_on_every_call_are_refused_at_load(
+    expression: str, reason: str, tmp_path: Path
+) -> None:
+    problem = only(refused(folder_with(tmp_path, lambda d: d.update(_rule(expression)))))
+    assert (problem.file, problem.path) == ("bad.yaml", "/semantics/rules/0/expression")
+    assert problem.reason.startswith("rule 'r1': ")
+    assert reason in problem.reason
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "type(args.order_id) == string && type(size(args.order_id)) == int",
+        "[args.reason_code].all(Item, Item != 'fraud_suspected')",
+        "[args.reason_code].exists( Code , Code.startsWith('customer'))",
+        "timestamp('2024-01-01T00:00:00Z').getFullYear() == 2024",
+        "size(args.order_id) > -1 && 0 - size(args.order_id) < 0",
+    ],
+)
+def test_valid_cel_loads(expression: str, tmp_path: Path) -> None:
+    cs = load_contracts(folder_with(tmp_path, lambda d: d.update(_rule(expression))))
+    [rule] = cs.versions("cancel_order")[0].rules
+    args = {"order_id": "WO-12345-A", "reason_code": "customer_request", "confirm": True}
+    assert rule.program.execute({"args": args}) is True
+
+
+@pytest.mark.parametrize(
+    ("expression", "exponent"),
+    [
+        ("args.a > 1", 1),
+        ("args.l.all(x, x > 0)", 2),
+        ("args.l.all(x, x > 0) && args.m.exists(y, y > 0)", 3),
+        ("args.l.all(x, args.l.all(y, x >= y))", 3),
+        ("args.l.map(x, args.l).size() > 0", 3),
+        ("args.l.filter(x, x > 0).all(y, y > 1)", 4),
+    ],
+)
+def test_each_comprehension_raises_the_cost_exponent(expression: str, exponent: int) -> None:
+    assert cost_exponent(expression) == exponent
