@@ -25,6 +25,7 @@ import orjson
 from jsonschema import Draft202012Validator
 
 from processor.codec.avro import SCHEMAS_DIR
+from processor.contracts import backtracking
 from processor.contracts.registry import contract_files, read_contract_file
 from processor.contracts.validation import FORMAT_CHECKER
 
@@ -443,103 +444,10 @@ def unknown_tool_named(doc: dict[str, Any], tools: tuple[str, ...]) -> Iterator[
                     f"compensation tool {compensation} is not in the set")  # fmt: skip
 
 
-_REPEATED_ATOM = re.compile(
-    r"(?:\?:)?(?:\\.|\[(?:\\.|[^\]\\])*\]|[^\\\[\]()|])(?:[*+]|\{\d+,\d*\})\??"
-)
-"""A group body that is one repeated atom: ``a+``, ``\\d*``, ``[a-z]{2,}``."""
-
-
-def _nested_quantifier(pattern: str) -> str | None:
-    """The first repeated group whose body is one repeated atom, ``(a+)+`` or ``(\\d*)*``,
-    or whose alternatives overlap, ``(a|a)*`` or ``(\\w|\\d)+``: a backtracking engine
-    (ECMA-262's, the processor's) takes exponential time on a text that almost matches, as
-    it tries every way to split the run. None when there is none. (Groups with more in
-    them, ``([a-z]+\\.)*``, are not flagged.)"""
-    starts: list[int] = []
-    for i, ch in _outside_classes(pattern):
-        if ch == "(":
-            starts.append(i)
-        elif ch == ")" and starts:
-            start = starts.pop()
-            after = pattern[i + 1 :]
-            bound = re.match(r"\{\d+,\d*\}", after)
-            width = 1 if after[:1] in ("*", "+") else bound.end() if bound else 0
-            body = pattern[start + 1 : i]
-            if width and (_REPEATED_ATOM.fullmatch(body) or _overlapping_branches(body)):
-                return pattern[start : i + 1 + width]
-    return None
-
-
-def _outside_classes(pattern: str) -> Iterator[tuple[int, str]]:
-    """(index, character) of a regex's characters that are neither escaped nor inside a
-    character class: its structure (groups, alternation, quantifiers)."""
-    i, in_class = 0, False
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-        else:
-            yield i, ch
-        i += 1
-
-
-def _branches(body: str) -> list[str]:
-    """A group body's top-level alternatives (``?:`` dropped)."""
-    body = body[2:] if body.startswith("?:") else body
-    out, depth, start = [], 0, 0
-    for i, ch in _outside_classes(body):
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "|" and depth == 0:
-            out.append(body[start:i])
-            start = i + 1
-    out.append(body[start:])
-    return out
-
-
-_ONE_CHARACTER = re.compile(r"\\[^1-9bBkpPcux]|\[(?:\\.|[^\]\\])+\]|[^\\\[\]()|*+?{}^$]")
-"""An alternative that matches exactly one character: ``a``, ``.``, ``\\d``, ``[a-z]``."""
-
-_PROBES = [chr(c) for c in range(32, 127)] + ["\t", "\n", "\u00e9", "\u00a0", "\u4e2d"]
-"""Characters tried against one-character alternatives to see whether two overlap."""
-
-
-def _overlapping_branches(body: str) -> bool:
-    """Two alternatives of a repeated group that can match the same text, ``(a|a)*``,
-    ``(a|aa)+`` or ``(\\w|\\d)*``: a near-miss is split between them every possible way.
-    Only what can be told for certain is flagged: equal alternatives, a literal and its
-    repetition, and one-character alternatives sharing a character."""
-    alternatives = _branches(body)
-    if len(alternatives) < 2:
-        return False
-    for n, a in enumerate(alternatives):
-        for b in alternatives[n + 1 :]:
-            if a == b and a:
-                return True
-            short, long = sorted((a, b), key=len)
-            literal = re.fullmatch(r"[A-Za-z0-9_-]+", long) is not None
-            if short and literal and long == short * (len(long) // len(short)):
-                return True
-            if _ONE_CHARACTER.fullmatch(a) and _ONE_CHARACTER.fullmatch(b):
-                try:
-                    left, right = (re.compile(x, re.ASCII) for x in (a, b))
-                except re.error:
-                    continue
-                if any(left.fullmatch(c) and right.fullmatch(c) for c in _PROBES):
-                    return True
-    return False
-
-
 def backtracking_pattern(doc: dict[str, Any], _tools: tuple[str, ...]) -> Iterator[Issue]:
     """A pattern a model's text can make the processor spend seconds on blocks the
-    partition behind it: nested quantifiers are refused."""
+    partition behind it: a pattern with exponential ambiguity is an error (the registry
+    refuses it too, with the same analysis)."""
     for where, schema in walk_schemas(_get(doc, *INPUT_SCHEMA)):
         found = []
         if isinstance(schema.get("pattern"), str):
@@ -548,11 +456,9 @@ def backtracking_pattern(doc: dict[str, Any], _tools: tuple[str, ...]) -> Iterat
         for key in props if isinstance(props, dict) else ():
             found.append((pointer(*where, "patternProperties"), str(key)))
         for at, pattern in found:
-            nested = _nested_quantifier(pattern)
-            if nested is not None:
-                yield Issue("error", at, f"{nested} can split one run of text in many ways "
-                            "(nested quantifiers, or alternatives that overlap): a near-miss "
-                            "takes exponential time; make the repetition unambiguous")  # fmt: skip
+            why = backtracking.explain(pattern)
+            if why is not None:
+                yield Issue("error", at, f"{pattern} {why}")
 
 
 RULES: dict[str, Rule] = {

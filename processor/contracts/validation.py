@@ -49,6 +49,8 @@ from referencing._core import Resolver
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
 
+from processor.contracts import backtracking
+
 Check = Callable[[Any], bool]
 
 
@@ -385,7 +387,8 @@ def _metaschema_fast() -> Check:
 
 def check_schema(schema: Mapping[str, Any]) -> None:
     """Raise ``jsonschema.SchemaError`` if ``schema`` is not a valid 2020-12 schema,
-    or ``ValueError`` if a pattern is not an ECMA-262 regex."""
+    or ``ValueError`` if a pattern is not an ECMA-262 regex or can take exponential
+    time on a text that almost matches."""
     # No format assertion against the metaschema: its ``format: regex`` would be
     # checked with Python's ``re``, which refuses ECMA-262 (``\\p{Lu}``, ``(?<name>…)``).
     # Patterns are checked as ECMA-262 regexes below instead.
@@ -400,6 +403,9 @@ def check_schema(schema: Mapping[str, Any]) -> None:
                 ecma_regex(value)
             except Exception as exc:
                 raise ValueError(f"{where}: {value!r} is not an ECMA-262 regex: {exc}") from exc
+            slow = backtracking.explain(value)
+            if slow is not None:  # the engine has no step limit: one near-miss stalls a partition
+                raise ValueError(f"{where}: {value!r} {slow}")
     nested = any(key == "$id" for where, key, _ in found if where != "#/$id")
     if nested or any(key == "$dynamicRef" or not _pointer_ref(value)
                      for _, key, value in found if key in ("$ref", "$dynamicRef")):  # fmt: skip

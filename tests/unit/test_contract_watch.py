@@ -169,6 +169,22 @@ def test_a_refused_folder_keeps_the_old_set_and_is_not_read_again_until_it_chang
     assert _reloads(registry, "loaded") == 0
 
 
+def test_a_reload_with_an_exponentially_backtracking_pattern_keeps_the_old_set(
+    tmp_path: Path,
+) -> None:
+    w, folder, registry = _watcher(tmp_path)
+    cancel = folder / CANCEL
+    text = cancel.read_text()
+    assert 'pattern: "^WO-[0-9]{5}-[A-Z]$"' in text
+    cancel.write_text(text.replace('"^WO-[0-9]{5}-[A-Z]$"', r'"^(\\w+\\s?)*$"'))
+    with pytest.raises(ContractError, match="exponentially many ways"):
+        load_contracts(folder)
+    w.check()
+    w.check()
+    assert w.take() is None and _reloads(registry, "refused") == 1
+    assert _reloads(registry, "loaded") == 0
+
+
 def _configmap_version(volume: Path, version: str, timeout_ms: int) -> None:
     """Publish the two contracts as the kubelet updates a ConfigMap volume: every file in
     a new hidden timestamped folder, then the ``..data`` link swapped to it by a rename.

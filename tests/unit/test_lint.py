@@ -347,6 +347,12 @@ def test_hints_lookups_and_compensations_must_name_tools_of_the_set() -> None:
         ("^([a-z]|[0-9])+$", False),
         ("^(a|ab)*$", False),  # "ab" is no repetition of "a": one way to split
         ("^(?:WO|WORK)+$", False),
+        ("^(\\w+\\s?)*$", True),  # an optional separator: the outer loop splits the run
+        ("^(x+x+)+y$", True),
+        ("^(a|a?)+$", True),
+        ("^(.*a){12}$", True),
+        ("^WO(?:-[0-9]+)*$", False),
+        ("^\\d+\\d+$", False),  # polynomial, not exponential
     ],
 )
 def test_a_pattern_with_nested_quantifiers_is_an_error(pattern: str, flagged: bool) -> None:

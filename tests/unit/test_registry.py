@@ -189,6 +189,18 @@ def test_non_ecma_pattern(tmp_path: Path) -> None:
     assert "is not an ECMA-262 regex" in p.reason
 
 
+def test_a_pattern_with_exponential_backtracking_is_refused(tmp_path: Path) -> None:
+    """A model's near-miss argument would hold the partition for seconds per call."""
+
+    def slow(doc: dict[str, Any]) -> None:
+        doc["affordance"]["input_schema"]["properties"]["order_id"]["pattern"] = "^(x+x+)+y$"
+
+    p = only(refused(folder_with(tmp_path, slow)))
+    assert (p.file, p.path) == ("bad.yaml", "/affordance/input_schema")
+    assert p.reason.startswith("#/properties/order_id/pattern: '^(x+x+)+y$' can match 'xxx'")
+    assert "exponentially many ways" in p.reason
+
+
 def test_an_input_schema_that_loops_is_refused_not_a_crash(tmp_path: Path) -> None:
     """Before, load_contracts checked the examples against it and died of RecursionError."""
 

@@ -601,6 +601,29 @@ def test_check_schema_rejects_non_ecma_pattern_properties() -> None:
         check_schema({"type": "object", "patternProperties": {"(?P<x>a)": {}}})
 
 
+@pytest.mark.parametrize("pattern", [r"^(\w+\s?)*$", r"^(x+x+)+y$", r"^(a|a?)+$"])
+def test_check_schema_refuses_a_pattern_with_exponential_backtracking(pattern: str) -> None:
+    """regress has no step limit: each of these takes seconds on 24 characters that almost
+    match, and twice that with each character more."""
+    schema = {"type": "object", "properties": {"note": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(ValueError) as info:
+        check_schema(schema)
+    message = str(info.value)
+    assert message.startswith(f"#/properties/note/pattern: {pattern!r} can match ")
+    assert "in exponentially many ways" in message
+
+
+def test_check_schema_refuses_a_pattern_property_with_exponential_backtracking() -> None:
+    schema = {"type": "object", "patternProperties": {"^(a+)+$": {"type": "string"}}}
+    with pytest.raises(ValueError, match=r"^#/patternProperties: '\^\(a\+\)\+\$' can match"):
+        check_schema(schema)
+
+
+def test_check_schema_accepts_polynomial_ambiguity() -> None:
+    check_schema({"type": "string", "pattern": r"^\d+\d+$"})
+    check_schema({"type": "string", "pattern": ".*a.*a.*$"})
+
+
 def test_check_schema_accepts_ecma_patterns() -> None:
     check_schema({"type": "string", "pattern": r"^(?<year>\d{4})-\p{Nd}$"})
 
