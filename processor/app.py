@@ -68,7 +68,8 @@ from processor.approval_flow import (
 )
 from processor.approvals import load_approvers
 from processor.codec.records import DLQ_HEADERS, dlq_record, encode_outputs, unencodable
-from processor.config import Settings
+from processor.config import Settings, enforce
+from processor.config import UnsafeSetting as UnsafeSetting  # raised by run at start
 from processor.contracts.registry import ContractSet
 from processor.contracts.watch import (
     FIRST_READ_POLLS,
@@ -214,19 +215,6 @@ class DependencyDown(Exception):
         self.dependency = dependency
 
 
-class UnsafeSetting(ValueError):
-    """A pass-through setting would switch off exactly-once processing."""
-
-
-def _enforce(conf: dict[str, Any], fixed: dict[str, Any], where: str) -> dict[str, Any]:
-    """Pass-through settings may tune clients but never change what exactly-once rests on."""
-    for key, value in fixed.items():
-        if key in conf and str(conf[key]).lower() != str(value).lower():
-            raise UnsafeSetting(f"{where}: {key}={conf[key]!r} is not allowed (must be {value!r})")
-        conf[key] = value
-    return conf
-
-
 def consumer_config(settings: Settings, subscription: Sequence[str] = ()) -> dict[str, Any]:
     """The consumer's settings; ``subscription`` is the topics it will subscribe to."""
     conf = settings.client_config(
@@ -261,7 +249,7 @@ def consumer_config(settings: Settings, subscription: Sequence[str] = ()) -> dic
         "enable.auto.offset.store": False,
         "isolation.level": "read_committed",
     }
-    return _enforce(conf, fixed, "consumer")
+    return enforce(conf, fixed, "consumer")
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:
@@ -284,7 +272,7 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         "enable.idempotence": True,
         "acks": "all",
     }
-    return _enforce(conf, fixed, "producer")
+    return enforce(conf, fixed, "producer")
 
 
 MESSAGE_MAX_BYTES = 1_000_000

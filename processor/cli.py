@@ -6,9 +6,9 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console, RenderableType
@@ -16,6 +16,8 @@ from rich.table import Table
 from rich.text import Text
 
 from processor.config import Settings, load_settings
+
+T = TypeVar("T")
 
 app = typer.Typer(
     help="toolsentry: validate, authorize and route LLM agent tool calls on Kafka, exactly once.",
@@ -434,14 +436,16 @@ def evaluate(
 ) -> None:
     """Run a labelled conformance suite through the running processors; per-category accuracy.
 
-    First ``--prepare``: it writes the keys and prints the settings to start the processors
-    with (JWKS, approvers, the suite's policy). Exit status 1 below 100%."""
+    First run it with --prepare: that writes the keys and prints the settings to start the
+    processors with (JWKS, approvers, the suite's policy). Exit status 1 below 100%, 2 when
+    the keys or the topics are missing."""
+    from processor.client import TopicMissing
     from processor.evaluate import Runner, load_suite, prepare_keys, summary
 
     _positive(timeout, "--timeout")
     loaded = load_suite(suite)
     if prepare:
-        k = prepare_keys(loaded, keys)
+        k = _written(keys, lambda: prepare_keys(loaded, keys))
         # Plain lines, never wrapped or read as markup: they are meant to be exported.
         typer.echo(f"TOOLSENTRY_IDENTITY__JWKS_FILE={k.jwks.resolve()}")
         typer.echo(f"TOOLSENTRY_IDENTITY__DELEGATION_KEY_FILE={k.delegation.resolve()}")
@@ -451,7 +455,15 @@ def evaluate(
     from processor.evaluate import SuiteKeys
 
     s = _settings(config)
-    runner = Runner(s, loaded, SuiteKeys(keys))
+    try:
+        runner = Runner(s, loaded, SuiteKeys(keys))
+    except FileNotFoundError as exc:
+        _alarm(f"no suite keys in {keys}", f": {exc.filename} is missing")
+        console.print(f"Write them first: toolsentry eval --prepare --keys {keys}", soft_wrap=True)
+        raise typer.Exit(2) from exc
+    except TopicMissing as exc:
+        _alarm("the suite cannot run", f": {exc}")
+        raise typer.Exit(2) from exc
     try:
         runner.publish_references()
         results = runner.run(timeout)
@@ -484,6 +496,16 @@ def evaluate(
 # -- keys, reference data, approvals ----------------------------------------------------------
 
 
+def _written(directory: Path, write: Callable[[], T]) -> T:
+    """What ``write`` returns, or exit 2 when it cannot write into ``directory`` (read-only,
+    not a folder, no permission): the reason, not a traceback."""
+    try:
+        return write()
+    except OSError as exc:
+        _alarm(f"cannot write keys into {directory}", f": {exc.strerror or exc}")
+        raise typer.Exit(2) from exc
+
+
 @keys_app.command("init")
 def keys_init(
     directory: Annotated[Path, typer.Argument(help="Where to write the keys.")] = Path(
@@ -494,7 +516,7 @@ def keys_init(
     processor's delegation key."""
     from processor.keys import init_keys
 
-    bundle = init_keys(directory)
+    bundle = _written(directory, lambda: init_keys(directory))
     typer.echo(f"issuer private key  {bundle.issuer}")
     typer.echo(f"JWKS for processors {bundle.jwks}   (TOOLSENTRY_IDENTITY__JWKS_FILE)")
     typer.echo(f"approvers           {bundle.approvers}   (TOOLSENTRY_APPROVERS_FILE)")
@@ -948,7 +970,7 @@ def executor_run(
     ] = None,
     seed_demo: Annotated[
         str | None,
-        typer.Option(help="Add the orders `toolsentry demo` publishes for this tenant."),
+        typer.Option(help="Add the orders the demo (toolsentry demo) publishes for this tenant."),
     ] = None,
     executor_id: Annotated[
         str | None,

@@ -38,17 +38,23 @@ from confluent_kafka import (
 )
 
 from processor.codec.avro import codec
-from processor.config import Settings
+from processor.config import Settings, enforce
 from processor.gates.parse import is_id
 from processor.kafka.offsets import high_watermark
 from processor.kafka.produce import DeliveryError
 
 _ENDS = ("COMPLETED", "FAILED", "REJECTED")
+"""The decisions that say what a call finally did."""
 _FAILED_KEPT = 16
 """Delivery errors kept between two flush() calls (all are counted)."""
 _UNDELIVERED_KEPT = 10_000
-"""Proposals kept with their delivery error until waited on (the oldest go first)."""
-"""The decisions that say what a call finally did."""
+"""Proposals kept with their delivery error for whoever waits on them (the oldest go
+first)."""
+_PRODUCER_FIXED = {"enable.idempotence": True, "acks": "all", "partitioner": "murmur2_random"}
+"""What no pass-through setting may change: a proposal is written once, and lands on the
+partition a Java producer would pick for its run, behind the run's earlier proposals."""
+_CONSUMER_FIXED = {"isolation.level": "read_committed"}
+"""An observation of an aborted transaction was never decided: it is not read."""
 
 
 class ObservationTimeout(TimeoutError):
@@ -57,6 +63,18 @@ class ObservationTimeout(TimeoutError):
 
 class ClientClosed(RuntimeError):
     """The client was closed while a caller waited: nothing more will be read for it."""
+
+
+class TopicMissing(LookupError):
+    """The observations topic does not exist: a client started now would read nothing, and
+    every wait would end in ObservationTimeout."""
+
+    def __init__(self, topic: str) -> None:
+        super().__init__(
+            f"topic {topic} does not exist: create the topics (toolsentry stack topics) "
+            "before starting a client"
+        )
+        self.topic = topic
 
 
 class ToolsentryClient:
@@ -76,20 +94,13 @@ class ToolsentryClient:
         self.tenant_id = tenant_id
         self.principal_token = principal_token
         self._producer = Producer(
-            settings.client_config(
-                **{
-                    "enable.idempotence": True,
-                    "acks": "all",
-                    "linger.ms": 1,
-                    "partitioner": "murmur2_random",
-                }
-            )
+            enforce(settings.client_config(**{"linger.ms": 1}), _PRODUCER_FIXED, "client producer")
         )
         self._failed: list[KafkaError] = []
         """Delivery errors since the last flush() (the first few: flush() names one)."""
         self._failed_count = 0
         self._undelivered: OrderedDict[str, KafkaError] = OrderedDict()
-        """proposal_id -> why the broker did not take it, until a wait on it reports it."""
+        """proposal_id -> why the broker did not take it: every wait on it reports it."""
         self._key_of: dict[str, bytes] = {}
         """proposal_id -> the run (record key) it was proposed or followed under: only an
         observation under that run answers it."""
@@ -114,6 +125,9 @@ class ToolsentryClient:
     def _watch(self) -> None:
         obs = codec("observation")
         while not self._closed.is_set():
+            # Delivery reports are served here too: a proposal's failure reaches whoever
+            # waits on it when it comes, not when some caller next flushes.
+            self._producer.poll(0)
             messages = next_messages(self._consumer)
             got: list[tuple[_Run, str, bytes, bytes]] = []
             for m in messages:
@@ -246,24 +260,29 @@ class ToolsentryClient:
         self._producer.poll(0)
 
     def _delivered(self, pid: str | None, err: KafkaError | None, msg: Any) -> None:
+        """A delivery report, served by whichever thread polls the producer; a failure
+        wakes the callers waiting, so the one waiting on ``pid`` learns of it."""
         if err is None:
             return
-        self._failed_count += 1
-        if len(self._failed) < _FAILED_KEPT:
-            self._failed.append(err)
-        if pid is not None:
-            self._undelivered[pid] = err
-            while len(self._undelivered) > _UNDELIVERED_KEPT:
-                self._undelivered.popitem(last=False)
+        with self._cond:
+            self._failed_count += 1
+            if len(self._failed) < _FAILED_KEPT:
+                self._failed.append(err)
+            if pid is not None:
+                self._undelivered[pid] = err
+                while len(self._undelivered) > _UNDELIVERED_KEPT:
+                    self._undelivered.popitem(last=False)
+                self._cond.notify_all()
 
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until every proposal is acknowledged; raise if any could not be delivered."""
         remaining = self._producer.flush(timeout)
         if remaining:
             raise TimeoutError(f"{remaining} proposals not delivered")
-        if self._failed_count:
+        with self._cond:
             failed, count = self._failed, self._failed_count
             self._failed, self._failed_count = [], 0
+        if count:
             raise DeliveryError(f"{count} proposals were not delivered: {failed[0]}")
 
     # -- observations ----------------------------------------------------------------------
@@ -276,18 +295,24 @@ class ToolsentryClient:
         self, proposal_id: str, wanted: Callable[[dict[str, Any]], bool], timeout: float, what: str
     ) -> dict[str, Any]:
         """The first observation of ``proposal_id`` that is ``wanted``, under the run it was
-        proposed in. A proposal the broker did not take raises DeliveryError: it will
-        never be answered."""
+        proposed in. A proposal the broker did not take raises DeliveryError, whenever
+        its report comes: it will never be answered.
+
+        A watching client serves delivery reports as it reads, so a wait never flushes:
+        one proposal stuck in the producer's queue (its partition's leader away) would
+        otherwise hold up every caller's wait. A client that does not watch can only learn
+        of a failure, and flushes for it."""
         deadline = time.monotonic() + timeout
-        self._producer.flush(max(0.0, deadline - time.monotonic()))
-        err = self._undelivered.pop(proposal_id, None)
-        if err is not None:
-            raise DeliveryError(f"proposal {proposal_id} was not delivered: {err}")
+        if self._thread is None:
+            self._producer.flush(max(0.0, deadline - time.monotonic()))
         with self._cond:
             self._waiting[proposal_id] += 1  # its run is not forgotten meanwhile
             obs, read = codec("observation"), 0
             try:
                 while True:
+                    err = self._undelivered.get(proposal_id)
+                    if err is not None:
+                        raise DeliveryError(f"proposal {proposal_id} was not delivered: {err}")
                     kept = self._observed.get(proposal_id, [])
                     run = self._key_of.get(proposal_id)
                     for key, value in kept[read:]:
@@ -369,18 +394,20 @@ class ToolsentryClient:
 def observations_consumer(settings: Settings, group_prefix: str) -> Consumer:
     """A read_committed consumer of the observations topic, assigned every partition from
     its end as it stands now (no group membership, nothing committed)."""
-    consumer = Consumer(
-        settings.client_config(
-            **{
-                "group.id": f"{group_prefix}-{uuid.uuid4()}",
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-                "fetch.wait.max.ms": 20,
-            }
-        )
+    conf = settings.client_config(
+        **{
+            "group.id": f"{group_prefix}-{uuid.uuid4()}",
+            "enable.auto.commit": False,
+            "fetch.wait.max.ms": 20,
+        }
     )
+    consumer = Consumer(enforce(conf, _CONSUMER_FIXED, "client consumer"))
     topic = settings.topics.observations
-    parts = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+    meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
+    if meta is None or not meta.partitions:
+        consumer.close()
+        raise TopicMissing(topic)
+    parts = sorted(meta.partitions)
     assignment = []
     for p in parts:
         high = high_watermark(consumer, TopicPartition(topic, p))

@@ -325,6 +325,20 @@ _SECRET_KAFKA_KEY = re.compile(r"password|secret|key\.pem", re.IGNORECASE)
 ``ssl.keystore.password``, ``sasl.oauthbearer.client.secret``, ``ssl.key.pem``."""
 
 
+class UnsafeSetting(ValueError):
+    """A pass-through setting would switch off what exactly-once processing rests on, in
+    the processor or in an agent's client."""
+
+
+def enforce(conf: dict[str, Any], fixed: dict[str, Any], where: str) -> dict[str, Any]:
+    """Pass-through settings may tune clients but never change what exactly-once rests on."""
+    for key, value in fixed.items():
+        if key in conf and str(conf[key]).lower() != str(value).lower():
+            raise UnsafeSetting(f"{where}: {key}={conf[key]!r} is not allowed (must be {value!r})")
+        conf[key] = value
+    return conf
+
+
 def _masked_url(url: str) -> str:
     """``url`` with the password of its user info and of a ``password`` query option
     masked (redis-py reads both)."""

@@ -36,7 +36,7 @@ from rich.text import Text
 
 from processor.approval_flow import publish_approvals
 from processor.approvals import load_private_key, sign_for_request
-from processor.client import ObservationTimeout, ToolsentryClient
+from processor.client import ObservationTimeout, ToolsentryClient, TopicMissing
 from processor.config import Settings
 from processor.executor import Executor
 from processor.identity import TokenIssuer, generate_ed25519_jwk
@@ -53,7 +53,14 @@ class StackUnavailable(RuntimeError):
     could not be played, which is not a decision that differs from it."""
 
 
-_UNAVAILABLE = (KafkaException, RedisError, RedisClusterException, TimeoutError, DeliveryError)
+_UNAVAILABLE = (
+    KafkaException,
+    RedisError,
+    RedisClusterException,
+    TimeoutError,
+    DeliveryError,
+    TopicMissing,
+)
 """What the demo's own calls raise when the stack is not up or a processor not running (a
 decision that does not come is ObservationTimeout, caught where it is awaited)."""
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from processor.cli import app
@@ -220,3 +223,51 @@ def test_reference_data_the_broker_did_not_take_is_not_published() -> None:
     )
     assert result.exit_code == 1, (result.output, result.exception)
     assert "not published" in result.output and "shipped" not in result.output
+
+
+def test_eval_before_its_keys_are_prepared_exits_2_saying_how(tmp_path: Path) -> None:
+    """It ended in a FileNotFoundError traceback."""
+    keys = tmp_path / "eval-keys"
+    result = CliRunner().invoke(
+        app,
+        ["eval", "--suite", str(ROOT / "tests" / "conformance"), "--keys", str(keys)],
+        env=_nowhere(),
+    )
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert f"no suite keys in {keys}" in result.output, result.output
+    assert "toolsentry eval --prepare" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["keys", "init"],
+        ["eval", "--suite", str(ROOT / "tests" / "conformance"), "--prepare", "--keys"],
+    ],
+)
+def test_keys_that_cannot_be_written_exit_2_saying_why(tmp_path: Path, command: list[str]) -> None:
+    """It ended in an OSError traceback. A file where the folder should be stops even root."""
+    (tmp_path / "taken").write_text("")
+    folder = tmp_path / "taken" / "keys"
+    result = CliRunner().invoke(app, [*command, str(folder)], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert f"cannot write keys into {folder}" in result.output, result.output
+
+
+def _commands(command: Any, path: list[str]) -> Iterator[list[str]]:
+    """The path of ``command`` and of every command under it."""
+    yield path
+    if hasattr(command, "list_commands"):
+        ctx = command.context_class(command)
+        for name in command.list_commands(ctx):
+            yield from _commands(command.get_command(ctx, name), [*path, name])
+
+
+def test_help_shows_no_source_markup() -> None:
+    """The docstrings' reStructuredText backticks (``--prepare``) were shown as they are."""
+    paths = list(_commands(typer.main.get_command(app), []))
+    assert ["eval"] in paths
+    for path in paths:
+        result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (path, result.output)
+        assert "`" not in result.output, (path, result.output)

@@ -12,6 +12,7 @@ import pytest
 from processor.app import consumer_config, producer_config
 from processor.config import Settings, Topics, load_settings
 from processor.model import SideEffectClass
+from processor.stack.local import free_ports
 
 EXEC_TOPICS = [
     "tool.exec.read_only",
@@ -264,6 +265,37 @@ def test_pass_through_settings_cannot_switch_off_exactly_once(
     with pytest.raises(UnsafeSetting):
         consumer_config(s)
         producer_config(s)
+
+
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ({"isolation.level": "read_uncommitted"}, "client consumer: isolation.level"),
+        ({"partitioner": "consistent_random"}, "client producer: partitioner"),
+        ({"acks": "1"}, "client producer: acks"),
+        ({"enable.idempotence": False}, "client producer: enable.idempotence"),
+    ],
+)
+def test_pass_through_settings_cannot_change_what_the_client_rests_on(
+    setting: dict[str, object], says: str
+) -> None:
+    """They were applied over the client's own: it read the observations of aborted
+    transactions, or put a run's proposals on partitions a Java producer would not. Refused
+    before any connection is tried, as the processor refuses them."""
+    from processor.app import UnsafeSetting
+    from processor.client import ToolsentryClient
+
+    (port,) = free_ports(1)  # nothing listens there: nothing is reached
+    s = Settings(bootstrap_servers=f"127.0.0.1:{port}", kafka=setting)  # type: ignore[arg-type]
+    with pytest.raises(UnsafeSetting, match=says):
+        ToolsentryClient(s, "acme").close()
+
+
+def test_pass_through_settings_that_agree_with_the_client_are_accepted() -> None:
+    from processor.client import ToolsentryClient
+
+    s = Settings(kafka={"acks": "all", "partitioner": "murmur2_random", "linger.ms": 5})
+    ToolsentryClient(s, "acme", watch=False).close()
 
 
 def test_pass_through_settings_that_agree_with_exactly_once_are_accepted() -> None:
