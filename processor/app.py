@@ -263,7 +263,6 @@ def producer_config(settings: Settings) -> dict[str, Any]:
             # backoff would then dominate every batch.
             "retry.backoff.ms": 2,
             "retry.backoff.max.ms": 100,
-            "partitioner": "murmur2_random",
         }
     )
     conf.update(settings.producer)
@@ -271,6 +270,9 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         "transactional.id": settings.transactional_id,
         "enable.idempotence": True,
         "acks": "all",
+        # A run's outputs land where a Java producer, and the agent's client, put the
+        # run's records: per-run order holds across them.
+        "partitioner": "murmur2_random",
     }
     return enforce(conf, fixed, "producer")
 

@@ -254,6 +254,7 @@ def test_client_configs_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
         ("producer", {"enable.idempotence": False}),
         ("kafka", {"transactional.id": "someone-else"}),
         ("producer", {"acks": "1"}),
+        ("producer", {"partitioner": "consistent_random"}),  # a run's order across producers
     ],
 )
 def test_pass_through_settings_cannot_switch_off_exactly_once(
