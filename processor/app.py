@@ -623,7 +623,8 @@ class Processor:
         except KafkaException as exc:
             self._failed_transaction(consumer, producer, records, exc)
             return
-        counted = tally(decisions)
+        topics = self.settings.topics
+        counted = tally(decisions, (topics.approvals, topics.results))
         counted.events, self._events = self._events, Counter()
         batch = _Batch(
             len(records),

@@ -104,6 +104,10 @@ not know, before it is read again (and the call logged and counted again): the n
 of the partition, once an upgrade moves it, may know the schema."""
 UNREADABLE_TOOL = "(unreadable)"
 """The ``tool`` label of the answers to calls that could not be read (see ``_not_run``)."""
+NO_HANDLER_TOOL = "(no handler)"
+"""The ``tool`` label of the answers to calls of a tool this executor has no handler for:
+whoever writes to an execution topic names the tool, and a label per name it invents
+would grow the executor's series without bound."""
 GIVEN_BACK_BYTES = 64 * 1024 * 1024
 """Answers of aborted batches kept for their redelivery, at most this many bytes (the
 oldest dropped first: a call whose batch moved to another executor is never committed
@@ -205,13 +209,15 @@ def result_id(call_id: str, attempt: int) -> str:
 
 
 class ExecutorMetrics:
-    """Executor counters. Tool names are bounded: only contract tools reach exec topics."""
+    """Executor counters. Tool names are bounded: the tools this executor has handlers
+    for, and "(unreadable)" and "(no handler)" for the rest (see ``NO_HANDLER_TOOL``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.results = Counter(
             "toolsentry_executor_results_total",
             'Results published, by tool and outcome (tool "(unreadable)": the answers '
-            "to calls that could not be read, which are dead-lettered too).",
+            'to calls that could not be read, which are dead-lettered too; "(no handler)": '
+            "calls of a tool this executor has no handler for).",
             ["tool", "outcome"],
             registry=registry,
         )
@@ -630,7 +636,7 @@ class Executor:
         return _Output(
             call.run_id.encode(),
             value,
-            call.tool_name,
+            call.tool_name if call.tool_name in self.handlers else NO_HANDLER_TOOL,
             outcome,
             (call.call_id, call.attempt, call.idempotency_key),
             references,

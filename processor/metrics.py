@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,16 +46,20 @@ class Metrics:
             (2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 5e-2),
             registry,
         )
+        # Up to batch_max_records (2000 by default): a backlog is read in full batches,
+        # and a full batch above the last bound would read as that bound's size.
         self.batch_records = Histogram(
             "toolsentry_batch_records",
             "Records per transaction.",
-            buckets=(1, 5, 10, 50, 100, 250, 500, 1000),
+            buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 2000, 5000, 10000),
             registry=registry,
         )
+        # Up to the transaction's timeout (15 s by default) and past it: a slow Redis or a
+        # broker that keeps a commit waiting is what this histogram is looked at for.
         self.batch_seconds = Histogram(
             "toolsentry_batch_seconds",
             "Wall time of one batch from first record to committed transaction.",
-            buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+            buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 15, 30),
             registry=registry,
         )
         self.transactions = PCounter(
@@ -191,7 +195,7 @@ class Metrics:
         for event, count in t.events.items():
             counter = getattr(self, event[0])
             (counter.labels(*event[1:]) if len(event) > 1 else counter).inc(count)
-        self.batch_records.observe(len(t.latencies))
+        self.batch_records.observe(t.records)
         self.batch_seconds.observe(seconds)
 
 
@@ -201,8 +205,10 @@ class BatchTally:
     instead of the decisions themselves (a large batch's are megabytes)."""
 
     latencies: list[float]
+    """The gates' time of each proposal (records of other topics take none)."""
     kinds: Counter[tuple[Any, ...]]
     dead: Counter[str]
+    records: int = 0
     events: Counter[tuple[str, ...]] = field(default_factory=Counter)
     """What deciding it did besides its decisions: (counter, *labels) -> count, of the
     ``results``, ``approvals``, ``compensations`` and ``batch_splits`` counters. Counted
@@ -210,12 +216,20 @@ class BatchTally:
     counts once."""
 
 
-def tally(decisions: Iterable[Decision]) -> BatchTally:
-    """Counted by the decisions' own fields; turned into label values once per kind."""
+def tally(decisions: Iterable[Decision], untimed: Collection[str] = ()) -> BatchTally:
+    """Counted by the decisions' own fields; turned into label values once per kind.
+
+    ``untimed``: the topics whose records no gate decides (approval decisions, executors'
+    results). Their decisions took no gate time, and observed as 0 s in
+    ``toolsentry_decision_seconds`` (which promises the gates' time per proposal) they
+    would pull its percentiles down to the lowest bucket, by as many as there are results.
+    """
     t = BatchTally([], Counter(), Counter())
     latencies, kinds, dead = t.latencies, t.kinds, t.dead
     for d in decisions:
-        latencies.append(d.latency_ms / 1000)
+        t.records += 1
+        if d.source.topic not in untimed:
+            latencies.append(d.latency_ms / 1000)
         if d.outcome is Outcome.DEAD_LETTER:
             dead[d.dlq_reason or "unknown"] += 1
             continue

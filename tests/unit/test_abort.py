@@ -17,6 +17,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from processor.app import DependencyDown, Fenced, Processor
+from processor.config import Topics
 from processor.metrics import Metrics
 
 
@@ -106,7 +107,7 @@ class _Loop(Processor):
         self.deciding_s = deciding_s
         self.metrics = Metrics(CollectorRegistry())
         self.settings = SimpleNamespace(  # type: ignore[assignment]
-            batch_max_records=100, transaction_timeout_ms=15000
+            batch_max_records=100, transaction_timeout_ms=15000, topics=Topics()
         )
         self._rebalanced = False
         self._inflight = None
@@ -333,3 +334,33 @@ def test_no_batch_is_decided_before_the_replay_markers_of_its_partitions_are_rea
     assert (loop.decided, loop.waited) == (1, False)
     assert read == [{("tool.proposals", 0): 5}] and loop._unread is None
     assert clients.calls[-1] == "commit"
+
+
+def test_a_batch_s_results_and_approvals_are_not_timed_as_proposals() -> None:
+    """toolsentry_decision_seconds is the gates' time per proposal: the decisions of a
+    batch's results and approval decisions, which pass no gate, are left out of it (one
+    observed at 0 s per result would hide the proposals' latency), and still counted as
+    records of the batch."""
+    from processor.model import Decision, Gate, Outcome, SourceRecord
+
+    topics = Topics()
+    decisions = [
+        Decision(SourceRecord(topic, 0, 1, None, b"{}", 0), Outcome.IGNORED, Gate.APPROVAL, None)
+        for topic in (topics.proposals, topics.results, topics.approvals)
+    ]
+    decisions[0].latency_ms = 0.5
+    settled: list[Any] = []
+
+    class _Deciding(_Loop):
+        def decide_batch(self, records: list[Any]) -> list[Any]:
+            return decisions
+
+        def _settle_inflight(self, consumer: Any, after: list[Any] | None = None) -> bool:
+            settled.append(self._inflight)
+            return super()._settle_inflight(consumer, after)
+
+    clients = _Clients()
+    loop = _Deciding(None)
+    loop._process_batch(clients, clients, [_Record(5)])  # type: ignore[arg-type]
+    [batch] = [b for b in settled if b is not None]
+    assert batch.tally.latencies == [0.0005] and batch.tally.records == 3

@@ -189,3 +189,55 @@ def test_every_status_a_refused_result_is_counted_under_is_documented() -> None:
     for status, (reason, _) in _RESULTS_REFUSED.items():
         assert re.search(rf"\b{status}\b", help_text), status
         assert f'"{status}"' in bullet and f"`{reason}`" in bullet, (status, reason)
+
+
+LEGEND_LABEL = re.compile(r"\{\{(.*?)\}\}")
+
+
+def legend_problems(legend: str, expr: str, series: dict[str, Series]) -> list[str]:
+    """What in a panel target's legend Grafana cannot fill in: a ``{{...}}`` that is not
+    one label name (stray braces), or a label the query's result does not carry (the
+    labels it groups by, or the metric's own when it does not aggregate)."""
+    groups = [m.group(1) for m in GROUPING.finditer(expr)]
+    if groups:
+        carried = {label.strip() for g in groups for label in g.split(",")}
+    else:
+        names = {m.group(1) for m in SELECTOR.finditer(expr)}
+        carried = {label for n in names if n in series for label in series[n].labels}
+        carried |= TARGET_LABELS
+    found = []
+    for inner in LEGEND_LABEL.findall(legend):
+        label = inner.strip()
+        if not re.fullmatch(r"\w+", label):
+            found.append(f"legend {legend!r}: {{{{{inner}}}}} is not a label name")
+        elif label not in carried:
+            found.append(f"legend {legend!r}: the query's series have no label {label!r}")
+    return found
+
+
+def test_every_panel_legend_names_labels_its_query_carries() -> None:
+    """A legend Grafana cannot fill in shows every series under the same broken name
+    ("behind }}"), and the instances cannot be told apart."""
+    series = registered()
+    doc: dict[str, Any] = json.loads((DASHBOARDS / "toolsentry.json").read_text())
+    found = [
+        f"panel {p['title']!r} {target['refId']}: {problem}"
+        for panel in doc["panels"]
+        for p in (panel, *panel.get("panels", ()))
+        for target in p.get("targets", ())
+        for problem in legend_problems(target.get("legendFormat", ""), target["expr"], series)
+    ]
+    assert found == []
+
+
+def test_the_legend_check_catches_stray_braces_and_labels_grouped_away() -> None:
+    series = registered()
+    expr = "max by (instance) (toolsentry_reference_lag_records)"
+    assert legend_problems("behind {{instance}}", expr, series) == []
+    assert legend_problems("behind {{{{instance}}}}", expr, series) == [
+        "legend 'behind {{{{instance}}}}': {{{{instance}} is not a label name"
+    ]
+    assert legend_problems("{{result}}", expr, series) == [
+        "legend '{{result}}': the query's series have no label 'result'"
+    ]
+    assert legend_problems("{{fingerprint}}", "toolsentry_contract_set_info", series) == []

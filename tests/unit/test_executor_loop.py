@@ -430,3 +430,27 @@ def test_the_answer_to_a_call_that_cannot_be_run_is_not_kept_for_a_redelivery(
     assert len(ran) == 1
     [r] = [decode_result(p["value"]) for p in producer.produced[-1:]]
     assert r["outcome"] == "SUCCEEDED"
+
+
+def test_calls_of_tools_without_a_handler_share_one_tool_label(contracts: ContractSet) -> None:
+    """Whoever writes a call names its tool: a label per name would grow the executor's
+    series without bound. A stream of calls of invented tools adds one series, and a
+    tool the executor serves keeps its own."""
+    call, now_ms = _approved_call(contracts)
+    registry = CollectorRegistry()
+    executor, producer, consumer, topic = _rig(now_ms, registry=registry)
+    invented = [_unrunnable(call, call_id=f"c-{i}", tool_name=f"tool-{i}") for i in range(50)]
+    consumer.records = [Consumed(topic, i, v) for i, v in enumerate([call, *invented])]
+    assert executor.run_once(0.1) == 51
+    answers = [decode_result(p["value"]) for p in producer.produced]
+    assert [r["error_code"] for r in answers[1:]] == ["no_handler"] * 50
+    [family] = [m for m in registry.collect() if m.name == "toolsentry_executor_results"]
+    series = {
+        (s.labels["tool"], s.labels["outcome"]): s.value
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    assert series == {
+        ("lookup_order", "SUCCEEDED"): 1,
+        (executor_module.NO_HANDLER_TOOL, "FAILED"): 50,
+    }
