@@ -591,8 +591,12 @@ class Executor:
         )
         shrunk = self._output(call, too_large, FAILED, started)
         if len(shrunk.value) > limit:  # the compensation arguments were the large part
-            shrunk = self._output(call, replace(too_large, compensation_arguments=None),
-                                  FAILED, started)  # fmt: skip
+            too_large = replace(too_large, compensation_arguments=None)
+            shrunk = self._output(call, too_large, FAILED, started)
+        if len(shrunk.value) > limit:  # so were the committed steps: as many as fit are named
+            bare = self._output(call, replace(too_large, committed_steps=()), FAILED, started)
+            steps = _steps_within(_step_names(too_large.committed_steps), limit - len(bare.value))
+            shrunk = self._output(call, replace(too_large, committed_steps=steps), FAILED, started)
         shrunk.references = references
         return shrunk
 
@@ -600,10 +604,15 @@ class Executor:
         if self.recorded is None:
             return None
         try:
-            return self.recorded(call)
+            answer = self.recorded(call)
         except Exception as exc:
             # Not knowing is not "nothing ran": fail closed, as a handler error does.
             return _handler_error(call, exc)
+        if answer is not None and not isinstance(answer, Succeeded | Failed):
+            # Not an answer (a stored row, as the store keeps it): it ran, but what it
+            # answered is unknown. Published as it is, it would stop the loop.
+            return _handler_error(call, TypeError(type(answer).__name__))
+        return answer
 
     def _give_back(self, outputs: list[_Output]) -> None:
         for out in outputs:
@@ -954,6 +963,30 @@ def _step_names(steps: object) -> tuple[str, ...]:
         return tuple(str(s) for s in steps) if isinstance(steps, Iterable) else (str(steps),)
     except Exception:
         return ("unnamed_step",)
+
+
+STEP_MAX_CHARS = 256
+"""The longest step name a result too large to publish keeps (see ``_steps_within``)."""
+
+
+def _steps_within(steps: tuple[str, ...], room: int) -> tuple[str, ...]:
+    """As many of ``steps`` as fit in ``room`` bytes of a result, each cut at
+    ``STEP_MAX_CHARS``, and then one that counts those left out. Never none of a call that
+    committed steps: a result without them says nothing needs compensating. Published
+    whole, steps larger than a record would fail every delivery of the batch, which would
+    then never commit."""
+    left = room - 64  # the last step, that counts those left out, and the array's framing
+    kept: list[str] = []
+    for step in steps:
+        name = step[:STEP_MAX_CHARS]
+        size = len(name.encode()) + 8  # and its length, as Avro writes it
+        if size > left:
+            break
+        kept.append(name)
+        left -= size
+    if len(kept) < len(steps):
+        kept.append(f"({len(steps) - len(kept)} more steps not listed: the result was too large)")
+    return tuple(kept)
 
 
 def _result(

@@ -316,6 +316,14 @@ class SupportStore:
                     f"order {order['order_id']} was paid in {order['currency']}",
                     "OUT_OF_BOUNDS",
                 )
+            if cents <= 0:
+                # The contract refuses it, but this is the store's own bound: a negative
+                # refund would lower what was refunded, and let later refunds exceed the order.
+                raise _refuse(
+                    "refund_amount_invalid",
+                    f"a refund must be at least 0.01 {order['currency']}",
+                    "OUT_OF_BOUNDS",
+                )
             refundable = _refundable_cents(order)
             if cents > refundable:
                 raise _refuse(

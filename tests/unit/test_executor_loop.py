@@ -454,3 +454,25 @@ def test_calls_of_tools_without_a_handler_share_one_tool_label(contracts: Contra
         ("lookup_order", "SUCCEEDED"): 1,
         (executor_module.NO_HANDLER_TOOL, "FAILED"): 50,
     }
+
+
+@pytest.mark.parametrize("stored", [{"succeeded": True}, "SUCCEEDED", 7])
+def test_a_recorded_answer_that_is_not_an_answer_fails_closed(
+    contracts: ContractSet, stored: object
+) -> None:
+    """``recorded`` is the handlers' code, as a handler is: what it returns is checked as a
+    handler's answer is. Not an answer, it would stop the loop at every delivery of the
+    batch; it is a handler error, and the batch commits."""
+    call, _ = _approved_call(contracts)
+    late_ms = decode_approved_call(call)["deadline"] + 1
+    ran: list[Call] = []
+    executor, producer, consumer, topic = _rig(late_ms, ran=ran)
+    executor.recorded = lambda c: stored  # type: ignore[assignment,return-value]
+    consumer.records = [Consumed(topic, 4, call)]
+    assert executor.run_once(0.1) == 1
+    assert ran == []
+    [r] = [decode_result(p["value"]) for p in producer.produced]
+    assert (r["outcome"], r["error_code"], r["taxonomy_class"]) == (
+        "FAILED", "handler_error", "UNKNOWN_ERROR",
+    )  # fmt: skip
+    assert producer.calls[-1] == "commit"

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
+from processor import executor as executor_module
 from processor.codec.records import decode_result
 from processor.config import Settings
 from processor.contracts.registry import ContractSet
@@ -240,3 +241,32 @@ def test_a_reference_whose_key_alone_is_too_large_is_left_out() -> None:
     assert decode_result(out.value)["error_code"] == "result_too_large"
     assert out.references == [(small.key("acme"), small.value())]
     assert all(len(k) + len(v or b"") <= ex.max_result_bytes for k, v in out.references)
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        pytest.param(tuple(f"item-{i}-refunded" for i in range(200_000)), id="many-steps"),
+        pytest.param(("s" * 2_000_000,), id="one-huge-step"),
+    ],
+)
+def test_committed_steps_too_large_for_a_record_are_cut_not_dropped(
+    contracts: ContractSet, steps: tuple[str, ...]
+) -> None:
+    """Published whole, the result could never be delivered: its batch would abort and come
+    back for ever. Left out, the call would pass for one that committed nothing. As many as
+    fit are named, and the rest counted."""
+    ex = Executor(Settings(), {}, executor_id="unit")
+    failed = Failed("ledger_failed", "stopped half way", committed_steps=steps,
+                    compensation_arguments={"batch": "B-1"})  # fmt: skip
+    out = ex._published(_charge(contracts), failed, FAILED, 0)
+    assert len(out.key) + len(out.value) <= ex.max_result_bytes
+    r = decode_result(out.value)
+    assert (r["outcome"], r["error_code"]) == ("FAILED", "result_too_large")
+    kept = r["committed_steps"]
+    assert kept[0] == steps[0][: executor_module.STEP_MAX_CHARS]
+    if len(steps) > 1:
+        assert kept[:-1] == list(steps[: len(kept) - 1])
+        assert kept[-1].startswith(f"({len(steps) - len(kept) + 1} more steps not listed")
+    rej = _settled(contracts, out.value).decision.rejection
+    assert rej is not None and rej.taxonomy is TaxonomyClass.COMPENSATION_REQUIRED

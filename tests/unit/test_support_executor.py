@@ -348,3 +348,17 @@ def test_search_kb_and_tickets(store: SupportStore) -> None:
     bad = failed(store.create_ticket(make_call("create_ticket", {**args, "order_id": "WO-1-X"})))
     assert bad.taxonomy_class == "SEMANTIC_INVALIDITY"
     assert store.db.execute("SELECT count(*) FROM tickets").fetchone()[0] == 1
+
+
+@pytest.mark.parametrize("amount", [-5, 0, 0.004])
+def test_a_refund_of_nothing_or_less_is_refused_and_changes_nothing(
+    store: SupportStore, amount: float
+) -> None:
+    """The contract refuses such an amount, but the store keeps its own bound as it keeps
+    the refundable one: a negative refund would lower what was refunded, and the next
+    refunds could then pay out more than the order was worth."""
+    refused = failed(store.refund_order(refund("WO-24680-B", amount)))
+    assert (refused.code, refused.taxonomy_class) == ("refund_amount_invalid", "OUT_OF_BOUNDS")
+    assert row(store, "WO-24680-B")["refunded_cents"] == 0
+    assert store.db.execute("SELECT count(*) FROM refunds").fetchone()[0] == 0
+    assert failed(store.refund_order(refund("WO-24680-B", 60))).code == "refund_exceeds_refundable"
