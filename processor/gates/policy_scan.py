@@ -17,6 +17,7 @@ import binascii
 import math
 import re
 import unicodedata
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass
 from encodings import idna
@@ -106,6 +107,9 @@ _TOKEN_SCHEME = re.compile(
 """``Authorization: Token <key>``, the scheme some APIs use in place of Bearer."""
 _BASIC = re.compile(r"(?<![A-Za-z])(?i:basic)\s+([A-Za-z0-9+/]{6,}+)={0,2}+(?![A-Za-z0-9+/=])")
 _URL_CREDENTIALS = re.compile(r"://[^\s/?#@:]*+:([^\s/?#@]++)@")
+_URL_USER_TOKEN = re.compile(r"://([A-Za-z0-9+/_-]{20,256}+)@")
+"""A token as the whole userinfo (``https://<token>@github.com/org/repo.git``), the way
+Git hosts take one; a user name (``git@``, ``jane.doe@``) does not look random."""
 _ALWAYS_WORDS = ("bearer", "basic", "-----begin", "token")
 
 # ``name=value`` and ``name: value`` (also ``"name": "value"``) where the name ends in a
@@ -310,7 +314,10 @@ def _phrase_at(text: str, at: int, word: str) -> str | None:
     if word == "token":
         return "token_header" if _TOKEN_SCHEME.match(text, at) else None
     m = _URL_CREDENTIALS.match(text, at)
-    return "url_credentials" if m and not _placeholder(m.group(1)) else None
+    if m is not None:
+        return None if _placeholder(m.group(1)) else "url_credentials"
+    m = _URL_USER_TOKEN.match(text, at)
+    return "url_credentials" if m and _random_looking(m.group(1)) else None
 
 
 def _phrases(text: str) -> list[str]:
@@ -381,11 +388,13 @@ def _scan_text(text: str) -> list[str]:
     return _scan_folded(_folded(text))
 
 
-def _scan_folded(text: str) -> list[str]:
+def _scan_folded(text: str, depth: int = 0, entropy: bool = True) -> list[str]:
+    """The kinds in folded ``text``; ``depth`` counts the decodings that led to it, and
+    ``entropy`` False leaves ``high_entropy`` out."""
     kinds = _phrases(text)
-    if len(text) < _MIN_TOKEN:
-        return kinds
-    tokens = [t for t in text.split() if len(t) >= _MIN_TOKEN]
+    if len(text) < _MIN_ENCODED:
+        return kinds  # (shorter than any token, or any encoding of one)
+    tokens = [t for t in text.split() if len(t) >= _MIN_TOKEN] if len(text) >= _MIN_TOKEN else []
     for token in tokens:
         found = [_token_kind(m.group()) for m in _TOKEN_RE.finditer(token)]
         if "sk-" in token and any(_has_digit(m.group()) for m in _OPENAI.finditer(token)):
@@ -395,9 +404,96 @@ def _scan_folded(text: str) -> list[str]:
         kinds.extend(kind for kind in dict.fromkeys(found) if kind not in kinds)
     if "token_header" in kinds and len(kinds) > 1:
         kinds.remove("token_header")  # the token's own format says more
-    if not kinds and any(_high_entropy(token) for token in tokens):
+    if (
+        not kinds
+        and depth < _MAX_DECODINGS
+        and ("%" in text or _ENCODED_HINT.search(text) is not None)
+    ):
+        kinds = _encoded_kinds(text, depth + 1)
+    if not kinds and entropy and tokens and any(_high_entropy(token) for token in tokens):
         kinds.append("high_entropy")
     return kinds
+
+
+# --- encoded text ---------------------------------------------------------------------------------
+
+_MAX_DECODINGS = 2
+"""Decodings stacked on one another that are undone (base64 of base64, a percent-encoded
+base64 string); each shrinks the text, so the scan stays linear in its length."""
+_MIN_ENCODED = 16
+"""The shortest run decoded: base64 of twelve bytes (``pwd=hunter22``)."""
+_ENCODED_RUN = re.compile(r"[A-Za-z0-9+/_-]{16,}+")
+_ENCODED_HINT = re.compile(r"(?<![A-Za-z0-9+/_-])(?=[A-Za-z0-9+/_-]{16})[a-z_-]*+[A-Z0-9+/]")
+"""A run of base64 or hex digits long enough to decode that is not all lower-case
+letters, ``_`` and ``-``: base64 of ASCII text and hex both hold an upper-case letter, a
+digit, ``+`` or ``/``, and an identifier or a reason code (``customer_request``) holds
+none, so prose and ids cost one search and no decoding. (Tried at a run's start only,
+with a bounded look-ahead and a possessive repeat: linear in the text.)"""
+_PERCENT_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+_BASE64URL = str.maketrans("-_", "+/")
+_ASCII_LEAD = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdef")
+"""The base64 digits whose value is below 32: the first of every four that encode ASCII
+bytes is one (its byte's top bit is clear). The secrets looked for are ASCII, so a run
+failing this is never decoded: a word or an id (``customer_request``) fails it at once."""
+_LINE_BREAKS = str.maketrans("", "", "\t\n\r")
+
+
+def _encoded_kinds(text: str, depth: int) -> list[str]:
+    """The kinds of secret in what ``text`` holds percent-, base64- or hex-encoded.
+
+    Encoding a key is the first thing tried to get it past a scanner, and a tool that
+    forwards the argument forwards the key all the same. Base64 and hex runs are
+    decoded only when they hold UTF-8 text, which a digest, an id or a word read as
+    base64 almost never does, so ordinary values cost a regex pass and no scan. A
+    base64 run inside a URL path (``/files/QUtJQ…``) is tried segment by segment too.
+    Text that was only percent-encoded is not judged on entropy: decoding moves the
+    boundaries the entropy check reads (``%2F`` to ``/``) in ordinary URLs.
+    """
+    kinds: list[str] = []
+    if "%" in text and _PERCENT_ESCAPE.search(text) and (unquoted := _unquoted(text)):
+        kinds.extend(_scan_folded(_folded(unquoted), depth, entropy=False))
+    for m in _ENCODED_RUN.finditer(text):
+        run = m.group()
+        decoded = _decoded_run(run)
+        if decoded is None and "/" in run:
+            decoded = "\n".join(
+                d for part in run.split("/") if (d := _decoded_run(part)) is not None
+            )
+        if decoded:
+            kinds.extend(k for k in _scan_folded(_folded(decoded), depth) if k not in kinds)
+    return kinds
+
+
+def _unquoted(text: str) -> str | None:
+    """``text`` percent-decoded, or None when the escapes do not spell UTF-8 text
+    (``%DB_PASSWORD%`` is a template, not the byte 0xDB)."""
+    try:
+        return _printable(urllib.parse.unquote_to_bytes(text).decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
+
+
+def _printable(text: str) -> str | None:
+    return text if text.translate(_LINE_BREAKS).isprintable() else None
+
+
+def _decoded_run(run: str) -> str | None:
+    """The text ``run`` spells in hex (``0x`` or not) or base64 (either alphabet), or None
+    when it is neither or what it decodes to is not printable text (ASCII for base64)."""
+    if len(run) < _MIN_ENCODED:
+        return None
+    hex_digits = run[2:] if run[:2] in ("0x", "0X") else run
+    try:
+        if len(hex_digits) % 2 == 0 and _HEX_DIGITS.issuperset(hex_digits):
+            raw = bytes.fromhex(hex_digits)
+        elif len(run) % 4 != 1 and _ASCII_LEAD.issuperset(run[::4]):
+            raw = base64.b64decode(run.translate(_BASE64URL) + "=" * (-len(run) % 4), validate=True)
+        else:
+            return None
+        return _printable(raw.decode("utf-8"))
+    except (binascii.Error, ValueError):
+        return None
 
 
 _SENSITIVE_NAMES = frozenset(
@@ -558,6 +654,9 @@ _URL_LIKE = re.compile(
     # http(s) with one slash, none, or backslashes: WHATWG parsers still connect to the
     # host (https:/evil.com, https:evil.com, https:\\evil.com)
     r"|(?i:https?|wss?|ftp):[/\\]*[^\s/\\]\S*"
+    # scheme-relative: resolved against an http(s) base, it names the host to connect to
+    # (urljoin("https://api.internal/", "//evil.com") is https://evil.com); \\host is SMB
+    r"|[/\\]{2}[^\s/\\]\S*"
 )
 _DANGEROUS_PREFIX = re.compile(r"(?i:javascript|vbscript|gopher|data|file):")
 
@@ -602,9 +701,10 @@ def _url_like(text: str) -> str | None:
 def find_urls(value: Any) -> list[tuple[str, str]]:
     """``(path, url)`` for every string value that is a URL as a whole.
 
-    Accepted: ``scheme://...``, ``www....``, and ``javascript:``, ``vbscript:``,
-    ``data:``, ``file:``, ``gopher:`` URLs. A URL inside prose (``see
-    https://x.io``) is not returned: free text is not an address a tool fetches.
+    Accepted: ``scheme://...``, ``www....``, scheme-relative ``//host...`` (and
+    ``\\\\host``), and ``javascript:``, ``vbscript:``, ``data:``, ``file:``, ``gopher:``
+    URLs. A URL inside prose (``see https://x.io``) is not returned: free text is not an
+    address a tool fetches.
     Object keys that hold secrets are redacted in the paths as in
     :func:`find_secrets`, and the order is the same.
     """
@@ -625,7 +725,7 @@ def find_urls(value: Any) -> list[tuple[str, str]]:
         for key, child in items:
             kind_of = type(child)
             if kind_of is str:
-                if ":" in child or "." in child:
+                if ":" in child or "." in child or "//" in child or "\\" in child:
                     url = _url_like(child)
                     if url is not None:
                         found.append((_render((link, _segment(key))), url))
@@ -666,6 +766,8 @@ _NON_PUBLIC_SUFFIXES = frozenset(
      "home.arpa", "localhost", "test", "invalid", "example"}
 )  # fmt: skip
 _SHOW = 60
+_MAX_HOST = 253
+"""The longest a DNS name may be, dots included and the root's dot not."""
 
 
 def _show(host: str) -> str:
@@ -774,10 +876,15 @@ def _host_of(rest: str) -> tuple[str | None, str]:
         host = host[:-1]
     if not host:
         return None, "malformed URL: no host"
+    if len(host) > _MAX_HOST:
+        # Refused before IDNA, whose nameprep costs about 6 µs a character: encoding never
+        # shortens a name but for the invisible characters nameprep drops, which make a
+        # look-alike anyway.
+        return None, f"host {_show(host.lower())} is longer than {_MAX_HOST} characters"
     ascii_host = _ascii_host(host)
     if ascii_host is None:
         return None, "host uses look-alike Unicode characters"
-    if len(ascii_host) > 253 or not _HOST.fullmatch(ascii_host):
+    if len(ascii_host) > _MAX_HOST or not _HOST.fullmatch(ascii_host):
         return None, f"host {_show(ascii_host)} has characters outside a-z 0-9 . -"
     return ascii_host, ""
 

@@ -477,6 +477,70 @@ def test_base64_of_ordinary_data_is_flagged() -> None:
     assert kinds({"v": base64.b64encode(b"the quick brown fox").decode()}) == ["high_entropy"]
 
 
+# -- encoded secrets -------------------------------------------------------------------------------
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _percent(text: str) -> str:
+    return "".join(f"%{b:02X}" for b in text.encode())
+
+
+ENCODINGS = {
+    "base64": _b64,
+    "base64url": lambda t: base64.urlsafe_b64encode(t.encode()).decode().rstrip("="),
+    "hex": lambda t: t.encode().hex(),
+    "0x hex": lambda t: "0x" + t.encode().hex().upper(),
+    "percent": _percent,
+    "base64 of base64": lambda t: _b64(_b64(t)),
+    "percent of base64": lambda t: _percent(_b64(t)),
+    "data URL": lambda t: "data:text/plain;base64," + _b64(t),
+    "URL path": lambda t: "https://files.example.com/v1/" + _b64(t) + "/raw",
+    "JSON string": lambda t: '{"blob": "' + _b64(t) + '"}',
+}
+
+
+@pytest.mark.parametrize("encoding", sorted(ENCODINGS))
+@pytest.mark.parametrize(
+    "name", ["aws_access_key_id", "github_token", "private_key", "password_assignment"]
+)
+def test_an_encoded_secret_is_found_by_its_own_kind(encoding: str, name: str) -> None:
+    """Encoding a key is the cheapest way past a scanner, and whatever receives the
+    argument can decode it: base64, hex and percent-encoding are undone, twice at most."""
+    kind = EXPECTED_KIND.get(name, name)
+    assert kind in kinds({"v": ENCODINGS[encoding](FAKE[name])})
+
+
+def test_encoded_ordinary_text_is_not_a_secret_of_a_known_kind() -> None:
+    """Decoding finds only what is there: hex and percent-encoded prose stay clean."""
+    text = "Customer asked to cancel before shipping, order WO-12345-A"
+    assert kinds({"v": text.encode().hex()}) == []
+    assert kinds({"v": _percent(text)}) == []
+    assert kinds({"v": "password=%DB_PASSWORD%"}) == []
+    assert kinds({"v": "https://x.io/search?q=reset%20my%20password%3F&page=2"}) == []
+
+
+@pytest.mark.timeout(10, method="signal")
+def test_encoded_text_is_scanned_in_linear_time() -> None:
+    """Each decoding shrinks the text and at most two are undone: 64 KiB of nested
+    base64, hex or percent escapes of a keyword repeated cost a few scans of it."""
+    for prefix in ("password=", "sk-", "eyJ", "pwd:pwd:", "://a@", "AKIA"):
+        text = prefix * (40_000 // len(prefix))
+        for encode in ENCODINGS.values():
+            find_secrets({"v": encode(text)[:65_536]})
+
+
+def test_a_random_token_as_the_whole_userinfo_is_a_credential() -> None:
+    """Git hosts take a token as the user name alone (``https://<token>@github.com``);
+    a user name that reads as a name is not one."""
+    token = "q7Rz2LmX9vKd4TfW8nBc3HpY"
+    assert kinds({"v": f"https://{token}@github.com/org/repo.git"}) == ["url_credentials"]
+    for text in ("https://git@github.com/org/repo.git", "ssh://customer_support_2024@x.io/"):
+        assert kinds({"v": text}) == [], text
+
+
 # -- cost ------------------------------------------------------------------------------------------
 
 REPEATED = (
@@ -812,6 +876,16 @@ def test_a_port_too_long_to_be_a_number_is_refused_not_raised() -> None:
     assert egress_violation(url, "private_network_only", (), ("internal.example.com",)) is None
 
 
+@pytest.mark.timeout(10, method="signal")
+def test_a_host_longer_than_dns_allows_is_refused_before_idna() -> None:
+    """IDNA's nameprep costs microseconds a character: 64 distinct hosts of 64 KiB, one a
+    proposal, took about half a second each before the length was checked first."""
+    for i in range(64):
+        url = f"https://{i}" + "\u00e9" * 65_000 + ".example.com/"
+        reason = egress_violation(url, "allowlisted_domains", ("example.com",), ())
+        assert reason is not None and "longer than 253" in reason
+
+
 def test_odd_argument_types_are_refused_not_raised() -> None:
     """Callers are typed, but a list for a tuple or a missing value must not raise."""
     as_list: Any = ["example.com"]
@@ -873,3 +947,17 @@ def test_an_http_url_with_irregular_slashes_is_still_checked(url: str) -> None:
     assert find_urls({"callback": url}) == [("callback", url)]
     assert egress_violation(url, "allowlisted_domains", ("example.com",), ()) is not None
     assert find_urls({"note": "http: is the scheme, https: the safer one"}) == []
+
+
+@pytest.mark.parametrize(
+    "url", ["//evil.example/x", "//localhost/admin", "\\\\evil.example\\share", "/\\evil.example"]
+)
+def test_a_scheme_relative_url_is_checked(url: str) -> None:
+    """Resolved against an executor's base URL, ``//host`` names the host it connects to
+    (``urljoin("https://api.internal/", "//evil.example")``), and ``\\\\host`` is a share:
+    both are handed to the egress check, which refuses them for their missing scheme."""
+    assert find_urls({"callback": url}) == [("callback", url)]
+    for policy in POLICIES:
+        assert egress_violation(url, policy, ("evil.example",), ("evil.example",)) is not None
+    for text in ("// a comment", "///", "/api/v1/orders", "a//b"):
+        assert find_urls({"path": text}) == [], text
