@@ -15,7 +15,8 @@ RAISED_BY: dict[TaxonomyClass, str] = {
     _T.SYNTACTIC_PARSE_FAIL: "parse",
     _T.STRUCTURAL_VIOLATION: "resolve, schema",
     _T.TYPE_MISMATCH: "schema",
-    _T.OUT_OF_BOUNDS: "schema",
+    _T.OUT_OF_BOUNDS: "schema; semantic (an integer beyond 64 bits, arguments too large for "
+    "a rule)",
     _T.SEMANTIC_INVALIDITY: "semantic (unknown id, CEL rule)",
     _T.PERMISSION_DENIED: "identity (token, tenant, scope, another tenant's id); idempotency "
     "(a borrowed compensation key)",

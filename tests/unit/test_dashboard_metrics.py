@@ -154,17 +154,40 @@ def test_the_checks_catch_a_metric_a_label_and_a_value_the_code_does_not_have() 
     ]
 
 
-def readme_metrics() -> set[str]:
-    """The metric names the README's Metrics section lists."""
+README_METRIC = re.compile(r"`(toolsentry_\w+)(?:\{([^}]*)\})?`")
+
+
+def readme_metrics() -> dict[str, list[str | None]]:
+    """The metric families the README's Metrics section lists (the processor's and the
+    executors'), each with what every mention of it gives in braces (None: no braces)."""
     text = (ROOT / "README.md").read_text()
     section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"`(toolsentry_\w+)", section))
+    listed: dict[str, list[str | None]] = {}
+    for name, labels in README_METRIC.findall(section):
+        listed.setdefault(name.removesuffix("_total"), []).append(labels or None)
+    return listed
 
 
-def test_the_readme_lists_every_processor_metric_and_only_those() -> None:
-    processor = {s.family for s in registered().values() if "_executor_" not in s.family}
-    listed = {name.removesuffix("_total") for name in readme_metrics()}
-    assert listed == processor
+def test_the_readme_lists_every_metric_and_only_those() -> None:
+    families = {s.family for s in registered().values()}
+    assert set(readme_metrics()) == families
+
+
+def test_the_readme_lists_each_metric_with_its_labels() -> None:
+    """A label list in braces names exactly the metric's labels, a matcher only one of
+    them, and a metric with labels is listed with them at least once: a query written from
+    the README must select series that exist."""
+    labels = {s.family: s.labels - {"le"} for s in registered().values()}
+    for family, mentions in readme_metrics().items():
+        given = [m for m in mentions if m is not None]
+        for m in given:
+            names = {part.split("=", 1)[0].strip() for part in m.split(",")}
+            if "=" in m:
+                assert names <= labels[family], (family, m)
+            else:
+                assert names == labels[family], (family, m)
+        if labels[family]:
+            assert any("=" not in m for m in given), f"{family}: its labels are not listed"
 
 
 def test_every_metric_the_readme_names_is_registered() -> None:
