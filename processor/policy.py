@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml_rs
 
+from processor.gates.policy_scan import domain_entry
 from processor.model import SideEffectClass
 
 MAX_APPROVAL_LIFETIME_S = 86_400
@@ -129,11 +130,25 @@ def _classes(value: Any, where: str) -> frozenset[SideEffectClass]:
 
 
 def _domains(value: Any, where: str) -> tuple[str, ...]:
+    """Egress entries as ``host`` or ``host:port``, normalised (lowercase ASCII, no ``*.``).
+
+    An entry the egress check could not use, or one that would open more than the
+    deployment's own hosts (``com``, ``co.uk``, ``github.io``), stops the policy from
+    loading, named, rather than being dropped without a word or allowing every host
+    under it: see :func:`~processor.gates.policy_scan.domain_entry`.
+    """
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(isinstance(d, str) and d for d in value):
+    if not isinstance(value, list):
         raise PolicyError(f"{where}: expected a list of domain names")
-    return tuple(d.lower().strip(".") for d in value)
+    out: list[str] = []
+    for raw in value:
+        try:
+            host, port = domain_entry(raw)
+        except ValueError as exc:
+            raise PolicyError(f"{where}: entry {raw!r} {exc}") from None
+        out.append(host if port is None else f"{host}:{port}")
+    return tuple(out)
 
 
 _TOP_KEYS = {"confirmation", "egress", "tenants", "secrets", "budgets"}

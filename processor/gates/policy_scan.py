@@ -24,7 +24,14 @@ from encodings import idna
 from functools import lru_cache
 from typing import Any, TypeAlias
 
-__all__ = ["SecretFinding", "egress_violation", "find_secrets", "find_urls"]
+__all__ = [
+    "DomainEntry",
+    "SecretFinding",
+    "domain_entry",
+    "egress_violation",
+    "find_secrets",
+    "find_urls",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -699,12 +706,15 @@ def _url_like(text: str) -> str | None:
 
 
 def find_urls(value: Any) -> list[tuple[str, str]]:
-    """``(path, url)`` for every string value that is a URL as a whole.
+    """``(path, url)`` for every string value, and every object key, that is a URL as a whole.
 
     Accepted: ``scheme://...``, ``www....``, scheme-relative ``//host...`` (and
     ``\\\\host``), and ``javascript:``, ``vbscript:``, ``data:``, ``file:``, ``gopher:``
     URLs. A URL inside prose (``see https://x.io``) is not returned: free text is not an
     address a tool fetches.
+    Keys are read as values are: a tool may take a map keyed by URL (``{"headers":
+    {"https://evil.example/x": "1"}}``, a URL-to-label map) and send to its keys. A key
+    URL comes before its value's and has the same path.
     Object keys that hold secrets are redacted in the paths as in
     :func:`find_secrets`, and the order is the same.
     """
@@ -723,6 +733,14 @@ def find_urls(value: Any) -> list[tuple[str, str]]:
         else:
             continue
         for key, child in items:
+            # Every URL form holds a colon, a slash or a backslash but ``www.``, whose
+            # ``w.`` a dotted key name (``product.area``) rarely holds.
+            if type(key) is str and (
+                ":" in key or "/" in key or "\\" in key or "w." in key or "W." in key
+            ):
+                url = _url_like(key)
+                if url is not None:
+                    found.append((_render((link, _segment(key))), url))
             kind_of = type(child)
             if kind_of is str:
                 if ":" in child or "." in child or "//" in child or "\\" in child:
@@ -768,6 +786,22 @@ _NON_PUBLIC_SUFFIXES = frozenset(
 _SHOW = 60
 _MAX_HOST = 253
 """The longest a DNS name may be, dots included and the root's dot not."""
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_GENERIC_SECOND_LEVEL = frozenset(
+    {"ac", "co", "com", "edu", "go", "gob", "gov", "govt", "ltd", "mil", "ne", "net", "nom",
+     "or", "org", "plc", "sch"}
+)  # fmt: skip
+"""Second-level names under which country registries sell names (``co.uk``, ``com.au``,
+``ac.jp``, ``gov.br``): such a name followed by a two-letter country code is a public
+suffix, found without fetching the Public Suffix List."""
+_SHARED_HOSTING_SUFFIXES = frozenset(
+    {"github.io", "gitlab.io", "herokuapp.com", "appspot.com", "blogspot.com",
+     "azurewebsites.net", "cloudapp.net", "cloudfront.net", "amazonaws.com",
+     "s3.amazonaws.com", "firebaseapp.com", "web.app", "netlify.app", "vercel.app",
+     "pages.dev", "workers.dev", "ngrok.io", "ngrok-free.app"}
+)  # fmt: skip
+"""Hosting platforms' shared domains: anyone gets a name under one in minutes, for free,
+so allowing one of them allows every stranger's site on it."""
 
 
 def _show(host: str) -> str:
@@ -829,21 +863,94 @@ def _unicode_host(host: str) -> str | None:
     return ".".join(labels)
 
 
-@lru_cache(maxsize=256)
-def _domains(domains: tuple[str, ...]) -> tuple[str, ...]:
-    """Configured domains normalised like hosts: lowercase, IDNA, no ``*.``, no dots at the ends.
+DomainEntry: TypeAlias = "tuple[str, int | None]"
+"""An allow-list entry: a host (lowercase ASCII) and the one port it allows, or None for
+the URL scheme's default port."""
 
-    An empty entry is dropped: it would otherwise match every host.
+
+def domain_entry(raw: object) -> DomainEntry:
+    """An egress allow-list entry (``example.com``, ``*.example.com``, ``example.com:8443``)
+    parsed, or ValueError saying why it cannot be one.
+
+    An entry covers its host and every subdomain, on the default port of the URL's scheme
+    or on the port it names, and only that one. Refused: what is not a host name (a URL,
+    an IP address, characters outside a-z 0-9 . -, a look-alike), and names under which
+    strangers get hosts of their own: a single label (``com``, ``*.com``, ``internal``),
+    a country registry's public suffix (``co.uk``, ``com.au``: see
+    ``_GENERIC_SECOND_LEVEL``) and a hosting platform's shared domain (``github.io``).
     """
-    out: list[str] = []
+    if type(raw) is not str:
+        raise ValueError("is not a string")
+    d = raw.strip().lower().removeprefix("*.").strip(".")
+    if not d:
+        raise ValueError("is empty")
+    if any(c in d for c in "/?#@[]") or "://" in d:
+        raise ValueError("is not a host name: write the host alone, with an optional :port")
+    port: int | None = None
+    if ":" in d:
+        d, _, digits = d.rpartition(":")
+        if not (digits.isascii() and digits.isdigit() and 0 < _port_number(digits) <= 65535):
+            raise ValueError("has a bad port: expected host:port with a port of 1 to 65535")
+        port = _port_number(digits)
+        d = d.rstrip(".")
+    host = _ascii_host(d) if 0 < len(d) <= _MAX_HOST else None
+    if host is None or len(host) > _MAX_HOST or not _HOST.fullmatch(host):
+        raise ValueError("is not a valid host name (a-z 0-9 - in dot-separated labels)")
+    if _NUMERIC_LABEL.fullmatch(host.rsplit(".", 1)[-1]):
+        raise ValueError("is an IP address; egress to IP address hosts is always refused")
+    if "." not in host:
+        raise ValueError(
+            "is a single label: it would allow every host under a top-level domain; "
+            "list your own domain (example.com)"
+        )
+    if host in _SHARED_HOSTING_SUFFIXES or _country_registry_suffix(host):
+        raise ValueError(
+            "is a public suffix: anyone can get a host under it; list your own domain "
+            "under it instead"
+        )
+    return host, port
+
+
+def _country_registry_suffix(host: str) -> bool:
+    first, _, last = host.partition(".")
+    return first in _GENERIC_SECOND_LEVEL and len(last) == 2 and last.isalpha()
+
+
+@lru_cache(maxsize=256)
+def _domains(domains: tuple[str, ...]) -> tuple[DomainEntry, ...]:
+    """Configured entries parsed by :func:`domain_entry`; one it refuses is dropped.
+
+    The policy loader refuses such entries already; dropping them here as well keeps a
+    policy built some other way from allowing an empty name (every host), a top-level
+    domain or a public suffix.
+    """
+    out: list[DomainEntry] = []
     for raw in domains:
-        if type(raw) is not str:
+        try:
+            out.append(domain_entry(raw))
+        except ValueError:
             continue
-        d = raw.strip().lower().removeprefix("*.").strip(".")
-        ascii_d = _ascii_host(d) if d else None
-        if ascii_d and _HOST.fullmatch(ascii_d):
-            out.append(ascii_d)
     return tuple(out)
+
+
+def _listed_ports(host: str, entries: tuple[DomainEntry, ...]) -> list[int | None]:
+    """The ports the entries covering ``host`` allow (None: the scheme's default); empty
+    when no entry covers it."""
+    return [port for d, port in entries if host == d or host.endswith("." + d)]
+
+
+def _port_refused(port: int, default: int, host: str, ports: list[int | None]) -> str | None:
+    """Why ``port`` may not be reached on ``host``, whose entries allow ``ports``; None
+    when it may."""
+    if port in ports or (port == default and None in ports):
+        return None
+    allowed = sorted({default if p is None else p for p in ports})
+    return f"port {port} is not allowed on {_show(host)} (allowed: {', '.join(map(str, allowed))})"
+
+
+def _show_entries(entries: tuple[DomainEntry, ...]) -> str:
+    shown = [d if port is None else f"{d}:{port}" for d, port in entries[:3]]
+    return ", ".join(shown) + (", ..." if len(entries) > 3 else "")
 
 
 def _within(host: str, domains: tuple[str, ...]) -> bool:
@@ -858,35 +965,39 @@ def _port_number(digits: str) -> int:
     return int(digits or "0") if len(digits) <= 5 else 65536
 
 
-def _host_of(rest: str) -> tuple[str | None, str]:
-    """The normalised host after ``scheme:``, or None and the reason it is refused."""
+def _host_of(rest: str) -> tuple[str | None, int | None, str]:
+    """The normalised host after ``scheme:`` and the port it names (None: none, or an
+    empty one, which WHATWG reads as the default), or None and the reason it is refused."""
     if not rest.startswith("//") or rest.startswith("///"):
-        return None, "malformed URL: expected scheme://host"
+        return None, None, "malformed URL: expected scheme://host"
     authority = _AUTHORITY_END.split(rest[2:], maxsplit=1)[0]
     if "@" in authority:
-        return None, "credentials (user@ or user:password@) are not allowed in a URL"
+        return None, None, "credentials (user@ or user:password@) are not allowed in a URL"
     if authority.startswith("["):
-        return None, "IP address hosts are not allowed; use a domain name"
-    host, colon, port = authority.rpartition(":")
+        return None, None, "IP address hosts are not allowed; use a domain name"
+    host, colon, digits = authority.rpartition(":")
+    port: int | None = None
     if not colon:
         host = authority
-    elif port and not (port.isascii() and port.isdigit() and _port_number(port) <= 65535):
-        return None, "malformed URL: bad port"
+    elif digits:
+        if not (digits.isascii() and digits.isdigit() and _port_number(digits) <= 65535):
+            return None, None, "malformed URL: bad port"
+        port = _port_number(digits)
     if host.endswith("."):
         host = host[:-1]
     if not host:
-        return None, "malformed URL: no host"
+        return None, None, "malformed URL: no host"
     if len(host) > _MAX_HOST:
         # Refused before IDNA, whose nameprep costs about 6 µs a character: encoding never
         # shortens a name but for the invisible characters nameprep drops, which make a
         # look-alike anyway.
-        return None, f"host {_show(host.lower())} is longer than {_MAX_HOST} characters"
+        return None, None, f"host {_show(host.lower())} is longer than {_MAX_HOST} characters"
     ascii_host = _ascii_host(host)
     if ascii_host is None:
-        return None, "host uses look-alike Unicode characters"
+        return None, None, "host uses look-alike Unicode characters"
     if len(ascii_host) > _MAX_HOST or not _HOST.fullmatch(ascii_host):
-        return None, f"host {_show(ascii_host)} has characters outside a-z 0-9 . -"
-    return ascii_host, ""
+        return None, None, f"host {_show(ascii_host)} has characters outside a-z 0-9 . -"
+    return ascii_host, port, ""
 
 
 def egress_violation(
@@ -907,6 +1018,13 @@ def egress_violation(
     executor would complete it, http or https, is unknown. The reason names the
     most basic problem first (an IP host before plain http), so that fixing
     what it says is worth a retry.
+
+    Ports: a URL reaches the default port of its scheme (443 for https, 80 for http),
+    written or not, unless the allow-list entry that covers its host names another
+    (``docs.example.com:8443``), and then only that one. An HTTP client pointed at port
+    22, 25 or 6379 of an allowed host talks to SSH, SMTP or Redis in HTTP's words, which
+    some of them take; a tool whose policy is ``unrestricted_with_approval`` has no list
+    to name a port in, and reaches port 443 only.
     """
     if type(egress_policy) is not str or egress_policy not in _POLICIES:
         return f"unknown egress policy {_show(str(egress_policy))}; refusing"
@@ -929,9 +1047,11 @@ def egress_violation(
         return f"scheme {_show(scheme)}: is not allowed; only https"
     if _WHITESPACE.search(u):
         return "whitespace in URL"
-    host, reason = _host_of(u[m.end() :])
+    host, written_port, reason = _host_of(u[m.end() :])
     if host is None:
         return reason
+    default = _DEFAULT_PORTS[scheme]
+    port = default if written_port is None else written_port
     last = host.rsplit(".", 1)[-1]
     if _NUMERIC_LABEL.fullmatch(last):
         return "IP address hosts are not allowed; use a domain name"
@@ -941,17 +1061,24 @@ def egress_violation(
         return "cloud metadata endpoints are not allowed"
     if egress_policy == "allowlisted_domains":
         allowed = _domains(tuple(allowed_domains))
-        if not _within(host, allowed):
-            listed = ", ".join(allowed[:3]) + (", ..." if len(allowed) > 3 else "")
-            return f"host {_show(host)} is not an allowed domain ({listed or 'none configured'})"
+        ports = _listed_ports(host, allowed)
+        if not ports:
+            listed = _show_entries(allowed) or "none configured"
+            return f"host {_show(host)} is not an allowed domain ({listed})"
+        refused = _port_refused(port, default, host, ports)
+        if refused is not None:
+            return refused
     elif egress_policy == "private_network_only":
-        if not _within(host, _domains(tuple(internal_domains))):
+        ports = _listed_ports(host, _domains(tuple(internal_domains)))
+        if not ports:
             return f"host {_show(host)} is not on the private network"
-        return None
-    elif "." not in host or _within(host, _domains(tuple(internal_domains))):
+        return _port_refused(port, default, host, ports)
+    elif "." not in host or _listed_ports(host, _domains(tuple(internal_domains))):
         return f"host {_show(host)} is internal; this tool may reach public hosts only"
     elif last in _NON_PUBLIC_SUFFIXES or host.endswith(".home.arpa"):
         return f"host {_show(host)} is not a public host name"
+    elif port != default:
+        return f"port {port} is not allowed; this tool reaches public hosts on port {default} only"
     if scheme == "http":
         return "plain http is not allowed; use https"
     return None

@@ -721,6 +721,33 @@ def test_urls_are_found_in_nested_values_with_their_paths() -> None:
     assert find_urls("https://x.io") == [("", "https://x.io")]
 
 
+def test_an_object_key_that_is_a_url_is_checked_like_a_value() -> None:
+    """A tool taking a map may send to its keys: a header map, a URL-to-label map."""
+    value = {
+        "headers": {"https://evil.example/x": "1", "Accept": "text/html"},
+        "targets": {"//evil.example/y": {"label": "https://docs.example.com/"}},
+        "u": {"www.evil.example": "https://docs.example.com/"},
+    }
+    assert find_urls(value) == [
+        ("headers/https://evil.example/x", "https://evil.example/x"),
+        ("targets///evil.example/y", "//evil.example/y"),
+        ("targets///evil.example/y/label", "https://docs.example.com/"),
+        ("u/www.evil.example", "www.evil.example"),
+        ("u/www.evil.example", "https://docs.example.com/"),
+    ]
+    reason = egress_violation("https://evil.example/x", "allowlisted_domains", ("example.com",), ())
+    assert reason is not None
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["Content-Type", "product.area", "note: see below", "v1.2.3", "a\\b", "user@example.com",
+     "Host", "https", "see https://evil.example/ for details"],
+)  # fmt: skip
+def test_an_object_key_that_is_not_a_url_is_not_returned(key: str) -> None:
+    assert find_urls({"headers": {key: "1"}}) == []
+
+
 # -- egress ----------------------------------------------------------------------------------------
 
 ALLOWED = ("example.com", "localhost", "internal", "127.0.0.1")
@@ -785,7 +812,8 @@ def test_an_unknown_policy_is_refused() -> None:
         ("https://example.com", True),
         ("https://example.com/path?q=1#f", True),
         ("https://api.example.com/v1", True),
-        ("https://a.b.example.com:8443/", True),
+        ("https://a.b.example.com:443/", True),
+        ("https://a.b.example.com:8443/", False),
         ("HTTPS://EXAMPLE.COM./", True),
         ("https://evil-example.com/", False),
         ("https://notexample.com/", False),
@@ -830,17 +858,85 @@ def test_allowlist_entries_are_normalised_and_empty_ones_match_nothing() -> None
 
 
 @pytest.mark.parametrize(
+    ("url", "entries", "allowed"),
+    [
+        ("https://docs.example.com:22/", ("example.com",), False),
+        ("https://docs.example.com:6379/", ("example.com",), False),
+        ("https://docs.example.com:80/", ("example.com",), False),
+        ("https://docs.example.com:443/", ("example.com",), True),
+        ("https://docs.example.com:0443/", ("example.com",), True),
+        ("https://docs.example.com:/", ("example.com",), True),
+        ("https://docs.example.com:8443/", ("example.com:8443",), True),
+        ("https://a.docs.example.com:8443/", ("docs.example.com:8443",), True),
+        ("https://docs.example.com/", ("example.com:8443",), False),
+        ("https://docs.example.com:22/", ("example.com:8443",), False),
+        ("https://docs.example.com:8443/", ("status.example.com:8443",), False),
+        ("https://docs.example.com/", ("example.com", "example.com:8443"), True),
+        ("https://docs.example.com:8443/", ("example.com", "example.com:8443"), True),
+        ("https://docs.example.com/", ("example.com:443",), True),
+    ],
+)
+def test_a_port_other_than_the_default_needs_an_entry_naming_it(
+    url: str, entries: tuple[str, ...], allowed: bool
+) -> None:
+    """An HTTP client sent to port 22 or 6379 of an allowed host talks to SSH or Redis."""
+    reason = egress_violation(url, "allowlisted_domains", entries, ())
+    assert (reason is None) is allowed, reason
+    if not allowed and "not an allowed domain" not in (reason or ""):
+        assert reason is not None and reason.startswith("port ")
+
+
+def test_a_refused_port_says_which_ports_the_host_allows() -> None:
+    entries = ("example.com", "docs.example.com:8443")
+    reason = egress_violation("https://docs.example.com:22/", "allowlisted_domains", entries, ())
+    assert reason == "port 22 is not allowed on docs.example.com (allowed: 443, 8443)"
+
+
+def test_a_public_host_is_reached_on_port_443_only() -> None:
+    policy = "unrestricted_with_approval"
+    assert egress_violation("https://example.org:443/x", policy, (), ()) is None
+    for port in (22, 25, 80, 6379, 8443):
+        reason = egress_violation(f"https://example.org:{port}/x", policy, (), ())
+        assert reason is not None and reason.startswith(f"port {port} "), reason
+
+
+@pytest.mark.parametrize(
+    ("entry", "url"),
+    [
+        ("com", "https://evil.com/"),
+        ("*.com", "https://evil.com/"),
+        ("COM.", "https://evil.com/"),
+        ("co.uk", "https://evil.co.uk/"),
+        ("*.com.au", "https://evil.com.au/"),
+        ("github.io", "https://evil.github.io/"),
+        ("evil.com:0", "https://evil.com/"),
+        ("https://evil.com", "https://evil.com/"),
+    ],
+)
+def test_an_entry_covering_strangers_hosts_or_no_host_allows_nothing(entry: str, url: str) -> None:
+    """The policy loader refuses these; egress drops them too, for a policy built otherwise."""
+    for policy, allowed, internal in (
+        ("allowlisted_domains", (entry,), ()),
+        ("private_network_only", (), (entry,)),
+    ):
+        assert egress_violation(url, policy, allowed, internal) is not None, (policy, entry)
+
+
+@pytest.mark.parametrize(
     ("url", "allowed"),
     [
         ("https://orders.corp.internal/v1", True),
         ("http://corp.internal:8080/", True),
+        ("http://orders.corp.internal:8080/", True),
+        ("http://corp.internal:6379/", False),
         ("https://corp.internal.evil.io/", False),
         ("https://evilcorp.internal/", False),
         ("https://example.org/", False),
     ],
 )
 def test_private_network_only_stays_within_the_internal_domains(url: str, allowed: bool) -> None:
-    reason = egress_violation(url, "private_network_only", (), ("corp.internal",))
+    internal = ("corp.internal", "corp.internal:8080")
+    reason = egress_violation(url, "private_network_only", (), internal)
     assert (reason is None) is allowed, reason
 
 
