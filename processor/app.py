@@ -381,9 +381,9 @@ class Processor:
         refused compensations change them in place): what a record that then fails alone
         would have answered (see _parked_answer)."""
         self._to_forget: list[tuple[str, Item]] = []
+        """Items of committed batches whose markers the next admission call drops."""
         self._unread: list[TopicPartition] | None = None
         """Partitions assigned whose replay markers are still to be read (see _read_markers)."""
-        """Items of committed batches whose markers the next admission call drops."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
