@@ -197,29 +197,15 @@ def _refuse_non_finite(doc: Any) -> None:
     """Raise ``ValueError`` at a YAML ``.nan`` or ``.inf`` (or a number too large for a
     float). JSON has neither, and nothing downstream expects one: a bound of NaN refuses
     every number, and a cost of NaN reaches the budget script as null."""
-    stack = [doc]
-    while stack:
-        node = stack.pop()
-        if type(node) is dict:
-            stack.extend(node.values())
-        elif type(node) is list:
-            stack.extend(node)
-        elif type(node) is float and not math.isfinite(node):
-            raise ValueError(f"{_pointer(_path_to(doc, node))}: {node} is not a JSON number")
-
-
-def _path_to(doc: Any, target: float) -> list[Any]:
-    """The path of ``target`` (that very object) in ``doc``."""
-    stack: list[tuple[Any, list[Any]]] = [(doc, [])]
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(doc, ())]
     while stack:
         node, where = stack.pop()
-        if node is target:
-            return where
         if type(node) is dict:
-            stack.extend((v, [*where, k]) for k, v in node.items())
+            stack.extend((v, (*where, k)) for k, v in node.items())
         elif type(node) is list:
-            stack.extend((v, [*where, i]) for i, v in enumerate(node))
-    return []
+            stack.extend((v, (*where, i)) for i, v in enumerate(node))
+        elif type(node) is float and not math.isfinite(node):
+            raise ValueError(f"{_pointer(where)}: {node} is not a JSON number")
 
 
 def _compile(doc: dict[str, Any], rel: str, problems: list[Problem]) -> Contract | None:

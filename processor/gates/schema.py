@@ -68,7 +68,9 @@ def _segment(name: Any) -> str:
     return text.replace("~", "~0").replace("/", "~1")
 
 
-def _path(parts: Any) -> str | None:
+def field_path(parts: Any) -> str | None:
+    """A field's path as observations name it: JSON-pointer segments, no leading ``/``
+    (None for the arguments themselves)."""
     return "/".join(_segment(p) for p in parts) or None
 
 
@@ -172,7 +174,7 @@ def _describe(e: ValidationError, contract: Contract) -> list[tuple[TaxonomyClas
     kw = "false" if e.validator is None else str(e.validator)
     if _under_property_names(e.relative_schema_path):
         kw = "propertyNames"
-    where = _path(e.absolute_path)
+    where = field_path(e.absolute_path)
     name = where or "the arguments"
     schema = e.schema if isinstance(e.schema, dict) else {}
     cls = (

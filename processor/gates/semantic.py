@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from processor.contracts.registry import Contract, Reference, SemanticRule
+from processor.gates.schema import field_path
 from processor.model import FieldError, Gate, Principal, Proposal, Rejection, TaxonomyClass
 
 RefKey = tuple[str, str, str]
@@ -205,11 +206,6 @@ def _unlink(link: _Link) -> tuple[Any, ...]:
     return tuple(reversed(parts))
 
 
-def _pointer(parts: tuple[Any, ...]) -> str:
-    """A field's path as the schema gate writes it: JSON-pointer segments, no leading /."""
-    return "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in parts)
-
-
 def _beyond_the_engine(
     rules: tuple[SemanticRule, ...], context: dict[str, Any]
 ) -> Rejection | None:
@@ -218,14 +214,14 @@ def _beyond_the_engine(
     say the arguments are too large, not that they break a rule."""
     size, beyond = context_size(context)
     if beyond is not None:
-        field = _pointer(beyond[1:]) if beyond[:1] == ("args",) else None
+        field = field_path(beyond[1:]) if beyond[:1] == ("args",) else None
         return Rejection(
             TaxonomyClass.OUT_OF_BOUNDS,
             Gate.SEMANTIC,
             (
                 FieldError(
                     field,
-                    f"{_pointer(beyond)}: integer outside the 64-bit range the contract's "
+                    f"{field_path(beyond)}: integer outside the 64-bit range the contract's "
                     "rules compute with",
                     "integer_overflow",
                     expected=f"{_INT64[0]}..{_INT64[1]}",

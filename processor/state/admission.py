@@ -231,9 +231,8 @@ class AdmissionStore:
         positions here for as long as this processor runs."""
         removed = 0
         replaying: set[tuple[str, str]] = set()
-        done = ":done"
         for key in [
-            *self.client.scan_iter(match=f"{self.ns}:{{*}}{done}", count=1000),
+            *self.client.scan_iter(match=f"{self.ns}:{{*}}:done", count=1000),
             *self.client.scan_iter(match=f"{self.ns}:{{*}}:redeliver", count=1000),
         ]:
             name = key.decode()
@@ -247,7 +246,7 @@ class AdmissionStore:
                     continue  # (a partition not assigned here)
                 if int(offset) < upto:
                     stale.append(field)
-                elif name.endswith(done):
+                elif name.endswith(":done"):
                     replaying.add((tag, pos))
             for first in range(0, len(stale), 1000):
                 removed += int(self.client.hdel(key, *stale[first : first + 1000]))
