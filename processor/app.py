@@ -125,7 +125,7 @@ from processor.state.admission import (
     withdraw_item,
 )
 from processor.state.approvals import ApprovalStore, OpResult, retain_ms
-from processor.state.connection import REDIS_ERRORS, connect, is_script_error
+from processor.state.connection import REDIS_ERRORS, connect, is_script_error, tenant_tag
 from processor.state.references import ReferenceLoader, ReferencesLoading, ReferenceStore
 
 logger = logging.getLogger(__name__)
@@ -868,18 +868,21 @@ class Processor:
                 budgets = policy.budgets_for(x.principal.tenant_id) if x.principal else None
                 item = admission_item(x, contract, budgets, now_ms) if budgets else None
                 extra: Any = (contract, budgets)
-                p = x.proposal
-                if (
-                    item is None
-                    and p is not None
-                    and p.tenant_id
-                    and self.admission.may_hold_call(p.tenant_id, pos := position(x.source))
+                if item is None and (
+                    waiting := self.admission.call_waiting_at(pos := position(x.source))
                 ):
                     # Nothing to admit (its token no longer verifies: it expired, or the
-                    # keys were rotated); but a call admitted at this position before, in
-                    # a transaction that aborted, must give back what it took. (Its tenant
-                    # was its token's, which is the proposal's.)
-                    item = withdraw_item(p.tenant_id, pos, p.run_id, now_ms)
+                    # keys were rotated; or it no longer reads as a proposal: the limits
+                    # changed); but a call admitted at this position before, in a
+                    # transaction that aborted, must give back what it took. (Its tenant
+                    # was its token's, which is the proposal's: named by it, where it
+                    # still reads, so that the batch's items of that tenant stay one
+                    # script call.)
+                    p, run = x.proposal, ""
+                    tenant: str = waiting
+                    if p is not None and p.tenant_id and tenant_tag(p.tenant_id) == waiting:
+                        tenant, run = p.tenant_id, p.run_id
+                    item = withdraw_item(tenant, pos, run, now_ms)
                     extra = _WITHDRAWN
             elif isinstance(x, ResultInput):
                 comp, unsigned = compensation_plan(x, self.contracts, verifier)

@@ -25,8 +25,8 @@
 --          7 lapse    a parked call's approval request ended without it going (declined,
 --                     expired, or refused when released): it never ran
 --          8 withdraw a proposal that asks nothing of admission this time (its token no
---                     longer verifies, say): a call admitted at its position before, whose
---                     transaction aborted, never ran
+--                     longer verifies, or it no longer reads, say): a call admitted at its
+--                     position before, whose transaction aborted, never ran
 -- ARGV[3]  how long a run's counters live after the day of their last use (ms)
 --
 -- Returns one verdict string per item: "ok|<attempt>", "no|<why>|<retry after ms>",
@@ -986,7 +986,7 @@ end
 -- alone on a defect (void). Its step stays counted: the position is still a proposal of
 -- its run. Returns whether it was a resubmitted parked call (which took nothing then, not
 -- even a step: a caller that goes on counting the position counts its step), and the
--- deadline it was parked until.
+-- deadline it was parked until. `run` nil: the run is not known, and keeps its counters.
 local function give_back(pos, run, tool, took_, keep_rate)
   local again, cost, sig, day, interval, group, approvals =
     string.match(took_, '^([01]);([^;]*);([^;]*);([^;]*);([^;]*);([^;]*);(.*)$')
@@ -998,9 +998,11 @@ local function give_back(pos, run, tool, took_, keep_rate)
     end
   end
   if again == '1' then return true, tonumber(cost) end
-  refund(run, 'sig:' .. sig, 1)
-  refund(run, 'class:' .. group, 1)
-  refund(run, 'cost', tonumber(cost))
+  if run then
+    refund(run, 'sig:' .. sig, 1)
+    refund(run, 'class:' .. group, 1)
+    refund(run, 'cost', tonumber(cost))
+  end
   if day ~= '' then
     days[day] = math.max(0, day_cost(day) - tonumber(cost))
     day_dirty[day] = true
@@ -1223,12 +1225,22 @@ end
 -- call never ran, and gives back what it took, once, as a call decided again as another
 -- does (below). Nothing is written for a position that holds no call's marker: most such
 -- proposals were never admitted, and their batches must not grow the replay markers.
+--
+-- Its run is the proposal's, or '' where the proposal no longer reads (a processor whose
+-- limits changed meanwhile, say): the call's own record names it then, while it is still
+-- that attempt's. A record that went on to another attempt names another call's run;
+-- that run's counters are kept, and this one's stay spent, which refuses more, never less.
 local function withdraw(a, was)
   if not was then return 'none' end
   local ikey, hash, tool, _, took_, verdict = marker_of(was)
   if not ikey or took_ == '' then return 'none' end
   local attempt = tonumber(string.match(verdict or '', '^ok|(%d+)$'))
-  local resubmitted, parked_until = give_back(a[2], a[3], tool, took_)
+  local run = a[3]
+  if run == '' then
+    local rec = record_of(ikey)
+    run = rec and attempt and rec.a == attempt and rec.h == hash and rec.r or nil
+  end
+  local resubmitted, parked_until = give_back(a[2], run, tool, took_)
   release_record(ikey, attempt, hash, nil, resubmitted, parked_until, a[2])
   -- (decided again as a call, it is refused as changed; as a refused proposal, it passes)
   fresh[#fresh + 1] = a[2]

@@ -70,6 +70,15 @@ def rate_of(window_sec: int, max_requests: int) -> tuple[int, int] | None:
     return max(1, window_sec * 1000 // max_requests), max_requests
 
 
+class TenantTag(str):
+    """A tenant known by its ``{hash tag}`` alone (a predecessor's replay marker names no
+    tenant id): stands for a tenant id in the items ``AdmissionStore.apply`` takes."""
+
+
+def _tag_of(tenant: str) -> str:
+    return tenant if type(tenant) is TenantTag else tenant_tag(tenant)
+
+
 @dataclass(frozen=True, slots=True)
 class Redelivery:
     """A failure after committed steps held for a later attempt of its call, which was
@@ -115,12 +124,12 @@ class AdmissionStore:
         self._redeliveries: list[Redelivery] = []
         self._redelivered_at: dict[str, set[str]] = defaultdict(set)
         """Positions whose replay markers include held failures delivered again, by
-        tenant: forgotten with them."""
-        self._replaying: set[tuple[str, str]] = set()
-        """(tenant tag, position) of every call this store was asked to admit in a batch
-        not known to have committed, and of every marker a predecessor left above its
-        partition's committed offset (see ``forget_committed``): where a call may have
-        been admitted in a transaction that aborted (see ``may_hold_call``)."""
+        tenant tag: forgotten with them."""
+        self._replaying: dict[str, str] = {}
+        """The position of every call this store was asked to admit in a batch not known
+        to have committed, and of every marker a predecessor left above its partition's
+        committed offset (see ``forget_committed``), with its tenant's tag: where a call
+        may have been admitted in a transaction that aborted (see ``call_waiting_at``)."""
 
     def take_redeliveries(self) -> list[Redelivery]:
         """The held failures the calls since the last take delivered again (see
@@ -135,7 +144,7 @@ class AdmissionStore:
         return out
 
     def _base(self, tenant: str) -> str:
-        return f"{self.ns}:{tenant_tag(tenant)}"
+        return f"{self.ns}:{_tag_of(tenant)}"
 
     def apply(
         self, items: list[tuple[str, Item]], forget: list[tuple[str, Item]] | None = None
@@ -158,7 +167,7 @@ class AdmissionStore:
             header["horizon_days"] = HORIZON_DAYS
         for tenant, item in items:
             if item["kind"] == "call":  # (before the round trip: its answer may be lost)
-                self._replaying.add((tenant_tag(tenant), item["pos"]))
+                self._replaying[item["pos"]] = _tag_of(tenant)
         pipe = self.client.pipeline(transaction=False)
         n_forget = self._queue_forget(pipe, forget or [])
         calls = [
@@ -182,7 +191,7 @@ class AdmissionStore:
             again = _redeliveries(tenant, reply[-1])
             if again:
                 self._redeliveries += again
-                self._redelivered_at[tenant].update(r.at for r in again)
+                self._redelivered_at[_tag_of(tenant)].update(r.at for r in again)
         return out
 
     def apply_one_by_one(self, items: list[tuple[str, Item]]) -> list[Verdict]:
@@ -202,14 +211,16 @@ class AdmissionStore:
         pipe.execute()
         self._forgotten(items)
 
-    def may_hold_call(self, tenant: str, pos: str) -> bool:
-        """Whether a call may have been admitted at input position ``pos`` in a batch whose
-        transaction then aborted: this store admitted one there and has not seen its batch
-        commit, or a predecessor's marker waits there. A proposal decided there again that
-        asks nothing of admission (its token no longer verifies: it expired, or the keys
-        were rotated meanwhile) withdraws (see ``withdraw_item``); elsewhere it costs Redis
+    def call_waiting_at(self, pos: str) -> TenantTag | None:
+        """The tenant of a call that may have been admitted at input position ``pos`` in a
+        batch whose transaction then aborted (this store admitted one there and has not
+        seen its batch commit, or a predecessor's marker waits there), known by its tag;
+        None where none may be. A record decided there again that asks nothing of
+        admission (its token no longer verifies, or it no longer reads as a proposal)
+        withdraws under that tenant (see ``withdraw_item``); elsewhere it costs Redis
         nothing, so unverified traffic does not."""
-        return (tenant_tag(tenant), pos) in self._replaying
+        tag = self._replaying.get(pos)
+        return None if tag is None else TenantTag(tag)
 
     def forget_committed(self, committed: dict[tuple[str, int], int]) -> int:
         """Drop every replay marker of a position below its partition's committed offset.
@@ -230,7 +241,7 @@ class AdmissionStore:
         that aborted, then was committed by whoever took its partition, would leave its
         positions here for as long as this processor runs."""
         removed = 0
-        replaying: set[tuple[str, str]] = set()
+        replaying: dict[str, str] = {}
         for key in [
             *self.client.scan_iter(match=f"{self.ns}:{{*}}:done", count=1000),
             *self.client.scan_iter(match=f"{self.ns}:{{*}}:redeliver", count=1000),
@@ -247,7 +258,7 @@ class AdmissionStore:
                 if int(offset) < upto:
                     stale.append(field)
                 elif name.endswith(":done"):
-                    replaying.add((tag, pos))
+                    replaying[pos] = tag
             for first in range(0, len(stale), 1000):
                 removed += int(self.client.hdel(key, *stale[first : first + 1000]))
         self._redelivered_at.clear()
@@ -255,16 +266,16 @@ class AdmissionStore:
         return removed
 
     def _queue_forget(self, pipe: Any, items: list[tuple[str, Item]]) -> int:
-        by_tenant: dict[str, list[str]] = defaultdict(list)
+        by_tag: dict[str, list[str]] = defaultdict(list)
         for tenant, item in items:
-            by_tenant[tenant].append(item["pos"])
+            by_tag[_tag_of(tenant)].append(item["pos"])
         queued = 0
-        for tenant, positions in by_tenant.items():
-            pipe.hdel(f"{self._base(tenant)}:done", *positions)
+        for tag, positions in by_tag.items():
+            pipe.hdel(f"{self.ns}:{tag}:done", *positions)
             queued += 1
-            redelivered = self._redelivered_at.get(tenant)
+            redelivered = self._redelivered_at.get(tag)
             if redelivered and (gone := redelivered.intersection(positions)):
-                pipe.hdel(f"{self._base(tenant)}:redeliver", *gone)
+                pipe.hdel(f"{self.ns}:{tag}:redeliver", *gone)
                 queued += 1
         return queued
 
@@ -275,15 +286,17 @@ class AdmissionStore:
         not be decided again."""
         if self._replaying:
             for tenant, item in items:
-                self._replaying.discard((tenant_tag(tenant), item["pos"]))
+                if self._replaying.get(item["pos"]) == _tag_of(tenant):
+                    del self._replaying[item["pos"]]
         if not self._redelivered_at:
             return
         for tenant, item in items:
-            redelivered = self._redelivered_at.get(tenant)
+            tag = _tag_of(tenant)
+            redelivered = self._redelivered_at.get(tag)
             if redelivered is not None:
                 redelivered.discard(item["pos"])
                 if not redelivered:
-                    del self._redelivered_at[tenant]
+                    del self._redelivered_at[tag]
 
     def run_counters(self, tenant: str, run: str, now_ms: int | None = None) -> dict[str, float]:
         """steps, class:<group>, cost, sig:<signature>, repairs, bad:<signature> of a run."""
@@ -542,10 +555,11 @@ def park_identity(entry: dict[str, Any]) -> tuple[str, int]:
 
 
 def withdraw_item(tenant: str, pos: str, run: str, now_ms: int) -> tuple[str, Item]:
-    """The proposal at input position ``pos`` (of ``run``) asks nothing of admission this
-    time: a call admitted there before, in a transaction that aborted, gives back what it
-    took (see admission.lua, withdraw). Cheap where there is none: the script reads every
-    item's marker in one command, and writes nothing for such a position."""
+    """The record at input position ``pos`` (a proposal of ``run``; "" where it no longer
+    reads as one) asks nothing of admission this time: a call admitted there before, in a
+    transaction that aborted, gives back what it took (see admission.lua, withdraw). Cheap
+    where there is none: the script reads every item's marker in one command, and writes
+    nothing for such a position."""
     return tenant, {"kind": "withdraw", "pos": pos, "run": run, "now": now_ms}
 
 

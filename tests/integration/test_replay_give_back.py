@@ -13,6 +13,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -24,7 +25,7 @@ from processor.identity import TokenIssuer
 from processor.keys import init_keys
 from processor.model import Decision, Gate, Outcome
 from processor.state.admission import AdmissionStore
-from processor.state.connection import connect
+from processor.state.connection import connect, tenant_tag
 from tests.integration.harness import ProcessorProcess, isolated, read_all, token
 from tests.integration.test_admission import call
 from tests.unit.helpers import Consumed, envelope, keyed_processor
@@ -35,15 +36,17 @@ TENANT = "acme"
 TOPIC = "tool.proposals"
 
 
-def _processor(tmp_path: Path, redis_url: str, namespace: str) -> tuple[Processor, Path]:
-    return keyed_processor(tmp_path, redis_url=redis_url, redis_namespace=namespace)
+def _processor(
+    tmp_path: Path, redis_url: str, namespace: str, **settings: Any
+) -> tuple[Processor, Path]:
+    return keyed_processor(tmp_path, redis_url=redis_url, redis_namespace=namespace, **settings)
 
 
-def _ticket(keys: Path, key: str, run: str) -> Consumed:
+def _ticket(keys: Path, key: str, run: str, tenant: str = TENANT) -> Consumed:
     """A ticket proposed with a token of the issuer ``keys`` holds now."""
-    token = TokenIssuer.from_jwk_file(keys / "issuer.jwk").mint(TENANT, "u-1", "agent-1",
+    token = TokenIssuer.from_jwk_file(keys / "issuer.jwk").mint(tenant, "u-1", "agent-1",
                                                                  ["tickets:write"])  # fmt: skip
-    env = envelope("create_ticket", tenant_id=TENANT, run_id=run, idempotency_key=key,
+    env = envelope("create_ticket", tenant_id=tenant, run_id=run, idempotency_key=key,
                    proposal_id=f"p-{key}", principal_token=token)  # fmt: skip
     return Consumed(TOPIC, 7, orjson.dumps(env))
 
@@ -89,8 +92,8 @@ def test_a_call_whose_token_no_longer_verifies_on_replay_gives_back_what_it_took
     else:
         again, _ = _processor(tmp_path / "next", redis_backend, namespace)
         assert again.admission.forget_committed({(TOPIC, 0): 3}) == 0  # (its assignment)
-        assert not again.admission.may_hold_call(TENANT, f"{TOPIC}/0/1")
-    assert again.admission.may_hold_call(TENANT, f"{TOPIC}/0/7")
+        assert again.admission.call_waiting_at(f"{TOPIC}/0/1") is None
+    assert again.admission.call_waiting_at(f"{TOPIC}/0/7") == tenant_tag(TENANT)
 
     _refused_for_its_token(_decided(again, m))
     record = store.record(TENANT, key)
@@ -140,18 +143,53 @@ def test_where_a_call_may_wait_for_its_replay_is_known_until_its_batch_commits(
     items = [call(pos=f"{TOPIC}/0/5"), call(pos=f"{TOPIC}/0/6", tenant=odd),
              call(pos=f"{TOPIC}/1/9")]  # fmt: skip
     assert [v["ok"] for v in store.apply(items)] == [True, True, True]
-    assert store.may_hold_call(TENANT, f"{TOPIC}/0/5") and store.may_hold_call(odd, f"{TOPIC}/0/6")
-    assert not store.may_hold_call(odd, f"{TOPIC}/0/5")  # (another tenant's position)
+    assert store.call_waiting_at(f"{TOPIC}/0/5") == tenant_tag(TENANT)
+    assert store.call_waiting_at(f"{TOPIC}/0/6") == tenant_tag(odd)
+    assert store.call_waiting_at(f"{TOPIC}/0/4") is None
 
     taking_over = AdmissionStore(connect(redis_backend), namespace)
     assert taking_over.forget_committed({(TOPIC, 0): 6, ("tool.approvals", 0): -1001}) == 1
-    assert not taking_over.may_hold_call(TENANT, f"{TOPIC}/0/5")  # committed: gone
-    assert taking_over.may_hold_call(odd, f"{TOPIC}/0/6")
-    assert not taking_over.may_hold_call(TENANT, "tool.proposals/1/9")  # not assigned here
+    assert taking_over.call_waiting_at(f"{TOPIC}/0/5") is None  # committed: gone
+    assert taking_over.call_waiting_at(f"{TOPIC}/0/6") == tenant_tag(odd)
+    assert taking_over.call_waiting_at(f"{TOPIC}/1/9") is None  # not assigned here
 
     store.forget(items[:1])  # its batch committed
-    assert not store.may_hold_call(TENANT, f"{TOPIC}/0/5")
-    assert store.may_hold_call(odd, f"{TOPIC}/0/6")
+    assert store.call_waiting_at(f"{TOPIC}/0/5") is None
+    assert store.call_waiting_at(f"{TOPIC}/0/6") == tenant_tag(odd)
+
+
+@pytest.mark.parametrize("tenant", [TENANT, "odd}tenant"])
+def test_a_call_whose_record_no_longer_reads_on_replay_gives_back_what_it_took(
+    tmp_path: Path, redis_backend: str, tenant: str
+) -> None:
+    """Admitted, its transaction aborted, its processor gone; the next one runs with a
+    smaller record limit, so the same bytes go to the dead-letter topic unread: no tenant,
+    no run, no key. The call is withdrawn under the tenant whose marker waits at the
+    position (a tag the store cannot turn back into an id, for ``odd}tenant``), its run
+    taken from its idempotency record: the key becomes retryable and the budget comes
+    back, once; and the position's marker goes with its batch."""
+    namespace = f"give-back-{uuid.uuid4().hex[:8]}"
+    first, keys = _processor(tmp_path / "first", redis_backend, namespace)
+    key, run = f"k-{uuid.uuid4().hex}", f"run-{uuid.uuid4().hex[:8]}"
+    m = _ticket(keys, key, run, tenant)
+    assert _decided(first, m).outcome is Outcome.ROUTED
+    store = first.admission
+    assert store.record(tenant, key)["state"] == "PENDING"
+    assert store.run_counters(tenant, run)["class:write"] == 1.0
+
+    again, _ = _processor(tmp_path / "next", redis_backend, namespace, max_record_bytes=64)
+    assert again.admission.forget_committed({(TOPIC, 0): 3}) == 0
+    for _ in range(2):  # (its batch aborted again: given back once)
+        d = _decided(again, m)
+        assert (d.proposal, d.dlq_reason) == (None, "too_large"), d
+        record = store.record(tenant, key)
+        assert record["state"] == "FAILED_RETRYABLE", record
+        assert store.run_counters(tenant, run).get("class:write", 0.0) == 0.0
+    done = f"{namespace}:{tenant_tag(tenant)}:done"
+    assert again.admission.client.hexists(done, f"{TOPIC}/0/7")
+    again.admission.forget(again._admitted)  # its batch committed
+    assert not again.admission.client.hexists(done, f"{TOPIC}/0/7")
+    assert again.admission.call_waiting_at(f"{TOPIC}/0/7") is None
 
 
 def test_a_processor_taking_over_after_a_crash_gives_back_a_call_it_refuses_on_replay(
