@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console, RenderableType
@@ -273,8 +273,23 @@ def stack_logs(
     if not path.exists():
         console.print(f"no log at {path}")
         raise typer.Exit(1)
-    for line in path.read_text(errors="replace").splitlines()[-lines:]:
+    for line in tail(path, lines):
         typer.echo(line)
+
+
+def tail(path: Path, lines: int, block: int = 65_536) -> list[str]:
+    """The last ``lines`` lines of ``path``, read backwards a block at a time: a broker's
+    log may be gigabytes, of which the end is wanted."""
+    with path.open("rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        start, data = end, b""
+        # (one newline more than asked for: the first line read may have begun earlier)
+        while start > 0 and data.count(b"\n") <= lines:
+            step = min(block, start)
+            start -= step
+            f.seek(start)
+            data = f.read(step) + data
+    return data.decode(errors="replace").splitlines()[-lines:]
 
 
 @stack_app.command("topics")
@@ -439,7 +454,7 @@ def evaluate(
     First run it with --prepare: that writes the keys and prints the settings to start the
     processors with (JWKS, approvers, the suite's policy). Exit status 1 below 100%, 2 when
     the keys or the topics are missing."""
-    from processor.client import TopicMissing
+    from processor.demo import UNAVAILABLE
     from processor.evaluate import Runner, load_suite, prepare_keys, summary
 
     _positive(timeout, "--timeout")
@@ -461,12 +476,13 @@ def evaluate(
         _alarm(f"no suite keys in {keys}", f": {exc.filename} is missing")
         console.print(f"Write them first: toolsentry eval --prepare --keys {keys}", soft_wrap=True)
         raise typer.Exit(2) from exc
-    except TopicMissing as exc:
-        _alarm("the suite cannot run", f": {exc}")
-        raise typer.Exit(2) from exc
+    except UNAVAILABLE as exc:
+        _unavailable(exc)
     try:
         runner.publish_references()
         results = runner.run(timeout)
+    except UNAVAILABLE as exc:
+        _unavailable(exc)
     finally:
         runner.close()
     table = Table("category", "passed", "cases", "accuracy")
@@ -491,6 +507,15 @@ def evaluate(
         }
         report.write_text(json.dumps(doc, indent=2) + "\n")
     raise typer.Exit(0 if passed == len(results) else 1)
+
+
+def _unavailable(exc: Exception) -> NoReturn:
+    """Exit 2 for a suite the stack cannot run (no broker, no topics, no Redis): the reason,
+    not a traceback."""
+    _alarm("the suite cannot run", f": {exc}")
+    console.print("Is the stack up (toolsentry stack up) and a processor running "
+                  "(toolsentry run)?", soft_wrap=True)  # fmt: skip
+    raise typer.Exit(2) from exc
 
 
 # -- keys, reference data, approvals ----------------------------------------------------------

@@ -53,7 +53,7 @@ class StackUnavailable(RuntimeError):
     could not be played, which is not a decision that differs from it."""
 
 
-_UNAVAILABLE = (
+UNAVAILABLE = (
     KafkaException,
     RedisError,
     RedisClusterException,
@@ -61,8 +61,9 @@ _UNAVAILABLE = (
     DeliveryError,
     TopicMissing,
 )
-"""What the demo's own calls raise when the stack is not up or a processor not running (a
-decision that does not come is ObservationTimeout, caught where it is awaited)."""
+"""What the demo's (and the conformance runner's) own calls raise when the stack is not up
+or a processor not running (a decision that does not come is ObservationTimeout, caught
+where it is awaited)."""
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,7 @@ def play(
     already runs elsewhere."""
     try:
         return _play(settings, tenant, timeout, console, keys_dir, executor_db)
-    except _UNAVAILABLE as exc:
+    except UNAVAILABLE as exc:
         raise StackUnavailable(str(exc) or type(exc).__name__) from exc
 
 

@@ -4,6 +4,7 @@ to be copied into an environment come out whole."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from processor.cli import app
+from processor.cli import app, tail
 from processor.config import load_settings
 from processor.stack.local import free_ports
 from tests.unit.helpers import CONTRACTS_DIR, ROOT
@@ -238,6 +239,17 @@ def test_eval_before_its_keys_are_prepared_exits_2_saying_how(tmp_path: Path) ->
     assert "toolsentry eval --prepare" in result.output, result.output
 
 
+def test_eval_without_a_broker_exits_2_saying_what_to_start(tmp_path: Path) -> None:
+    """With its keys prepared and no broker, it ended in a KafkaException traceback."""
+    keys = tmp_path / "eval-keys"
+    suite = ["eval", "--suite", str(ROOT / "tests" / "conformance"), "--keys", str(keys)]
+    assert CliRunner().invoke(app, [*suite, "--prepare"]).exit_code == 0
+    result = CliRunner().invoke(app, [*suite, "--timeout", "1"], env=_nowhere())
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "the suite cannot run" in result.output, result.output
+    assert "toolsentry stack up" in result.output, result.output
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -271,3 +283,19 @@ def test_help_shows_no_source_markup() -> None:
         result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
         assert result.exit_code == 0, (path, result.output)
         assert "`" not in result.output, (path, result.output)
+
+
+@pytest.mark.parametrize("block", [1, 3, 64, 65_536])
+def test_a_log_s_end_is_read_backwards_as_its_lines(tmp_path: Path, block: int) -> None:
+    """``stack logs`` read the whole log into memory; ``tail`` reads blocks from the end
+    until it holds the lines asked for, which must be the file's own last lines, whatever
+    the block size, including multibyte text split across blocks and a missing last
+    newline."""
+    log = tmp_path / "server.log"
+    rng = random.Random(7)
+    for trial in range(60):
+        pieces = ["a", "b\n", "\n", "é", "€\n", "xyz" * rng.randint(0, 40), "\r\n"]
+        log.write_text("".join(rng.choice(pieces) for _ in range(rng.randint(0, 200))))
+        whole = log.read_text(errors="replace").splitlines()
+        for lines in (1, 2, 5, 500):
+            assert tail(log, lines, block) == whole[-lines:], (trial, lines)
