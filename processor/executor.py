@@ -33,7 +33,11 @@ agent hears of it at once instead of after the call's deadline. A call written w
 approved-call schema this executor does not know (a newer processor's, during an
 upgrade) is neither run nor skipped: its partition waits at it, paused, and is read
 again every ``HOLD_S`` seconds, until an executor that knows the schema owns it.
-Signals are the caller's business: call ``stop()`` from a signal handler. A stop
+Handlers run one after another while their batch is held, and the group moves the
+partitions of a consumer that holds a batch past ``max.poll.interval.ms`` (the batch then
+runs again elsewhere): a batch starts no more calls once it has run for ``batch_max_s``,
+half that interval by default, and the calls it did not start are read again for the
+next one. Signals are the caller's business: call ``stop()`` from a signal handler. A stop
 starts no more calls: the call in hand finishes, the batch is committed up to it, and
 the records after it are left, uncommitted, to the partitions' next owner. Finishing
 the batch, as the processor does, would hold the shutdown for the run time of every
@@ -102,6 +106,8 @@ HOLD_S = 10.0
 """How long a partition waits, paused, at a call written with a schema this executor does
 not know, before it is read again (and the call logged and counted again): the next owner
 of the partition, once an upgrade moves it, may know the schema."""
+MAX_POLL_INTERVAL_MS = 300_000
+"""librdkafka's ``max.poll.interval.ms`` where the settings name none."""
 UNREADABLE_TOOL = "(unreadable)"
 """The ``tool`` label of the answers to calls that could not be read (see ``_not_run``)."""
 NO_HANDLER_TOOL = "(no handler)"
@@ -239,6 +245,12 @@ class ExecutorMetrics:
             ["result"],
             registry=registry,
         )
+        self.batches_cut = Counter(
+            "toolsentry_executor_batches_cut_total",
+            "Batches that stopped starting calls after running for batch_max_s (the calls "
+            "left are read again): handlers that slow risk the group's max.poll.interval.ms.",
+            registry=registry,
+        )
 
 
 @dataclass(frozen=True)
@@ -297,6 +309,7 @@ class Executor:
         metrics_registry: CollectorRegistry | None = None,
         batch_max_records: int = 100,
         recorded: Recorded | None = None,
+        batch_max_s: float | None = None,
     ) -> None:
         """``group_id``: executors of two deployments on one cluster (their own topic
         prefixes) need groups of their own, or their rebalances wait on each other.
@@ -310,7 +323,14 @@ class Executor:
 
         ``batch_max_records`` is far below the processor's: handlers run while the batch
         is held, and a batch must finish within the consumer's ``max.poll.interval.ms``,
-        or the group moves its partitions away and the whole batch runs again elsewhere."""
+        or the group moves its partitions away and the whole batch runs again elsewhere
+        (and again there, for as long as its handlers are that slow). So a batch also
+        starts no call once it has run for ``batch_max_s`` (by default half of
+        ``max.poll.interval.ms``): it is committed up to the calls that ran, and the rest
+        are read again for the next batch. It always starts one call, so a handler that
+        alone outlasts the interval still moves its partition."""
+        if batch_max_s is not None and not batch_max_s >= 0:
+            raise ValueError(f"batch_max_s must be 0 or more, not {batch_max_s}")
         self.handlers = dict(handlers)
         self.batch_max_records = batch_max_records
         wanted = [c.upper() for c in (classes or [c.value for c in SideEffectClass])]
@@ -326,7 +346,11 @@ class Executor:
             int(producer_config(settings).get("message.max.bytes", 1_000_000))
             - RESULT_HEADROOM_BYTES
         )
-        consumer_config(settings, self.topics)  # an unsafe setting stops it here, not in run()
+        # (an unsafe setting stops it here, not in run())
+        poll_interval_ms = consumer_config(settings, self.topics).get(
+            "max.poll.interval.ms", MAX_POLL_INTERVAL_MS
+        )
+        self.batch_max_s = int(poll_interval_ms) / 2000 if batch_max_s is None else batch_max_s
         self._given_back: dict[tuple[str, int, str], _Output] = {}
         """Outputs of batches whose transaction aborted, by (call id, attempt, key)."""
         self._given_back_bytes = 0
@@ -406,6 +430,7 @@ class Executor:
         records = [m for m, _ in read]
         outputs: list[_Output] = []
         dead: list[DeadLetter] = []
+        started = time.monotonic()
         for done, (m, r) in enumerate(read):
             if self._stop.is_set():
                 # A stop starts no more calls (see the module docstring): the batch ends at
@@ -413,6 +438,17 @@ class Executor:
                 # partition is committed up to its last record handled, and its next owner
                 # starts at its first record left (this executor handles no more).
                 records = records[:done]
+                break
+            if done and time.monotonic() - started >= self.batch_max_s:
+                # Ends so too, before the group takes its partitions away (see __init__):
+                # the records left are read again, here, from their first.
+                left, records = records[done:], records[:done]
+                self.metrics.batches_cut.inc()
+                if rewind(consumer, left, self._assigned):
+                    logger.warning("cannot rewind the calls left; rebuilding the clients")
+                    self._give_back(outputs)  # (read again from the committed offsets)
+                    self._close_clients()
+                    return 0
                 break
             if isinstance(r, Call):
                 outputs.append(self._execute(r))

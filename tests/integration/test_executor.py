@@ -578,6 +578,41 @@ def test_a_stopped_executor_leaves_the_calls_it_had_not_started_to_the_next_one(
     assert {i: r["outcome"] for i, r in out.items()} == dict.fromkeys(ids, "SUCCEEDED")
 
 
+def test_a_batch_cut_short_by_its_time_budget_leaves_the_rest_to_the_next_batch(
+    stack_settings: Settings,
+) -> None:
+    """``batch_max_s=0``: each batch starts one call, commits it, and seeks back to the
+    next, so slow handlers never keep a batch past the group's max.poll.interval.ms. On
+    the real broker every call still runs once, in order, with one result each, and each
+    has its own transaction."""
+    s = isolated(stack_settings, f"exec-cut-{uuid.uuid4().hex[:6]}")
+    run_id = f"run-{uuid.uuid4().hex[:8]}"  # one key: the calls share a partition
+    calls = [
+        {**approved_call("lookup_order", {"order_id": f"WO-1234{i}-A"}), "run_id": run_id}
+        for i in range(5)
+    ]
+    send_calls(s, calls)
+    ran: list[str] = []
+
+    def lookup(c: Call) -> Succeeded:
+        ran.append(c.call_id)
+        return Succeeded({"order_id": c.arguments["order_id"]})
+
+    registry = CollectorRegistry()
+    ex = executor(s, {"lookup_order": lookup}, batch_max_s=0.0, metrics_registry=registry)
+    try:
+        drain(ex, len(calls))
+    finally:
+        ex.close()
+    ids = [c["call_id"] for c in calls]
+    assert ran == ids
+    out = results(s, len(calls))
+    assert {i: r["outcome"] for i, r in out.items()} == dict.fromkeys(ids, "SUCCEEDED")
+    committed = {"result": "committed"}
+    assert registry.get_sample_value("toolsentry_executor_transactions_total", committed) == 5
+    assert registry.get_sample_value("toolsentry_executor_batches_cut_total") >= 1
+
+
 def test_executors_for_different_classes_on_one_host_have_ids_of_their_own(
     stack_settings: Settings,
 ) -> None:

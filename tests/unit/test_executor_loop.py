@@ -179,6 +179,66 @@ def test_a_stop_starts_no_more_calls_and_commits_those_that_finished(
     assert len(ran) == 2 and producer.calls.count("begin") == 1
 
 
+def test_a_batch_that_has_run_for_batch_max_s_starts_no_more_calls(
+    contracts: ContractSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Handlers slow enough that a batch would outlast the consumer's max.poll.interval.ms:
+    the group would move its partitions and the whole batch would run again elsewhere, and
+    again there. Once it has run for ``batch_max_s`` the batch starts no more calls; those
+    that ran are committed, and the rest are read again, from their first, and run in the
+    next batch, in order."""
+    call, now_ms = _approved_call(contracts)
+    registry = CollectorRegistry()
+    executor, producer, consumer, topic = _rig(now_ms, registry=registry)
+    executor.batch_max_s = 10.0
+    clock = [1000.0]
+    monkeypatch.setattr(executor_module.time, "monotonic", lambda: clock[0])
+    ran: list[str] = []
+
+    def lookup(c: Call) -> Succeeded:
+        ran.append(c.call_id)
+        clock[0] += 4.0  # each call takes 4 s
+        return Succeeded({"state": "processing"})
+
+    executor.handlers["lookup_order"] = lookup
+    batch = [(0, 4), (1, 20), (0, 5), (1, 21), (0, 6)]
+    consumer.records = [
+        Consumed(topic, offset, _call_id(call, f"c-{partition}-{offset}"), partition)
+        for partition, offset in batch
+    ]
+    assert executor.run_once(0.1) == 3  # 0 s, 4 s, 8 s in: started; 12 s in: not
+    assert ran == ["c-0-4", "c-1-20", "c-0-5"]
+    assert producer.offsets == [(topic, 0, 6), (topic, 1, 21)]
+    assert consumer.seeks == [(topic, 1, 21), (topic, 0, 6)]  # the first left of each
+    assert registry.get_sample_value("toolsentry_executor_batches_cut_total") == 1
+
+    consumer.records = consumer.records[3:]
+    assert executor.run_once(0.1) == 2
+    assert ran[3:] == ["c-1-21", "c-0-6"]
+    assert [decode_result(p["value"])["call_id"] for p in producer.produced] == ran
+
+
+def test_a_batch_always_starts_one_call_and_by_default_ends_at_half_the_poll_interval(
+    contracts: ContractSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler that alone outlasts ``batch_max_s`` still runs (and its partition moves
+    on); the budget follows the consumer's max.poll.interval.ms, which the settings may
+    name."""
+    assert Executor(Settings(), {}, ["READ_ONLY"]).batch_max_s == 150.0
+    named = Settings(consumer={"max.poll.interval.ms": 60_000})
+    assert Executor(named, {}, ["READ_ONLY"]).batch_max_s == 30.0
+    with pytest.raises(ValueError, match="batch_max_s"):
+        Executor(Settings(), {}, ["READ_ONLY"], batch_max_s=-1.0)
+
+    call, now_ms = _approved_call(contracts)
+    ran: list[Call] = []
+    executor, _, consumer, topic = _rig(now_ms, ran=ran)
+    executor.batch_max_s = 0.0
+    consumer.records = [Consumed(topic, 4, call), Consumed(topic, 5, call)]
+    assert executor.run_once(0.1) == 1
+    assert len(ran) == 1 and consumer.seeks == [(topic, 0, 5)]
+
+
 def test_a_stop_asked_for_while_a_batch_is_read_runs_none_of_it(contracts: ContractSet) -> None:
     call, now_ms = _approved_call(contracts)
     ran: list[Call] = []
