@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -744,6 +745,10 @@ def _time_range(since: str, until: str | None) -> tuple[int, int | None]:
         since_ms = parse_time(since, now_ms)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--since") from exc
+    if since_ms > now_ms:
+        # A mistyped date, say: an empty range would read as nothing having happened.
+        raise typer.BadParameter("is after now: the range holds no record yet",
+                                 param_hint="--since")  # fmt: skip
     try:
         until_ms = None if until is None else parse_time(until, now_ms)
     except ValueError as exc:
@@ -910,7 +915,7 @@ def replay_command(
     """Decide a time range of tool.proposals, or an offset range of one of its partitions,
     again (dry run: nothing written) against these contracts and policy, and report what
     would change against what was decided. Exit status 2 for a bad option (a partition or
-    offsets the topic does not hold among them)."""
+    offsets the topic does not hold among them), or a topic it reads that does not exist."""
     from confluent_kafka import KafkaException
 
     from processor.approvals import ApproverError
@@ -930,6 +935,8 @@ def replay_command(
     )
 
     since_ms, until_ms = _replay_range(since, until, partition, from_offset, to_offset)
+    if not math.isfinite(slack_s):  # the option's range lets infinity through
+        raise typer.BadParameter("is not a finite number of seconds", param_hint="--slack-s")
     s = _settings(config)
     offsets = None
     if partition is not None:
@@ -964,6 +971,9 @@ def replay_command(
         typer.echo(json.dumps(report.as_dict(), indent=2))
     else:
         _print_all(render(report.as_dict()))
+    if report.missing:
+        # Nothing read is nothing changed: not a pass for --fail-on-change.
+        raise typer.Exit(2)
     raise typer.Exit(1 if fail_on_change and report.changed else 0)
 
 

@@ -622,6 +622,9 @@ def read_answers(settings: Settings, report: Report, slack_ms: int) -> Answers:
     )
     answers = Answers()
     decoder = codec("observation")
+    # Every answer of the range is held at once; the few verdicts and contract sets that
+    # they repeat are held once each (about half of what each answer takes).
+    shared: dict[Any, Any] = {}
     for m in reader:
         value = m.value()
         try:
@@ -642,6 +645,11 @@ def read_answers(settings: Settings, report: Report, slack_ms: int) -> Answers:
             report.unreadable += 1
             logger.warning("%s/%s@%s unreadable: %s", m.topic(), m.partition(), m.offset(), exc)
             continue
+        recorded = dataclasses.replace(
+            recorded,
+            verdict=shared.setdefault(recorded.verdict, recorded.verdict),
+            contract_set=shared.setdefault(recorded.contract_set, recorded.contract_set),
+        )
         answers.observations.setdefault(obs["observation_id"], recorded)
     _read_reach(report, reader)
     return answers
@@ -706,6 +714,10 @@ def render(doc: dict[str, Any]) -> Iterator[RenderableType]:
         yield Text.assemble(("not read to its end", "red"), f": {partition}")
     for topic in doc["missing_topics"]:
         yield Text.assemble(("no such topic", "red"), f": {topic}")
+    if t["consume_errors"]:
+        yield Text.assemble(
+            ("errors while reading", "red"), f": {t['consume_errors']} (see the log)"
+        )
     yield Text(
         f"same {t['same']}, changed {t['changed']}, admission not replayed "
         f"{t['admission_not_replayed']}, no recorded decision {t['no_recorded_decision']}, "

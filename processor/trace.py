@@ -334,7 +334,7 @@ def may_name(role: Role, value: bytes, needle: bytes) -> bool:
 
 def _may_belong(e: Entry, proposal_id: str) -> bool:
     if e.proposal_id is None:
-        return e.request_id is not None
+        return e.request_id is not None or e.answers is not None
     return e.proposal_id == proposal_id or e.proposal_id.startswith(COMPENSATION_ID_PREFIX)
 
 
@@ -504,9 +504,16 @@ def _result(r: Raw, value: bytes) -> Entry:
 
 def _dead_letter(r: Raw) -> Entry | None:
     """A dead letter belongs to whoever the record it keeps names, if it can be read: a
-    proposal's or an approval's JSON, or an Avro result or call."""
+    proposal's or an approval's JSON, or an Avro result or call. One that keeps too little
+    to be read (a record too big for the DLQ is kept cut short) or names no id still
+    answers the record at the position its headers name (``answers``)."""
     pid, rid = _named_ids(r.value or b"")
-    if pid is None and rid is None:
+    try:
+        (topic, partition, offset), _ = recorded_dead_letter([*r.headers.items()])
+        answers: str | None = position_id(topic, partition, offset)
+    except (KeyError, ValueError):
+        answers = None
+    if pid is None and rid is None and answers is None:
         return None
     h = r.headers
     source = "/".join(h.get(k, b"?").decode("utf-8", "replace") for k in _DLQ_SOURCE)
@@ -514,7 +521,7 @@ def _dead_letter(r: Raw) -> Entry | None:
         "reason": _text(h.get(_DLQ_REASON, b"").decode("utf-8", "replace")) or "unknown",
         "source": source,
     }
-    return _entry(r, "dead letter", None, pid, gist, request_id=rid)
+    return _entry(r, "dead letter", None, pid, gist, request_id=rid, answers=answers)
 
 
 def _named_ids(value: bytes) -> tuple[str | None, str | None]:
@@ -583,7 +590,18 @@ def link(proposal_id: str, kept: Iterable[Entry]) -> list[Entry]:
         for e in seen
         if e.proposal_id is None and e.request_id in requests
     ]
-    life = [*own, *theirs, *answers]
+    # Dead letters that keep too little of a proposal record to name it, by its position.
+    proposed = {
+        position_id(e.topic, e.partition, e.offset): e
+        for e in (*own, *theirs)
+        if e.kind == "proposal"
+    }
+    unnamed = [
+        replace(e, proposal_id=p.proposal_id, compensation=p.compensation)
+        for e in seen
+        if e.proposal_id is None and e.request_id is None and (p := proposed.get(e.answers or ""))
+    ]
+    life = [*own, *theirs, *answers, *unnamed]
     observed = {(e.proposal_id, e.decided_ms): e.time_ms for e in life if e.kind == "observation"}
 
     def order(e: Entry) -> tuple[int, int, str, int, int]:
@@ -598,8 +616,28 @@ def link(proposal_id: str, kept: Iterable[Entry]) -> list[Entry]:
 def assemble(proposal_id: str, kept: Iterable[Entry], reading: Reading) -> Trace:
     entries = link(proposal_id, kept)
     said = [e for e in entries if e.kind == "observation" and not e.compensation]
-    final = said[-1] if said else None
+    if not said:
+        # A proposal dead-lettered has no observation: the dead letter of its record is.
+        records = {
+            position_id(e.topic, e.partition, e.offset)
+            for e in entries
+            if e.kind == "proposal" and not e.compensation
+        }
+        said = [e for e in entries if e.kind == "dead letter" and e.answers in records]
+    final = None
+    for e in said:
+        if final is None or _written_after(e, final):
+            final = e
     return Trace(proposal_id, entries, reading, final, warnings(entries, reading))
+
+
+def _written_after(e: Entry, than: Entry) -> bool:
+    """Whether ``e`` was written after ``than``. In one partition (a run's observations
+    are all in its own) the log's order says; elsewhere the records' times, which their
+    producers stamp, each by its own clock."""
+    if (e.topic, e.partition) == (than.topic, than.partition):
+        return e.offset > than.offset
+    return e.time_ms >= than.time_ms
 
 
 def warnings(entries: list[Entry], reading: Reading) -> list[str]:
@@ -697,6 +735,8 @@ def render(found: Trace) -> Iterator[RenderableType]:
         answer = (
             "none in range" if last is None else f"{last.gist_text()} at {shown_time(last.time_ms)}"
         )
+        if last is not None and last.kind == "dead letter":
+            answer = f"dead letter: {answer}"
         yield Text.assemble(("final answer: ", "bold"), answer)
     for warning in found.warnings:
         yield _alarm("warning", f": {warning}")
@@ -876,7 +916,9 @@ def assemble_run(run_id: str, kept: Iterable[Entry], reading: Reading) -> RunVie
         if e.answers is not None:
             first.setdefault(e.answers, e)
         if e.kind == "observation":
-            last[e.proposal_id] = e
+            before = last.get(e.proposal_id)
+            if before is None or _written_after(e, before):
+                last[e.proposal_id] = e
     rows = []
     for p in seen:
         if p.kind == "proposal":

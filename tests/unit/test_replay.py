@@ -46,6 +46,7 @@ from processor.replay import (
     Verdict,
     at_record_time,
     compare,
+    read_answers,
     recorded_dead_letter,
     recorded_observation,
     render,
@@ -65,6 +66,7 @@ from tests.unit.helpers import (
     LIMITS,
     NOW_MS,
     decide_arguments,
+    decide_envelope,
     envelope,
     gates,
     record,
@@ -304,6 +306,7 @@ def test_the_printed_report_names_each_change_and_what_was_not_seen(
     hostile = dataclasses.replace(again, next_action="quoted \x1b[2J\nline")
     report.add(hostile, _recorded(_search(contracts)))
     report.incomplete.append("tool.proposals/2 at 5 of 9")
+    report.consume_errors = 2  # records the broker did not give: what they held is not seen
     out = io.StringIO()
     console = Console(file=out, width=200, color_system=None)
     for part in render(report.as_dict()):
@@ -312,6 +315,7 @@ def test_the_printed_report_names_each_change_and_what_was_not_seen(
     assert "ROUTED SUCCESS @route" in text and "REJECTED OUT_OF_BOUNDS @schema" in text
     assert "p-0:" in text and "search_kb" in text
     assert "not read to its end: tool.proposals/2 at 5 of 9" in text
+    assert "errors while reading: 2 (see the log)" in text
     assert "same 0, changed 1," in text
     assert "\x1b" not in text and "quoted \\u001b[2J\\u000aline" in text
 
@@ -567,6 +571,95 @@ def test_offset_options_that_contradict_each_other_are_refused_before_anything_i
     result = CliRunner().invoke(app, ["replay", *args], env={"COLUMNS": "200"})
     assert result.exit_code == 2, result.output
     assert says in result.output
+
+
+@pytest.mark.parametrize("slack", ["inf", "Infinity", "1e400"])
+def test_a_slack_of_no_finite_length_is_a_bad_option_not_a_crash(slack: str) -> None:
+    """Not a traceback's exit status 1, which --fail-on-change gives a change."""
+    result = CliRunner().invoke(app, ["replay", "--slack-s", slack], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "--slack-s" in result.output and "finite" in result.output
+
+
+def test_a_topic_that_does_not_exist_fails_the_replay_whatever_else_it_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replay that could not read its topics (a wrong prefix, a cluster that is not the
+    one meant) finds nothing to change: exit status 0 would pass a --fail-on-change gate."""
+
+    def nothing_there(settings: Settings, *args: Any, **kwargs: Any) -> Report:
+        report: Report = args[2]
+        report.missing += [settings.topics.proposals, settings.topics.dlq]
+        return report
+
+    monkeypatch.setattr("processor.replay.replay", nothing_there)
+    for shown in ([], ["--json"]):
+        result = CliRunner().invoke(
+            app,
+            ["replay", "--no-references", "--fail-on-change", "--contracts", str(CONTRACTS_DIR),
+             *shown],
+            env={"COLUMNS": "200"},
+        )  # fmt: skip
+        assert result.exit_code == 2, result.output
+        assert "tool.proposals.dlq" in result.output
+
+
+@pytest.mark.parametrize("option", ["--since", "--until"])
+def test_a_range_that_starts_after_now_is_a_bad_option(option: str) -> None:
+    """A mistyped date a month ahead holds no record: not a replay of nothing that passes."""
+    ahead = (datetime.now(UTC) + timedelta(days=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    args = ["--since", ahead] if option == "--since" else ["--since", ahead, "--until", ahead]
+    for command in (["replay"], ["trace", "prop-1"]):
+        result = CliRunner().invoke(app, [*command, *args], env={"COLUMNS": "200"})
+        assert result.exit_code == 2, result.output
+        assert "--since" in result.output and "is after now" in result.output
+
+
+class _Record:
+    """A record as the reader yields it, as far as ``read_answers`` looks at one."""
+
+    def __init__(self, topic: str, offset: int, value: bytes) -> None:
+        self._topic, self._offset, self._value = topic, offset, value
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def value(self) -> bytes:
+        return self._value
+
+    def headers(self) -> None:
+        return None
+
+    def timestamp(self) -> tuple[int, int]:
+        return 1, NOW_MS
+
+
+def test_a_ranges_answers_share_their_few_verdicts_and_contract_sets(
+    contracts: ContractSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A day of answers is held at once, one per proposal: each holds what is its own (its
+    id, its time), and shares the verdict and contract set that thousands repeat."""
+    env = envelope("search_kb", arguments={"query": "return policy", "limit": 10})
+    written = [encode_observation(decide_envelope(env, contracts, offset=n), FP) for n in range(3)]
+
+    class Observations:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.errors, self.missing, self.incomplete = 0, [], []
+
+        def __iter__(self) -> Any:
+            return iter(_Record("tool.observations", n, v) for n, v in enumerate(written))
+
+    monkeypatch.setattr("processor.replay.RetainedReader", Observations)
+    held = list(read_answers(_settings(), _report(), 0).observations.values())
+    assert len(held) == 3 and held[0].verdict == held[2].verdict
+    assert all(r.verdict is held[0].verdict for r in held)
+    assert all(r.contract_set is held[0].contract_set for r in held)
 
 
 class _CutShort:

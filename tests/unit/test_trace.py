@@ -18,6 +18,7 @@ from confluent_kafka import KafkaError, KafkaException, Message
 from rich.console import Console
 from typer.testing import CliRunner
 
+from processor.app import max_output_bytes
 from processor.approvals import iso
 from processor.cli import app
 from processor.codec.avro import codec
@@ -31,7 +32,7 @@ from processor.codec.records import (
     observation_record,
     position_id,
 )
-from processor.config import Topics
+from processor.config import Settings, Topics
 from processor.contracts.registry import ContractSet
 from processor.model import Decision, Outcome
 from processor.pipeline import decide
@@ -376,6 +377,37 @@ def test_a_dead_lettered_proposal_is_found_by_the_id_it_names() -> None:
     assert warnings == []  # a dead letter is its answer: no decision is missing
 
 
+def test_a_dead_letter_that_keeps_too_little_to_name_the_proposal_is_found_by_its_position(
+    contracts: ContractSet,
+) -> None:
+    """A record too big for the DLQ is kept cut short, which no JSON reader takes: its dead
+    letter is found by the position its headers name, never read as "not decided yet"."""
+    big = orjson.dumps(_proposal(note="x" * 600_000))
+    twice = big[:-1] + b',"run_id":"run-1"}'  # a key given twice: dead-lettered at parse
+    src = record(twice, topic=T.proposals, partition=0, offset=7)
+    d = decide(src, gates(contracts), NOW_MS, {})
+    assert d.outcome is Outcome.DEAD_LETTER
+    _, kept, pairs = dlq_record(src.key, d, max_output_bytes(Settings()))
+    assert kept is not None and len(kept) < len(twice)
+    headers = {k: v for k, v in pairs if isinstance(v, bytes)}
+    other = dlq_record(b"run-1", dataclasses.replace(d, source=record(b"{", offset=8)), 1 << 20)
+    life = [
+        _raw(T.proposals, 7, NOW_MS - 5, twice),
+        _raw(T.dlq, 1, NOW_MS, kept, **headers),
+        _raw(T.dlq, 2, NOW_MS, other[1], **{k: v for k, v in other[2] if isinstance(v, bytes)}),
+    ]
+    bad: Counter[str] = Counter()
+    t = assemble(PID, collect(PID, life, ROLES, bad), READING)
+    assert [(e.kind, e.position) for e in t.entries] == [
+        ("proposal", f"{T.proposals}/0@7"),
+        ("dead letter", f"{T.dlq}/0@1"),
+    ]
+    assert t.warnings == [] and not bad
+    # Its dead letter is its final answer, not "none in range".
+    assert t.final is not None and t.final.kind == "dead letter"
+    assert "final answer: dead letter: reason=duplicate_key" in printed(render(t))
+
+
 def test_the_summary_warns_where_the_life_is_not_whole(contracts: ContractSet) -> None:
     life = _routed_life(contracts)
     proposal, routed, call, _, _ = life
@@ -417,6 +449,23 @@ def test_the_final_answer_is_the_last_observation_of_the_proposal_itself(
     assert orjson.loads(orjson.dumps(doc)) == doc
     nothing = assemble(PID, [], READING)
     assert not nothing.found and nothing.final is None and nothing.warnings == []
+
+
+def test_the_last_answer_is_the_last_written_though_stamped_earlier(
+    contracts: ContractSet,
+) -> None:
+    """Processors stamp observations with their own clocks, which differ: the processor
+    that decided the call ran ahead of the one that wrote its result's answer. A run's
+    observations are all in its partition, whose order is the order they were written."""
+    life = _routed_life(contracts)
+    life[1] = dataclasses.replace(life[1], time_ms=NOW_MS + 60)  # the decision, offset 3
+    bad: Counter[str] = Counter()
+    t = assemble(PID, collect(PID, life, ROLES, bad), READING)
+    assert t.final is not None and (t.final.offset, t.final.gist["decision"]) == (8, "COMPLETED")
+    run = [dataclasses.replace(r, time_ms=NOW_MS + 60) if r.offset == 1 else r
+           for r in _run_life(contracts)]  # fmt: skip
+    view, _ = _run_view(run)
+    assert _said(view.rows[0].last) == ("COMPLETED", "SUCCESS", "result")
 
 
 def test_a_bad_time_is_refused_with_its_reason_before_anything_is_read() -> None:
