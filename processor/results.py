@@ -41,7 +41,7 @@ from processor.gates.budget import (
     is_compensation_key,
     runtime_of,
 )
-from processor.gates.parse import COMPENSATION_PREFIX, strict_loads
+from processor.gates.parse import COMPENSATION_PREFIX, _depth, strict_loads
 from processor.gates.policy_scan import find_secrets
 from processor.identity import Verifier
 from processor.model import (
@@ -128,7 +128,12 @@ RESULT_MAX_DEPTH = 256
 """How deeply a result's data may nest: far past any contract's output_schema, and within
 what the exact parser, which finds repeated keys, reads without running out of stack."""
 COMPENSATION_ARGUMENTS_MAX_BYTES = 65_536
-"""The arguments of a compensating call, at most (the gates' own default bound)."""
+COMPENSATION_ARGUMENTS_MAX_DEPTH = 32
+"""The arguments of a compensating call, at most (the gates' own default bounds). Nested
+deeper, the proposal's envelope is past what the parse gate reads strictly: refused, its
+idempotency key is not read, so nothing would know the refusal for the compensation's and
+the model would wait for it for ever (see refused_compensation); past 254 levels, which
+orjson writes (it reads 1024), they have no payload hash at all."""
 
 
 def _too_large(text: str, limit: int) -> bool:
@@ -138,8 +143,9 @@ def _too_large(text: str, limit: int) -> bool:
 
 def compensation_arguments(r: dict[str, Any]) -> dict[str, Any] | None:
     """A result's compensation arguments when they are a JSON object of at most
-    ``COMPENSATION_ARGUMENTS_MAX_BYTES`` (anything else an executor sends cannot be
-    proposed: the call is then handed to an operator)."""
+    ``COMPENSATION_ARGUMENTS_MAX_BYTES``, nested at most ``COMPENSATION_ARGUMENTS_MAX_DEPTH``
+    levels (anything else an executor sends cannot be proposed: the call is then handed to
+    an operator)."""
     raw = r.get("compensation_arguments")
     if not raw or _too_large(raw, COMPENSATION_ARGUMENTS_MAX_BYTES):
         return None
@@ -147,7 +153,14 @@ def compensation_arguments(r: dict[str, Any]) -> dict[str, Any] | None:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None
+    # (a value in the deepest container is a level of its own: none is nested past the
+    # bound with fewer brackets than that)
+    deep = COMPENSATION_ARGUMENTS_MAX_DEPTH
+    if raw.count("{") + raw.count("[") >= deep and _depth(value) > deep:
+        return None
+    return value
 
 
 def compensation_proposal_id(idempotency_key: str) -> str:
@@ -297,7 +310,8 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             if comp and r.get("compensation_arguments"):
                 errors += (FieldError("compensation_arguments", "the executor's compensation "
                                       "arguments are not a JSON object of at most "
-                                      f"{COMPENSATION_ARGUMENTS_MAX_BYTES} bytes",
+                                      f"{COMPENSATION_ARGUMENTS_MAX_BYTES} bytes, nested at "
+                                      f"most {COMPENSATION_ARGUMENTS_MAX_DEPTH} levels",
                                       "compensation_arguments_invalid"),)  # fmt: skip
             action = (
                 f"{tool} failed after committing some steps, and no compensation can be run "
@@ -623,7 +637,9 @@ def _content(text: str | None) -> str | None:
         return text
     try:
         return canonical_json(_whole_numbers(orjson.loads(text))).decode()
-    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError, RecursionError):
+        # (text nested past the 254 levels orjson writes, or past Python's stack, which
+        # orjson reads up to 1024 levels, is kept as it is)
         return text
 
 

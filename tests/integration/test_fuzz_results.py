@@ -73,6 +73,7 @@ def _json_ish(rng: random.Random) -> str | None:
             '{"order_id": "WO-1", "amount": 1e309}',
             "{'order_id': WO-5",
             "[" * 5000 + "]" * 5000,
+            "[" * 1000 + "]" * 1000,  # (read by orjson, past Python's stack)
             '{"a": NaN}',
             '"just a string"',
             '{"k": 1, "k": 2}',

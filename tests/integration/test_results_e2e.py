@@ -537,22 +537,30 @@ def test_a_compensation_its_approvers_reject_fails_and_escalates(bench: Bench) -
     assert (original["state"], original["compensation_failed"]) == ("FAILED_FINAL", "1")
 
 
+@pytest.mark.parametrize(
+    "undo",
+    [
+        "{'order_id': WO-5",
+        '{"order_id":' + "[" * 40 + "]" * 40 + "}",
+        '{"order_id":' + "[" * 300 + "]" * 300 + "}",
+        '{"order_id":' + "[" * 1000 + "]" * 1000 + "}",
+    ],
+    ids=[
+        "not-json",
+        "deeper-than-the-gates-read",
+        "deeper-than-a-payload-hash-is-taken",
+        "deeper-than-pythons-stack",
+    ],
+)
 def test_compensation_arguments_an_executor_garbles_go_to_an_operator(
-    bench: Bench, monkeypatch: pytest.MonkeyPatch
+    bench: Bench, monkeypatch: pytest.MonkeyPatch, undo: str
 ) -> None:
     # An executor written elsewhere reports the undo arguments as something that is not
-    # JSON: nothing can be proposed, the call waits for an operator, the processor lives on.
+    # JSON, or nested past what can be proposed: nothing can be proposed, the call waits
+    # for an operator, the processor lives on.
     pid, key, _ = _charge(bench, 12.5, "WO-55506-A")
-    honest = bench.executor._output
+    _garble(bench, monkeypatch, key, compensation_arguments=undo)
 
-    def garbling(call: Call, answer: Any, outcome: str, started: int) -> Any:
-        out = honest(call, answer, outcome, started)
-        if call.idempotency_key != key:
-            return out
-        datum = {**decode_result(out.value), "compensation_arguments": "{'order_id': WO-5"}
-        return dataclasses.replace(out, value=encode_result(datum))
-
-    monkeypatch.setattr(bench.executor, "_output", garbling)
     failed = bench.result(pid)
     assert failed["status"]["taxonomy_class"] == "COMPENSATION_REQUIRED"
     codes = [e["code"] for e in failed["result_payload"]["errors"]]
@@ -562,6 +570,42 @@ def test_compensation_arguments_an_executor_garbles_go_to_an_operator(
     after = bench.propose("lookup_order", {"order_id": "WO-55502-A"})
     bench.routed(after)
     assert bench.client.history(compensation_proposal_id(key)) == []
+
+
+def _garble(bench: Bench, monkeypatch: pytest.MonkeyPatch, key: str, **fields: Any) -> None:
+    """Have the bench's executor report the call under ``key`` with ``fields`` in place of
+    what its handler answered, as an executor written elsewhere might."""
+    honest = bench.executor._output
+
+    def garbling(call: Call, answer: Any, outcome: str, started: int) -> Any:
+        out = honest(call, answer, outcome, started)
+        if call.idempotency_key != key:
+            return out
+        return dataclasses.replace(out, value=encode_result({**decode_result(out.value),
+                                                             **fields}))  # fmt: skip
+
+    monkeypatch.setattr(bench.executor, "_output", garbling)
+
+
+def test_a_success_nested_past_any_reading_is_not_shown_and_settles_its_call(
+    bench: Bench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A success whose data nests past what is read (256 levels), and past Python's stack,
+    is answered as data that cannot be shown, and its call settled: not an internal error
+    that dead-letters the result and leaves the call in flight, its agent unanswered."""
+    args = {"customer_id": "CUS-004211", "category": "delivery", "priority": "normal",
+            "summary": "Parcel arrived crushed; customer wants a replacement."}  # fmt: skip
+    publish_references(bench.settings, existing(TENANT, "create_ticket", args))
+    wait_until_loaded(bench.settings)
+    key = f"k-{uuid.uuid4().hex}"
+    nested = "[" * 1000 + "]" * 1000
+    _garble(bench, monkeypatch, key, outcome="SUCCEEDED", data=nested, committed_steps=[],
+            error_code=None, error_message=None, taxonomy_class=None)  # fmt: skip
+    failed = bench.run_to_the_end("create_ticket", args, key, f"run-{uuid.uuid4().hex[:10]}")
+    assert failed["decision"] == "FAILED" and failed["result_payload"]["data"] is None
+    assert failed["status"]["taxonomy_class"] == "OBSERVATION_NORMALIZATION_FAIL"
+    assert [e["code"] for e in failed["result_payload"]["errors"]] == ["result_not_json"]
+    assert bench.store.record(TENANT, key)["state"] == "FAILED_FINAL"
 
 
 def test_a_proposal_cannot_borrow_a_compensation_key(bench: Bench) -> None:

@@ -145,6 +145,36 @@ def test_compensation_arguments_too_large_to_propose_go_to_an_operator(
     assert wants_compensation(item, contracts) is None
 
 
+def _nested(levels: int) -> str:
+    """The refund's arguments with one more field, nesting ``levels`` deep as the gates
+    count it (the object is one level, each list one more, the number in the last one)."""
+    inner = "[" * (levels - 2) + "1" + "]" * (levels - 2)
+    return orjson.dumps(REFUND).decode()[:-1] + ',"note":' + inner + "}"
+
+
+@pytest.mark.parametrize("levels", [33, 40, 255, 1000])
+def test_compensation_arguments_nested_too_deep_to_propose_go_to_an_operator(
+    contracts: ContractSet, levels: int
+) -> None:
+    """Arguments nested past what the gates take (32 levels) are not proposed: the call
+    goes to an operator, as for arguments that are not an object. Proposed, they met the
+    parse gate, which past a few levels more does not read the envelope strictly, nor its
+    idempotency key, so its refusal was not known for the compensation's and the model
+    was left waiting for it; past 254 levels no payload hash could be taken (a TypeError)
+    nor, past Python's stack, the result's digest (a RecursionError): either dead-lettered
+    the result as an internal error, its call left in flight and its agent unanswered."""
+    item = _charge_result(contracts, compensation_arguments=_nested(levels))
+    rej = item.decision.rejection
+    assert rej is not None and rej.taxonomy is TaxonomyClass.COMPENSATION_REQUIRED
+    assert _codes(item.decision)[-1] == "compensation_arguments_invalid"
+    assert "handoff_to_human" in rej.next_action
+    assert wants_compensation(item, contracts) is None
+    settled = settle_item(item, "r/0/1", None)[1]
+    assert settled["state"] == "FAILED_FINAL" and len(settled["digest"]) == 16
+    proposed = _charge_result(contracts, compensation_arguments=_nested(32))
+    assert wants_compensation(proposed, contracts) is not None
+
+
 @pytest.mark.parametrize(
     "fields",
     [
@@ -358,6 +388,24 @@ def test_a_success_nested_to_the_limit_is_read_and_one_past_it_is_not(
     assert _codes(item.decision) == [
         "result_schema_mismatch" if levels <= 256 else "result_not_json"
     ]
+
+
+@pytest.mark.parametrize("levels", [257, 900, 1023])
+def test_a_success_nested_past_the_limit_settles_its_call_unshown(
+    contracts: ContractSet, levels: int
+) -> None:
+    """Data nested past RESULT_MAX_DEPTH is not shown; the result still settles its call.
+    What it reported is read for its digest (see outcome_digest) too, and data within what
+    orjson reads (1024 levels) but past Python's stack must not raise there: the result
+    would be dead-lettered as an internal error, its call left in flight, unanswered."""
+    data = "[" * levels + "]" * levels
+    fields = {"outcome": "SUCCEEDED", "data": data, **NOTHING_COMMITTED}
+    item = _charge_result(contracts, **fields)  # (not read-only: its data is in its digest)
+    assert item.state == "FAILED_FINAL" and _codes(item.decision) == ["result_not_json"]
+    settled = settle_item(item, "r/0/1", None)[1]
+    assert settled["state"] == "FAILED_FINAL" and len(settled["digest"]) == 16
+    again = _charge_result(contracts, **fields, result_id="res-2")
+    assert settle_item(again, "r/0/2", None)[1]["digest"] == settled["digest"]
 
 
 @pytest.mark.parametrize(
