@@ -367,15 +367,22 @@ def _classify(r: dict[str, Any], contract: Contract | None) -> tuple[str, Reject
             f"{tool} failed on a temporary problem and nothing was committed. Retry the same "
             "call with the same idempotency key after a short wait."
         )
+    elif cls is _T.UNKNOWN_ERROR:
+        # (a failure nobody classified: the taxonomy escalates it, and so must the model)
+        action = (
+            f"{tool} failed for a reason its executor did not classify. Do not retry it; "
+            "tell the user it could not be done, and call handoff_to_human."
+        )
     else:
         action = f"{tool} failed and will fail again as it is. Do not retry it unchanged."
     if claimed in _FAILURE_VALUES:
         # The executor's message is the tool's (or its upstream's) text: the model reads it
         # among the errors, as data, never in the instruction it is told to act on.
         action = f"{tool} refused the call ({cls.value}). " + _NEXT.get(cls, action)
+    tools = (HANDOFF_TOOL,) if cls is _T.UNKNOWN_ERROR else ()
     return (
         ("FAILED_RETRYABLE" if retry else "FAILED_FINAL"),
-        Rejection(cls, Gate.RESULT, (detail,), action),
+        Rejection(cls, Gate.RESULT, (detail,), action, tools),
         final,
     )
 

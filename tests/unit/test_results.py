@@ -337,6 +337,24 @@ def test_a_failed_results_data_never_reaches_the_model(
     assert orjson.loads(cached_blob(item.decision))["data"] is None
 
 
+@pytest.mark.parametrize("claimed", [None, "UNKNOWN_ERROR"])
+def test_an_unclassified_failure_is_handed_off_as_its_class_says(
+    contracts: ContractSet, claimed: str | None
+) -> None:
+    """A final failure nobody classified (a handler that raised, say) is UNKNOWN_ERROR,
+    which the taxonomy escalates: the model is told to hand off, and offered the hand-off
+    tool, not told only that a changed call might do."""
+    item = _charge_result(contracts, **NOTHING_COMMITTED, taxonomy_class=claimed,
+                          error_code="handler_error")  # fmt: skip
+    rej = item.decision.rejection
+    assert item.state == "FAILED_FINAL" and rej is not None
+    assert rej.taxonomy is TaxonomyClass.UNKNOWN_ERROR
+    assert "handoff_to_human" in rej.next_action and rej.allowed_tools == ("handoff_to_human",)
+    retryable = _charge_result(contracts, **NOTHING_COMMITTED, retryable=True)
+    assert retryable.decision.rejection is not None
+    assert retryable.decision.rejection.allowed_tools == ()
+
+
 @pytest.mark.parametrize("tool", ["summarise", "cancel_order"])
 def test_a_success_with_no_data_meets_the_output_schema_as_null(
     contracts: ContractSet, tool: str
