@@ -576,11 +576,19 @@ def reference_put(
     """Publish one entity (or its tombstone) to tool.reference."""
     from processor.kafka.produce import DeliveryError
     from processor.reference_data import publish_references
+    from processor.state.references import BadReference
 
+    if state is None and owner is not None:
+        # (without a state the entity is deleted: not what an owner given asks for)
+        _alarm("not published", ": --owner needs --state; omit both to delete the entity")
+        raise typer.Exit(2)
     s = _settings(config)
     value = None if state is None else {"state": state, **({"owner": owner} if owner else {})}
     try:
         publish_references(s, [(key, value)])
+    except BadReference as exc:
+        _alarm("not published", f": {exc}")
+        raise typer.Exit(2) from exc
     except (TimeoutError, DeliveryError) as exc:
         _alarm("not published", f": {exc}")
         raise typer.Exit(1) from exc

@@ -93,7 +93,7 @@ from processor.kafka.offsets import next_offsets, records_of, rewind, where
 from processor.kafka.produce import Headers, send
 from processor.model import Decision, Gate, Outcome, SideEffectClass, SourceRecord, TaxonomyClass
 from processor.results import CALL_INVALID, RESULT_TOO_LARGE, RESULT_UNPUBLISHABLE
-from processor.state.references import parse_reference
+from processor.state.references import BadReference, parse_reference
 
 logger = logging.getLogger(__name__)
 
@@ -980,9 +980,11 @@ def _record_of(tenant: str, r: ReferenceUpdate) -> tuple[bytes, bytes | None]:
     keeps: an update it would refuse (an entity not named as contracts name them, an
     owner that is neither text nor a whole number, attributes that are not an object)
     raises ``BadReference``, so that the result says it was not published instead of
-    the update vanishing in the loader, or the entity being forgotten there."""
+    the update vanishing in the loader, or the entity being forgotten there. So does a
+    tenant with a '/' in its id, whose key the loader would read as another tenant's."""
     key, value = r.key(tenant), r.value()
-    parse_reference(key, value)
+    if parse_reference(key, value).tenant != tenant:
+        raise BadReference(f"tenant {tenant!r} cannot be named in a tool.reference key")
     return key, value
 
 

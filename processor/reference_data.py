@@ -12,13 +12,15 @@ from processor.config import Settings
 from processor.kafka.offsets import high_watermark
 from processor.kafka.produce import deliver
 from processor.state.connection import connect
-from processor.state.references import load_state
+from processor.state.references import load_state, parse_reference
 
 
 def publish_references(
     settings: Settings, entities: list[tuple[str, dict[str, Any] | None]]
 ) -> None:
-    """Publish ``(tenant/entity/id, value or None)`` pairs to ``tool.reference``."""
+    """Publish ``(tenant/entity/id, value or None)`` pairs to ``tool.reference``. A record
+    the loader would refuse raises ``BadReference`` before any is sent: published, it
+    would vanish there, or forget the entity its key names."""
     # murmur2, as the executors' producers and Java systems of record partition: one
     # entity's records must share a partition (librdkafka's default, crc32, put them in
     # another, and a replay could end on the older state, or bring a deleted one back).
@@ -26,6 +28,8 @@ def publish_references(
         settings.client_config(**{"enable.idempotence": True, "partitioner": "murmur2_random"})
     )
     records = [(k.encode(), None if v is None else orjson.dumps(v)) for k, v in entities]
+    for key, value in records:
+        parse_reference(key, value)
     deliver(producer, settings.topics.reference, records, 30)
 
 

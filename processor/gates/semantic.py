@@ -63,19 +63,24 @@ def reference_keys(p: Proposal, contract: Contract, tenant_id: str) -> list[RefK
     return out
 
 
-Resolved = list[tuple[Reference, str, RefEntry | None]]
+Resolved = list[tuple[Reference, Any, RefEntry | None]]
 """Each reference the call makes: the contract's declaration, the id, the entity found."""
 
 
 def resolve_references(
     p: Proposal, contract: Contract, tenant_id: str, answers: RefAnswers
 ) -> Resolved:
+    """An argument left out or null names no entity. Any other value that is not text (a
+    number, where the schema allows one) is no key of tool.reference: it names none that
+    exists, rather than going unchecked."""
     out: Resolved = []
     args = p.arguments
     for ref in contract.references:
         value = args.get(ref.argument) if isinstance(args, dict) else None
         if isinstance(value, str):
             out.append((ref, value, answers.get((tenant_id, ref.entity, value))))
+        elif value is not None:
+            out.append((ref, value, None))
     return out
 
 

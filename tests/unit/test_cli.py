@@ -226,6 +226,26 @@ def test_reference_data_the_broker_did_not_take_is_not_published() -> None:
     assert "not published" in result.output and "shipped" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["acme/Order/WO-1", "--state", "shipped"], "entity must be a lower-case name"),
+        (["acme/order", "--state", "shipped"], "key must be tenant/entity/id"),
+        (["acme/order/WO-1", "--state", ""], "non-empty state"),
+        (["acme/order/WO-1", "--owner", "CUS-1"], "--owner needs --state"),
+    ],
+)
+def test_reference_data_the_loader_would_refuse_is_not_published(
+    args: list[str], says: str
+) -> None:
+    """Refused before anything is sent (the broker here is not even there). It was
+    published: the loader refused it, and forgot the entity an empty state names, while
+    the command printed it as set; an owner without a state published a tombstone."""
+    result = CliRunner().invoke(app, ["reference", "put", *args], env=_nowhere())
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "not published" in result.output and says in result.output, result.output
+
+
 def test_eval_before_its_keys_are_prepared_exits_2_saying_how(tmp_path: Path) -> None:
     """It ended in a FileNotFoundError traceback."""
     keys = tmp_path / "eval-keys"

@@ -5,6 +5,7 @@ cannot be carried is left out."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
@@ -170,6 +171,21 @@ def test_a_reference_update_the_loader_would_refuse_is_reported_not_published(
     assert "a reference update could not be published: BadReference" in r["error_message"]
     assert out.references == [(good.key("acme"), good.value())]
     ran = ex._published(_charge(contracts), Succeeded({"ok": True}, (bad,)), SUCCEEDED, 0)
+    r = decode_result(ran.value)
+    assert (r["outcome"], r["error_code"]) == ("FAILED", "result_unpublishable")
+    assert ran.references == []
+
+
+def test_a_reference_update_of_a_tenant_whose_id_holds_a_slash_is_not_published() -> None:
+    """Tenant ``acme/payment``'s order WO-1 has the key ``acme/payment/order/WO-1``, which
+    the loader reads as tenant acme's entity ``payment`` with the id ``order/WO-1``: it was
+    published, writing another tenant's reference data."""
+    ex = Executor(Settings(), {}, executor_id="unit")
+    call = replace(_call(), tenant_id="acme/payment")
+    ran = ex._published(
+        call, Succeeded({"ok": True}, (ReferenceUpdate("order", "WO-1", "cancelled"),)),
+        SUCCEEDED, 0,
+    )  # fmt: skip
     r = decode_result(ran.value)
     assert (r["outcome"], r["error_code"]) == ("FAILED", "result_unpublishable")
     assert ran.references == []
