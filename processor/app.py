@@ -1167,12 +1167,13 @@ class Processor:
             "rid": item.request_id,
             "approval_id": verified.approval_id,
             "approver": verified.approver_id,
+            "key": self.gates.approvers[verified.approver_id].key_print,
             "decision": verified.decision,
             "reason": verified.reason or "",
             "pos": pos,
             "now": now_ms,
             "ttl": retain_ms(verified.expires_ms, now_ms),
-            # Earlier votes whose approvers may no longer approve: they stop counting.
+            # Earlier votes whose approvers may no longer cast them: they stop counting.
             "drop": revoked_votes(entry, self.gates.approvers),
         }
         return item.tenant_id, op

@@ -27,6 +27,7 @@ from confluent_kafka import Producer
 from processor.approvals import Approver, Binding, VerifiedApproval, verify_approval
 from processor.config import Settings
 from processor.contracts.registry import Contract
+from processor.gates.identity import check_signing_key
 from processor.gates.policy import check_policy
 from processor.gates.resolve import resolve_tool
 from processor.gates.schema import check_arguments
@@ -143,23 +144,29 @@ def _requester(entry: dict[str, Any]) -> Principal:
 
 
 def revoked_votes(entry: dict[str, Any], approvers: dict[str, Approver]) -> list[str]:
-    """The approvers whose votes already counted on ``entry``'s request no longer may: gone
-    from the approvers file since they voted, or no longer allowed to approve this class
-    of call for this tenant. A vote counts when the request is released, not only when it
-    was cast: an operator who removes a compromised approver expects a call that approver
-    half-released to need someone else's vote, not to go on the next one."""
+    """The approval ids of the votes already counted on ``entry``'s request whose approvers
+    no longer may cast them: gone from the approvers file since they voted, no longer
+    allowed to approve this class of call for this tenant, or holding another key than
+    the one the vote was verified with (votes recorded before keys were, none). A vote
+    counts when the request is released, not only when it was cast: an operator who
+    removes a compromised approver, or replaces their leaked key, expects a call that
+    key half-released to need someone else's vote, not to go on the next one. (By
+    approval id: the same approver's vote with their new key, cast in the same batch,
+    stays.)"""
     cls = SideEffectClass(entry["side_effect_class"])
     tenant = entry["tenant_id"]
     requester = _requester(entry)
     out = []
     for vote in entry.get("approvers") or []:
         approver = approvers.get(vote.get("id"))
+        key = vote.get("key")
         if (
             approver is None
             or not approver.may_approve(cls, tenant)
             or approver.is_requester(requester)
+            or (isinstance(key, str) and key != approver.key_print)
         ):
-            out.append(str(vote.get("id")))
+            out.append(str(vote.get("approval_id")))
     return out
 
 
@@ -197,6 +204,8 @@ def parked_entry(d: Decision) -> dict[str, Any]:
     if d.principal is not None:  # what the gates are run against again at release
         entry["scopes"] = sorted(d.principal.scopes)
         entry["clearance"] = d.principal.clearance
+        if d.principal.verified and d.principal.delegated_for is None and d.principal.key_id:
+            entry["key_id"] = d.principal.key_id
     return entry
 
 
@@ -222,10 +231,15 @@ def recheck_release(
     entry: dict[str, Any], gates: Gates, answers: RefAnswers, now_ms: int
 ) -> Rejection | None:
     """The gates that depend on the world, run again when approvers release a parked call:
-    the contract version may have been sunsetted, the policy changed, the order shipped
-    since the approvers were asked. The approvers said yes to the call as their packet
-    described it (its ``before_state``); a call that no longer passes is refused, as a
-    fresh proposal would be, and does not run."""
+    the key that signed its token may have been withdrawn, the contract version
+    sunsetted, the policy changed, the order shipped since the approvers were asked. The
+    approvers said yes to the call as their packet described it (its ``before_state``); a
+    call that no longer passes is refused, as a fresh proposal would be, and does not
+    run."""
+    key_id = entry.get("key_id")
+    untrusted = check_signing_key(key_id if isinstance(key_id, str) else None, gates.verifier)
+    if untrusted is not None:
+        return untrusted
     subject = _release_subject(entry, gates, now_ms)
     if isinstance(subject, Rejection):
         return subject
@@ -278,8 +292,13 @@ def refused_release(src: SourceRecord, entry: dict[str, Any], refusal: Rejection
         refusal.taxonomy,
         refusal.gate,
         (*refusal.errors, why),
-        f"{entry['tool_name']} was approved but did not run: what it acts on changed while "
-        f"it waited. {refusal.next_action}",
+        f"{entry['tool_name']} was approved but did not run: "
+        + (
+            "its identity is no longer proven. "
+            if refusal.gate is Gate.IDENTITY
+            else "what it acts on changed while it waited. "
+        )
+        + refusal.next_action,
         refusal.allowed_tools,
     )
     return Decision(

@@ -82,6 +82,12 @@ class Approver:
     def may_approve(self, cls: SideEffectClass, tenant_id: str) -> bool:
         return cls in self.classes and ("*" in self.tenants or tenant_id in self.tenants)
 
+    @property
+    def key_print(self) -> str:
+        """The public key, as a vote records it: a vote cast with a key the approvers file
+        has since replaced stops counting (see approval_flow.revoked_votes)."""
+        return b64url.encode(self.public_key.public_bytes_raw())
+
 
 def load_approvers(path: Path | None) -> dict[str, Approver]:
     if path is None:

@@ -327,13 +327,22 @@ def _principal(
             return _refuse("token_claims_invalid", f"the principal token has no {name}")
     scope = claims.get("scope", "")
     if isinstance(scope, str):
-        scopes = frozenset(scope.split())
-    elif isinstance(scope, list) and all(isinstance(s, str) and s.split() == [s] for s in scope):
-        scopes = frozenset(scope)
+        # Separated by spaces only (RFC 6749 §3.3), and holding no other whitespace: a tab
+        # or a no-break space read as a separator too would grant "orders:write" to a token
+        # its issuer signed with the one scope "orders:read\u00a0orders:write".
+        names = [s for s in scope.split(" ") if s]
+        usable = names == scope.split()
     else:
-        return _refuse(
-            "token_claims_invalid", "scope must be a space-separated string, or a list of scopes"
+        names = scope
+        usable = isinstance(scope, list) and all(
+            isinstance(s, str) and s.split() == [s] for s in scope
         )
+    if not usable:
+        return _refuse(
+            "token_claims_invalid",
+            "scope must be a space-separated string, or a list of scopes, with no other whitespace",
+        )
+    scopes = frozenset(names)
     clearance = claims.get("clearance", CLEARANCE_LEVELS[0])
     if clearance not in CLEARANCE_LEVELS:
         return _refuse("token_claims_invalid", f"unknown clearance {clearance!r}")

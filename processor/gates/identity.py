@@ -75,6 +75,24 @@ def identify(p: Proposal, verifier: Verifier, now_s: float) -> Principal | Rejec
     return principal
 
 
+def check_signing_key(key_id: str | None, verifier: Verifier) -> Rejection | None:
+    """A parked call's principal again, when its approvers release it: the key its token
+    was verified with must still be trusted. An operator who takes an issuer's key out of
+    the keys files (it leaked, it was rotated out) revokes the calls parked under its
+    tokens too; they would otherwise run on the approvers' word for an identity nothing
+    proves any more. (``None``: parked by an earlier version, or a delegation token.)"""
+    if key_id is None or verifier.development or key_id in verifier.keys:
+        return None
+    return _deny(
+        FieldError(
+            "principal_token",
+            f"the key {key_id!r} the call's token was signed with is no longer trusted",
+            "token_unknown_key",
+        ),
+        _TOKEN_ACTION.format(reason="its signing key was withdrawn while it waited"),
+    )
+
+
 def check_scopes(p: Proposal, contract: Contract, principal: Principal) -> Rejection | None:
     """The contract's ``required_scopes`` against the verified principal's. Only
     development mode's unverified principal holds every scope: a token's ``*`` is a

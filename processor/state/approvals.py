@@ -90,6 +90,14 @@ local function spend(ids, pos, ttl)
   end
 end
 
+-- A verified decision that changes nothing (its request ended, or its approver counted
+-- already) is spent all the same, unless something spent it first: an approval is good
+-- for the one request it answers, and once that has ended it must not be attached to
+-- another proposal of the same call and run it a second time.
+local function burn(id, pos, ttl)
+  redis.call('SET', base .. ':apr:' .. id, pos, 'NX', 'PX', ttl)
+end
+
 -- A parked call lives until it ends (the expiry sweeper ends the forgotten ones);
 -- an ended one stays readable for a day, for audit and `approvals show`.
 local function finish(rid, final, pos, now)
@@ -108,6 +116,8 @@ for i, op in ipairs(ops) do
     elseif e.state ~= 'parked' then
       if kind == 'expire' then
         redis.call('ZREM', base .. ':parkexp', op.rid)  -- re-added by a replayed park
+      else
+        burn(op.approval_id, op.pos, op.ttl)
       end
       if e.ended_by == op.pos then
         out[i] = answer(e.state, op.rid)
@@ -122,17 +132,19 @@ for i, op in ipairs(ops) do
         out[i] = answer('pending', op.rid)
       end
     elseif op.now > e.expires_at then
+      burn(op.approval_id, op.pos, op.ttl)
       finish(op.rid, 'expired', op.pos, op.now)
       out[i] = answer('expired', op.rid)
     else
       if op.drop and #op.drop > 0 then
-        -- Votes of approvers the processor no longer trusts (removed, or no longer
-        -- allowed this class or tenant): they stop counting before this one is counted.
-        -- Dropped again on a replay of this op, which changes nothing the second time.
+        -- Votes (by approval id) the processor no longer trusts (their approver removed,
+        -- no longer allowed this class or tenant, or holding another key now): they stop
+        -- counting before this one is counted. Dropped again on a replay of this op,
+        -- which changes nothing the second time.
         local gone, kept = {}, {}
         for _, id in ipairs(op.drop) do gone[id] = true end
         for _, a in ipairs(e.approvers) do
-          if not gone[a.id] then kept[#kept + 1] = a end
+          if not gone[a.approval_id] then kept[#kept + 1] = a end
         end
         if #kept ~= #e.approvers then
           e.approvers = kept
@@ -151,6 +163,7 @@ for i, op in ipairs(ops) do
       if bad then
         out[i] = answer('reused', op.rid)
       elseif other and op.decision ~= 'rejected' then
+        burn(op.approval_id, op.pos, op.ttl)
         out[i] = answer('duplicate_approver', op.rid)
       else
         spend({op.approval_id}, op.pos, op.ttl)
@@ -161,7 +174,7 @@ for i, op in ipairs(ops) do
         else
           if not seen then
             table.insert(e.approvers, {id = op.approver, pos = op.pos,
-                                       approval_id = op.approval_id})
+                                       approval_id = op.approval_id, key = op.key})
             redis.call('HSET', park_key(op.rid), 'approvers', cjson.encode(e.approvers))
           end
           if #e.approvers >= e.needed then

@@ -1101,6 +1101,53 @@ def test_a_rejection_ends_the_parked_call(world: World) -> None:
     assert store.find(parked.request_id) is None
 
 
+def test_an_approval_that_came_after_its_request_ended_cannot_run_the_call_again(
+    world: World,
+) -> None:
+    """ops-2's approval arrives once the request ended (released by ops-1, or declined by
+    ops-2 themselves before ops-1's): it ends nothing, and it is spent all the same. The
+    agent that attaches it to the same call in another run does not get the call run a
+    second time, nor the declined call run after all."""
+    released, declined = world.park_many(
+        [("agent", "cancel_order", cancel()), ("agent", "cancel_order", cancel(ORDER_2))]
+    )
+    world.publish(world.sign_for(released, "ops-1"), released.run_id)
+    assert world.final(released.proposal_id)["decision"] == "ROUTED"
+    world.publish(
+        world.sign_for(declined, "ops-2", decision="rejected", reason="no"), declined.run_id
+    )
+    assert world.final(declined.proposal_id)["decision"] == "REJECTED"
+    late = {
+        released.proposal_id: world.sign_for(released, "ops-2"),
+        declined.proposal_id: world.sign_for(declined, "ops-1"),
+    }
+    sent = [world.publish(a, released.run_id) for a in late.values()]
+    # A refused decision after them, on the same partition: once it is in the DLQ, the
+    # late approvals have been decided too.
+    marker = world.publish(world.sign_for(released, "viewer"), released.run_id)
+    assert world.dead_letters([*sent, marker], until=[marker]) == {
+        **dict.fromkeys(sent, "approval_request_ended"),
+        marker: "approver_not_allowed",
+    }
+
+    attached = [
+        world.propose(
+            "agent",
+            parked.tool,
+            parked.arguments,
+            run_id=run_id(),
+            traceparent=parked.traceparent,
+            approvals=[late[parked.proposal_id]],
+        )
+        for parked in (released, declined)
+    ]
+    for pid in attached:
+        refused(world.wait(pid), "CONFIRMATION_MISSING", "confirmation", ["approval_reused"])
+    world.none_ran([*attached, declined.proposal_id], "HIGH_RISK_EXTERNAL")
+    ran = world.calls_for([released.proposal_id], "HIGH_RISK_EXTERNAL")
+    assert len(ran[released.proposal_id]) == 1
+
+
 def test_a_rejection_after_the_call_went_ahead_with_attached_approvals_is_not_a_decline(
     world: World,
 ) -> None:

@@ -315,8 +315,9 @@ def test_unusable_confirmation_settings_are_refused(confirmation: Any) -> None:
 
 
 def test_revoked_votes_are_those_of_approvers_who_may_no_longer_approve_the_call() -> None:
-    """Gone from the file, no longer allowed the class or the tenant, or now one of the
-    requester's own identities: each vote stops counting; a trusted approver's stays."""
+    """Gone from the file, no longer allowed the class or the tenant, now one of the
+    requester's own identities, or cast with a key the file has replaced since: each vote
+    stops counting; a trusted approver's stays, and so does a vote that recorded no key."""
     key = APPROVER_KEYS["ops-1"].public_key()
     every = frozenset(SideEffectClass)
     approvers = {
@@ -326,13 +327,21 @@ def test_revoked_votes_are_those_of_approvers_who_may_no_longer_approve_the_call
         ),
         "moved": Approver("moved", key, every, frozenset({"globex"})),
         "self": Approver("self", key, every, frozenset("*"), frozenset({"u-1"})),
+        "rotated": Approver("rotated", key, every, frozenset("*")),
+        "unrecorded": Approver("unrecorded", key, every, frozenset("*")),
     }
+    old = b64url.encode(APPROVER_KEYS["ops-2"].public_key().public_bytes_raw())
+    votes = [{"id": n, "approval_id": f"appr-{n}", "key": approvers["kept"].key_print}
+             for n in ("kept", "gone", "narrowed", "moved", "self")]  # fmt: skip
+    votes += [{"id": "rotated", "approval_id": "appr-rotated", "key": old},
+              {"id": "unrecorded", "approval_id": "appr-unrecorded"}]  # fmt: skip
     entry = {
         "tenant_id": "acme", "side_effect_class": "CRITICAL_MUTATION",
-        "requested_by_user": "u-1", "requested_by_agent": "a-1",
-        "approvers": [{"id": n} for n in ("kept", "gone", "narrowed", "moved", "self")],
+        "requested_by_user": "u-1", "requested_by_agent": "a-1", "approvers": votes,
     }  # fmt: skip
-    assert revoked_votes(entry, approvers) == ["gone", "narrowed", "moved", "self"]
+    assert revoked_votes(entry, approvers) == [
+        f"appr-{n}" for n in ("gone", "narrowed", "moved", "self", "rotated")
+    ]
     assert revoked_votes({**entry, "approvers": []}, approvers) == []
 
 

@@ -8,13 +8,24 @@ from dataclasses import replace
 from typing import Any
 
 import orjson
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from processor.approval_flow import parked_entry, recheck_release, release_keys
+from processor.approval_flow import parked_entry, recheck_release, refused_release, release_keys
+from processor.config import IdentitySettings
 from processor.contracts.registry import ContractSet
 from processor.gates.semantic import RefEntry
-from processor.model import Outcome, SideEffectClass, TaxonomyClass
+from processor.identity import VerificationKey, Verifier
+from processor.model import Gate, Outcome, SideEffectClass, SourceRecord, TaxonomyClass
+from processor.pipeline import Gates
 from processor.policy import Policy, TenantPolicy
-from tests.unit.helpers import NOW_MS, decide_envelope, envelope, existing_references, gates
+from tests.unit.helpers import (
+    LIMITS,
+    NOW_MS,
+    decide_envelope,
+    envelope,
+    existing_references,
+    gates,
+)
 
 
 def _parked(contracts: ContractSet) -> tuple[dict[str, Any], Any]:
@@ -81,3 +92,34 @@ def test_arguments_a_version_edited_in_place_no_longer_accepts_are_refused(
                               gates(contracts), answers, NOW_MS)  # fmt: skip
     assert refusal is not None and refusal.gate.value == "schema"
     assert refusal.taxonomy is TaxonomyClass.OUT_OF_BOUNDS
+
+
+def _trusting(contracts: ContractSet, *kids: str) -> Gates:
+    """Gates that verify tokens, with issuer keys of these ids."""
+    keys = {k: VerificationKey(k, "EdDSA", Ed25519PrivateKey.generate().public_key()) for k in kids}
+    return Gates(contracts, LIMITS, Verifier(IdentitySettings(), keys))
+
+
+def test_a_call_whose_token_key_was_withdrawn_while_it_waited_does_not_run(
+    contracts: ContractSet,
+) -> None:
+    """Parked under a token verified with issuer-1's key, released after the operator
+    took that key out (it leaked, or was rotated out): refused as its token would be."""
+    env = envelope("cancel_order")
+    d = decide_envelope(env, contracts)
+    assert d.outcome is Outcome.PARKED and d.principal is not None
+    d.principal = replace(d.principal, verified=True, key_id="issuer-1")
+    entry, answers = parked_entry(d), existing_references(env, contracts)
+    assert recheck_release(entry, _trusting(contracts, "issuer-1", "issuer-2"), answers,
+                           NOW_MS) is None  # fmt: skip
+    refusal = recheck_release(entry, _trusting(contracts, "issuer-2"), answers, NOW_MS)
+    assert refusal is not None and refusal.taxonomy is TaxonomyClass.PERMISSION_DENIED
+    assert refusal.gate is Gate.IDENTITY
+    assert [e.code for e in refusal.errors] == ["token_unknown_key"]
+    src = SourceRecord("tool.approvals", 0, 7, b"run-1", b"{}", NOW_MS)
+    told = refused_release(src, entry, refusal, NOW_MS).rejection
+    assert told is not None and "identity is no longer proven" in told.next_action
+    # Parked by an earlier version (no key kept), or in development mode: nothing to check.
+    old = {k: v for k, v in entry.items() if k != "key_id"}
+    assert recheck_release(old, _trusting(contracts, "issuer-2"), answers, NOW_MS) is None
+    assert recheck_release(entry, gates(contracts), answers, NOW_MS) is None

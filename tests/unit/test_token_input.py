@@ -94,3 +94,15 @@ def test_an_expiry_or_start_that_is_not_a_number_is_refused(
     token = issuer.mint("t-1", "u-1", "a-1", ["orders:read"], **claims)
     got = verifier.verify(token)
     assert isinstance(got, FieldError) and got.code == "token_claims_invalid", got
+
+
+@pytest.mark.parametrize("separator", ["\u00a0", "\t", "\u2003", "\n"])
+def test_scopes_are_separated_by_spaces_only(tmp_path: Path, separator: str) -> None:
+    """A scope string with other whitespace in it is refused, not read as more scopes than
+    its issuer named (RFC 6749 separates scopes with spaces, and a scope holds none)."""
+    issuer, verifier = _issuer_and_verifier(tmp_path)
+    token = issuer.mint("t-1", "u-1", "a-1", scope=f"orders:read{separator}orders:refund")
+    got = verifier.verify(token)
+    assert isinstance(got, FieldError) and got.code == "token_claims_invalid", got
+    spaced = verifier.verify(issuer.mint("t-1", "u-1", "a-1", scope=" orders:read  orders:refund"))
+    assert isinstance(spaced, Principal) and spaced.scopes == {"orders:read", "orders:refund"}
