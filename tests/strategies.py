@@ -739,7 +739,7 @@ def b_deep(r: random.Random, m: int, max_bytes: int) -> Case:
 
 def b_huge(r: random.Random, m: int, max_bytes: int) -> Case:
     n = huge_size(r, max_bytes)
-    place = r.randrange(8)
+    place = r.randrange(9)
     while True:
         case = _huge(r, m, n, place)
         assert case.value is not None
@@ -772,9 +772,12 @@ def _huge(r: random.Random, m: int, n: int, place: int) -> Case:
     elif place == 6:
         env["arguments"] = {f"k{i}": i for i in range(n // 12)}
         expect = parse_fail("arguments", codes=["too_large"]) if n > 90_000 else NOT_ROUTED
-    else:  # each approval costs a signature check: more than a few are refused unread
+    elif place == 7:  # each approval costs a signature check: more than a few are refused unread
         env["approvals"] = [{"id": i} for i in range(n // 12)]
         expect = parse_fail("approvals", codes=["invalid_value"])
+    else:  # integers beyond 64 bits, which orjson reads as floats and cannot write
+        env["arguments"]["limit"] = [10**30] * (n // 32)
+        expect = parse_fail("arguments", codes=["too_large"]) if n > 70_000 else NOT_ROUTED
     return Case("huge", dumps(r, env), run_key(r, env), expect, m, note=f"{place} {n}")
 
 

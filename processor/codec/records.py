@@ -457,6 +457,15 @@ def headers_by_name(
     return headers, twice
 
 
+def _cut(text: str, limit: int) -> bytes:
+    """``text`` as UTF-8 (a lone surrogate replaced), cut at ``limit`` bytes on a character
+    boundary: a header cut inside a character is not UTF-8, and other clients read it so."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return data
+    return data[:limit].decode("utf-8", "ignore").encode()
+
+
 def dlq_headers(
     d: Decision, limit: int = DLQ_MAX_VALUE_BYTES
 ) -> list[tuple[str, str | bytes | None]]:
@@ -471,15 +480,14 @@ def dlq_headers(
             ("toolsentry.value.sha256", hashlib.sha256(s.value).hexdigest().encode()),
         ]
     named = [
-        (name, value.encode("utf-8", "replace")[:DLQ_HEADER_MAX_BYTES])
-        for name, value in d.extra.get(DLQ_HEADERS, ())
+        (name, _cut(value, DLQ_HEADER_MAX_BYTES)) for name, value in d.extra.get(DLQ_HEADERS, ())
     ]
     return [
         *extra,
         ("toolsentry.error.class", _dlq_class(d)),
         ("toolsentry.error.gate", d.gate.value.encode()),
         ("toolsentry.error.reason", (d.dlq_reason or "unknown").encode()),
-        ("toolsentry.error.detail", (d.dlq_detail or "").encode("utf-8", "replace")[:1000]),
+        ("toolsentry.error.detail", _cut(d.dlq_detail or "", 1000)),
         ("toolsentry.source.topic", s.topic.encode()),
         ("toolsentry.source.partition", str(s.partition).encode()),
         ("toolsentry.source.offset", str(s.offset).encode()),

@@ -17,6 +17,7 @@ keep the first and parsers that keep the last would disagree).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import re
 from collections.abc import Callable
@@ -68,22 +69,54 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(d) != len(pairs):
         seen: set[str] = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise _Duplicate(f"duplicate key {quotable(dup)!r}")
+        raise _Duplicate(f"duplicate key {_quoted(dup)!r}")
     return d
 
 
+_NAME_SHOWN = 64
+"""The most of a name (a key, a field) a refusal or a warning quotes back: a record near
+the size limit with one huge name must not make an observation too large to produce (the
+batch would retry for ever)."""
+
+
+def _quoted(name: str) -> str:
+    """``name`` as an answer may quote it: cut at ``_NAME_SHOWN`` characters, and redacted
+    when what is shown looks like a credential (parse answers before the credential scan).
+    Only what is shown is scanned: a megabyte-long name costs no more than a short one."""
+    if len(name) <= _NAME_SHOWN:
+        return quotable(name)
+    return quotable(name[: _NAME_SHOWN - 3]) + "..."
+
+
+def _first_names(names: set[str], count: int = 10) -> list[str]:
+    """The first ``count`` of ``names`` in order, quoted (a record may carry thousands)."""
+    return [_quoted(n) for n in heapq.nsmallest(count, names)]
+
+
 def _depth(node: Any) -> int:
-    """Nesting depth of a parsed value, without recursion (the input may be hostile)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(node, 1)]
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if type(item) is dict:
-            stack.extend((v, depth + 1) for v in item.values())
-        elif type(item) is list:
-            stack.extend((v, depth + 1) for v in item)
-    return deepest
+    """Nesting depth of a parsed value, level by level, without recursion (the input may be
+    hostile): a megabyte of ``[],`` is a third of a million values, each touched once."""
+    depth = 0
+    level = [node]
+    while level:
+        depth += 1
+        below: list[Any] = []
+        for item in level:
+            if type(item) is dict:
+                below.extend(item.values())
+            elif type(item) is list:
+                below.extend(item)
+        level = below
+    return depth
+
+
+def _json_size(value: Any) -> int:
+    """Bytes of ``value`` as compact JSON. orjson writes no integer beyond 64 bits, which
+    the exact parser keeps whole: a value holding one is measured by the standard library."""
+    try:
+        return len(orjson.dumps(value))
+    except orjson.JSONEncodeError:
+        return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
 
 
 def strict_loads(text: bytes | str, max_depth: int, brackets: int | None = None) -> Any:
@@ -179,9 +212,11 @@ def _json_error(exc: Exception, text: bytes | str) -> tuple[str, str]:
     if isinstance(exc, _TooDeep):
         return "too_deep", str(exc)
     if isinstance(exc, json.JSONDecodeError):
-        pos = exc.pos
-        stripped = len(text.rstrip()) if isinstance(text, (bytes, str)) else 0
-        if pos >= stripped:
+        pos = exc.pos  # in characters, bytes or text alike
+        chars = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        # JSON's own whitespace only: a complete value followed by a no-break space (which
+        # str.rstrip would take away) is not cut off, and the model must be told so.
+        if pos >= len(chars.rstrip(" \t\n\r")):
             return "truncated", f"the JSON ends before it is complete (at character {pos})"
         return "invalid_json", f"{exc.msg} at character {pos}"
     if isinstance(exc, RecursionError):
@@ -283,8 +318,9 @@ def parse_proposal(
     except Exception as exc:
         code, message = _json_error(exc, value)
         recovered = _identity_only(value)
+        strict_detail = f"envelope is not strict JSON: {message}"
         if recovered is None:
-            return DeadLetter(code, f"envelope is not strict JSON: {message}")
+            return DeadLetter(code, strict_detail)
         env = recovered
         strict_error = FieldError(None, f"the proposal is not strict JSON: {message}", code)
     if type(env) is not dict:
@@ -292,7 +328,7 @@ def parse_proposal(
     claimed_run = env.get("run_id")
     if not is_id(claimed_run):
         if strict_error is not None:
-            return DeadLetter(strict_error.code, f"envelope is {strict_error.message[4:]}")
+            return DeadLetter(strict_error.code, strict_detail)
         return DeadLetter("no_run_id", "the envelope has no usable run_id (1-256 printable chars)")
     run_id: str = claimed_run
 
@@ -333,12 +369,12 @@ def parse_proposal(
                     )
                 )
         if not tool.keys() <= _TOOL_FIELDS:
-            extra = set(tool) - _TOOL_FIELDS
+            extra = _first_names(tool.keys() - _TOOL_FIELDS)
             errors.append(
                 _err(
                     "tool",
                     "unknown_field",
-                    f"tool has unknown fields {sorted(extra)}; only name and version",
+                    f"tool has unknown fields {extra}; only name and version",
                 )
             )
     else:
@@ -379,7 +415,7 @@ def parse_proposal(
             )
             arguments = None
         elif len(value) > limits.max_arguments_bytes and (
-            len(orjson.dumps(arguments)) > limits.max_arguments_bytes
+            _json_size(arguments) > limits.max_arguments_bytes
         ):
             errors.append(
                 _err(
@@ -507,10 +543,7 @@ def parse_proposal(
         approvals = None
 
     if not env.keys() <= _ENVELOPE_FIELDS:
-        unknown = env.keys() - _ENVELOPE_FIELDS
-        # Names are clipped: a record near the size limit with one huge field name must
-        # not make an observation too large to produce (the batch would retry for ever).
-        names = (n if len(n) <= 64 else n[:61] + "..." for n in sorted(unknown)[:10])
+        names = _first_names(env.keys() - _ENVELOPE_FIELDS)
         warnings.append(f"ignored unknown envelope fields: {', '.join(names)}")
 
     proposal = Proposal(

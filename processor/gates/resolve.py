@@ -84,7 +84,7 @@ def resolve_tool(
     known = ", ".join(c.version for c in versions)
     return _refuse(
         "unknown_version",
-        f"{name} has no version {p.tool_version} (known: {known})",
+        f"{name} has no version {quotable(p.tool_version)} (known: {known})",
         f"Propose {name} without a version, or with one of: {known}.",
         allowed,
     )

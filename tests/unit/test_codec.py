@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from processor.codec.avro import MAGIC, codec, crc64_avro, decode_any
 from processor.codec.records import (
+    DLQ_HEADERS,
     approved_call_record,
     dlq_headers,
     encode_approved_call,
@@ -29,7 +30,7 @@ from processor.codec.records import (
 )
 from processor.contracts.registry import ContractSet
 from processor.identity import DEVELOPMENT_WARNING
-from processor.model import Decision, Outcome, SideEffectClass
+from processor.model import Decision, Gate, Outcome, SideEffectClass, SourceRecord
 from processor.pipeline import Gates, decide
 from tests.unit.helpers import (
     LIMITS,
@@ -312,6 +313,19 @@ def test_a_record_the_platform_failed_on_is_an_unknown_error_in_the_dlq(
 
 def _raise(*args: object) -> None:
     raise RuntimeError("a defect")
+
+
+def test_dead_letter_headers_cut_long_text_on_a_character_boundary() -> None:
+    """A reason's detail and the named headers are cut at a byte limit: never inside a
+    character, so every header is UTF-8 still, as Kafka tools and other clients read it."""
+    d = Decision(SourceRecord(TOPIC, PARTITION, OFFSET, None, b"x", 0), Outcome.DEAD_LETTER,
+                 Gate.RESULT, None, dlq_reason="result_mismatch", dlq_detail="a" + "\u00e9" * 600,
+                 extra={DLQ_HEADERS: [("toolsentry.result.call_id", "\u20ac" * 200)]})  # fmt: skip
+    headers = dict(dlq_headers(d))
+    detail, call_id = headers["toolsentry.error.detail"], headers["toolsentry.result.call_id"]
+    assert isinstance(detail, bytes) and isinstance(call_id, bytes)
+    assert detail.decode() == "a" + "\u00e9" * 499
+    assert call_id.decode() == "\u20ac" * 85
 
 
 # --- decode_any -------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import orjson
@@ -14,6 +15,7 @@ from processor.gates.parse import (
     MAX_APPROVALS,
     DeadLetter,
     Limits,
+    _depth,
     parse_proposal,
     strict_loads,
 )
@@ -209,6 +211,11 @@ def test_truncated_arguments_raw(raw: str) -> None:
         "{order_id:1}",
         '{"a":1} trailing',
         '{"a":01}',
+        # Complete, then a character that is whitespace to Python but not to JSON: not cut off.
+        '{"a":1}\u00a0',
+        '{"a":1}\u2028',
+        '{"a":1}\u3000',
+        '{"a":1}\x0c',
     ],
 )
 def test_invalid_json_in_arguments_raw(raw: str) -> None:
@@ -634,3 +641,84 @@ def test_deep_records_decide_the_same_whatever_the_callers_stack(depth: int) -> 
     shallow = outcome()
     assert nested(700) == shallow
     assert shallow == ("answered" if depth < 255 else "too_deep")
+
+
+def test_integers_beyond_64_bits_in_a_large_record_are_measured_not_an_internal_error() -> None:
+    """orjson writes no integer beyond 64 bits, and the exact parser keeps them whole: the
+    size of the arguments of a record over the arguments limit is still measured, and
+    they are answered as any arguments of that size are."""
+    big = 10**30
+    small = envelope(arguments={"order_id": "WO-12345-A", "n": big},
+                     note="x" * LIMITS.max_arguments_bytes)  # fmt: skip
+    proposal, rejection, _ = parsed(json.dumps(small).encode())
+    assert rejection is None
+    assert proposal.arguments["n"] == big
+    large = envelope(arguments={"order_id": "WO-12345-A", "n": [big] * 3_000})
+    _, rejection = rejected(json.dumps(large).encode())
+    err = only_error(rejection)
+    assert (err.field, err.code) == ("arguments", "too_large")
+
+
+def test_a_strict_failure_that_leaves_no_run_is_worded_as_such() -> None:
+    letter = dead(b'{"run_id":"","x":NaN}')
+    assert letter.reason == "invalid_json"
+    assert letter.detail.startswith("envelope is not strict JSON: "), letter.detail
+
+
+@pytest.mark.parametrize(
+    "name", ["AKIAIOSFODNN7EXAMPLE", "sk_live_4eC39HqLyjWDarjtT1zdp7dc", "password=hunter2"]
+)
+def test_field_names_that_are_credentials_are_not_quoted_back(name: str) -> None:
+    """The parse gate answers before the credential scan: the names it quotes back (an
+    unknown field of ``tool``, an ignored envelope field) are redacted as the scan would."""
+    env = envelope()
+    env["tool"] = {"name": "cancel_order", name: 1}
+    _, rejection = rejected(orjson.dumps(env))
+    assert name not in only_error(rejection).message
+    assert name[:4] + "\u2026" in only_error(rejection).message
+    _, refusal, warnings = parsed(orjson.dumps(envelope(**{name: 1})))
+    assert refusal is None
+    assert len(warnings) == 1 and name not in warnings[0] and name[:4] in warnings[0]
+
+
+def test_a_tool_of_many_unknown_fields_is_answered_with_a_few_names() -> None:
+    env = envelope()
+    env["tool"] = {"name": "cancel_order", **{f"k{i:06d}": i for i in range(50_000)}}
+    _, rejection = rejected(orjson.dumps(env))
+    message = only_error(rejection).message
+    assert "k000000" in message and "k000009" in message and "k000010" not in message
+    assert len(message) < 1_000
+
+
+@pytest.mark.parametrize(
+    "value",
+    [1, [], {}, [[]], [[], {}], {"a": [1, {"b": []}]}, [[[[[[[]]]]]]], [1, [2, [3]], {"x": {}}]],
+)
+def test_depth_counts_every_level_of_a_value(value: Any) -> None:
+    def reference(node: Any) -> int:
+        children = node.values() if type(node) is dict else node if type(node) is list else ()
+        return 1 + max(map(reference, children), default=0)
+
+    assert _depth(value) == reference(value)
+    wide = [value, [value], {"k": [[value]]}, *([[]] * 1_000)]
+    assert _depth(wide) == reference(wide)
+
+
+def test_a_long_duplicated_key_is_quoted_in_part() -> None:
+    key = "k" * 200_000
+    with pytest.raises(ValueError, match=r"^duplicate key 'k{61}\.\.\.'$"):
+        strict_loads(f'{{"{key}":1, "{key}":2}}'.encode(), 32)
+
+
+def test_a_complete_envelope_with_trailing_junk_is_not_called_truncated() -> None:
+    letter = dead(b'{"run_id":"","x":1}\x0b')
+    assert letter.reason == "invalid_json"
+
+
+@pytest.mark.parametrize(
+    "value", ['{"run_id":"r","x":"\u00e9\u00e9\u00e9', '{"run_id":"r","x":"\u65e5\u672c", "y":']
+)
+def test_an_envelope_cut_after_characters_of_several_bytes_is_truncated(value: str) -> None:
+    """The parser counts characters, not bytes: a record whose text is cut off is called
+    truncated whatever its characters' width."""
+    assert dead(value.encode()).reason == "truncated"

@@ -263,3 +263,12 @@ def test_a_deprecated_version_is_sunsetted_from_its_sunset_date(contracts: Contr
         assert "charge_customer_card_v2@2.1.0" in after.next_action
     latest = resolve_tool(proposal("charge_customer_card_v2"), contracts, 1_830_000_000_000)
     assert isinstance(latest, Contract) and latest.version == "2.1.0"
+
+
+def test_a_version_that_is_a_credential_is_not_quoted_back(versioned: ContractSet) -> None:
+    """The resolve gate answers before the credential scan: a version no contract has is
+    the model's own text, redacted as the scan would."""
+    r = refused(proposal("cancel_order", "AKIAIOSFODNN7EXAMPLE"), versioned)
+    assert r.errors[0].code == "unknown_version"
+    assert "AKIAIOSFODNN7EXAMPLE" not in r.errors[0].message
+    assert "no version AKIA\u2026 (known:" in r.errors[0].message
