@@ -155,10 +155,8 @@ def compensation_arguments(r: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if not isinstance(value, dict):
         return None
-    # (a value in the deepest container is a level of its own: none is nested past the
-    # bound with fewer brackets than that)
     deep = COMPENSATION_ARGUMENTS_MAX_DEPTH
-    if raw.count("{") + raw.count("[") >= deep and _depth(value) > deep:
+    if raw.count("{") + raw.count("[") > deep and _depth(value) > deep:
         return None
     return value
 

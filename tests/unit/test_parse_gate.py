@@ -365,6 +365,27 @@ def test_depth_over_the_limit_is_refused() -> None:
         strict_loads(b"[" * 33 + b"]" * 33, 32)
 
 
+def test_the_depth_limit_does_not_hang_on_other_brackets_in_the_text() -> None:
+    """33 arrays around a number are refused and 32 accepted, whatever else the text holds:
+    a scalar in the deepest array counted as a level of its own, 32 arrays around one were
+    refused when the text held one more bracket elsewhere and accepted when it did not."""
+    deep = b"[" * 32 + b"1" + b"]" * 32
+    assert strict_loads(deep, 32) is not None
+    assert strict_loads(b"[" + deep + b",[]]", 33) is not None
+    assert strict_loads(b'{"x":' + deep + b',"y":[]}', 33) is not None
+    with pytest.raises(ValueError, match="33 levels"):
+        strict_loads(b"[" * 33 + b"1" + b"]" * 33, 32)
+    deepest = '{"a":' + "[" * 31 + "1" + "]" * 31  # (32 levels: the object and 31 arrays)
+    for raw in (deepest + "}", deepest + ',"b":[]}'):
+        _, rejection, _ = parsed(with_raw(raw))
+        assert rejection is None, rejection
+    _, rejection = rejected(with_raw(deepest.replace("[", "[[", 1).replace("]", "]]", 1) + "}"))
+    assert (only_error(rejection).field, only_error(rejection).code) == (
+        "arguments_raw",
+        "too_deep",
+    )
+
+
 def test_very_deep_nesting_is_refused_without_recursion_error() -> None:
     # RecursionError is not a ValueError: this fails if a recursive parser is reached.
     with pytest.raises(ValueError):
@@ -695,8 +716,13 @@ def test_a_tool_of_many_unknown_fields_is_answered_with_a_few_names() -> None:
     [1, [], {}, [[]], [[], {}], {"a": [1, {"b": []}]}, [[[[[[[]]]]]]], [1, [2, [3]], {"x": {}}]],
 )
 def test_depth_counts_every_level_of_a_value(value: Any) -> None:
+    """Objects and arrays, one inside another: a scalar is no level, so the bracket count
+    the callers check first bounds the depth (n brackets, at most n levels)."""
+
     def reference(node: Any) -> int:
-        children = node.values() if type(node) is dict else node if type(node) is list else ()
+        if type(node) is not dict and type(node) is not list:
+            return 0
+        children = node.values() if type(node) is dict else node
         return 1 + max(map(reference, children), default=0)
 
     assert _depth(value) == reference(value)

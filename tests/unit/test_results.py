@@ -147,8 +147,8 @@ def test_compensation_arguments_too_large_to_propose_go_to_an_operator(
 
 def _nested(levels: int) -> str:
     """The refund's arguments with one more field, nesting ``levels`` deep as the gates
-    count it (the object is one level, each list one more, the number in the last one)."""
-    inner = "[" * (levels - 2) + "1" + "]" * (levels - 2)
+    count it (the object is one level, each list one more)."""
+    inner = "[" * (levels - 1) + "1" + "]" * (levels - 1)
     return orjson.dumps(REFUND).decode()[:-1] + ',"note":' + inner + "}"
 
 
