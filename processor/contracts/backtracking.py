@@ -1,4 +1,5 @@
-"""Exponential backtracking in ECMA-262 patterns, decided before a contract loads.
+"""Exponential and polynomial backtracking in ECMA-262 patterns, decided before a
+contract loads.
 
 The processor runs a contract's ``pattern`` and ``patternProperties`` regexes with
 ``regress``, a backtracking engine with no step limit, on arguments a model wrote. A
@@ -33,15 +34,26 @@ treated conservatively (it can only add ways to match, never hide one):
   it is decided as ``{min(n,1),}``, unbounded (``(.*a){12}`` reads a run of text in
   n^12 ways: polynomial, but no faster than exponential).
 
-Polynomial ambiguity (``^\\d+\\d+$``) is not exponential and is not reported.
+*Polynomial* backtracking is the next concern: ``^\\d+\\d+$`` splits a run of n digits in
+n ways, and on a near miss tries each, n^2 steps; ``\\s*,\\s*$`` is linear from one start,
+but a search that is not anchored with ``^`` tries every start, n^2 again. At 64 KB that
+is seconds. Counted repetitions multiply the same way, up to their counts:
+``[a-z]{0,90}[a-z]{0,90}`` splits a run in 91 places, and ``(?:a?){22}`` in 2^22.
+``steps`` bounds the work on a text of n characters (``_Search`` says how),
+``longest_text`` is the longest text a pattern may meet within ``STEP_BUDGET``, and the
+registry refuses a schema that lets a longer one reach it. The validators never search
+a longer text (``validation.ecma_search``): the bound the registry demands is what
+makes that safe.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 MAX_CODE_POINT = 0x10FFFF
 EXPANSION_LIMIT = 100
@@ -131,7 +143,27 @@ class Repeat:
     high: int | None
 
 
-Node = Chars | Seq | Alt | Repeat
+@dataclass(frozen=True, slots=True)
+class Assertion:
+    """Reads nothing, and may fail: ``^`` (the start of the text), ``$`` (its end), or
+    ``""`` for the others (``\\b``, ``\\B``, ``^`` under the ``m`` flag)."""
+
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class Backref:
+    """A backreference: read as any text (``[^]*``), which it may fail to be."""
+
+
+@dataclass(frozen=True, slots=True)
+class Look:
+    """A lookaround, run where it stands; its body is the parser's ``lookarounds[index]``."""
+
+    index: int
+
+
+Node = Chars | Seq | Alt | Repeat | Assertion | Backref | Look
 
 EMPTY = Seq(())
 _CLASS_ESCAPES = {"d": DIGIT, "w": WORD, "s": SPACE}
@@ -147,8 +179,10 @@ class _Parser:
         self.src = pattern
         self.i = 0
         self.lookarounds: list[Node] = []
+        self.behind: list[bool] = []  # of each lookaround: whether it looks behind
         self.ignore_case = False
         self.dot_all = False
+        self.multiline = False
 
     def parse(self) -> Node:
         node = self.disjunction()
@@ -176,9 +210,11 @@ class _Parser:
         items: list[Node] = []
         while self.peek() not in ("", "|", ")"):
             atom = self.term()
-            if atom is not None:
+            if not isinstance(atom, Assertion | Look):
                 items.append(self.quantified(atom))
-            elif self.quantifier() is not None:  # a quantified assertion: still zero-width
+                continue
+            items.append(atom)
+            if self.quantifier() is not None:  # a quantified assertion: still zero-width
                 self.take("?")
         return items[0] if len(items) == 1 else Seq(tuple(items))
 
@@ -214,13 +250,16 @@ class _Parser:
             self.i += 1
         return int(self.src[start : self.i]) if self.i > start else None
 
-    def term(self) -> Node | None:
+    def term(self) -> Node:
         ch = self.peek()
-        if ch in ("^", "$"):
+        if ch == "^":
             self.i += 1
-            return None
+            return Assertion("" if self.multiline else "^")  # (?m:^) also after a newline
+        if ch == "$":
+            self.i += 1
+            return Assertion("$")  # (?m:$) also before a newline: taken as the end alone
         if self.take("\\b") or self.take("\\B"):
-            return None
+            return Assertion("")
         if ch == "(":
             return self.group()
         if ch == ".":
@@ -240,7 +279,7 @@ class _Parser:
         self.i += 1
         return ord(ch)
 
-    def group(self) -> Node | None:
+    def group(self) -> Node:
         self.i += 1
         lookaround = next((p for p in ("?=", "?!", "?<=", "?<!") if self.take(p)), None)
         if lookaround is None and not self.take("?:") and self.take("?<"):
@@ -255,7 +294,8 @@ class _Parser:
             raise Unanalysable("unterminated group")
         if lookaround is not None:
             self.lookarounds.append(body)
-            return None
+            self.behind.append(lookaround.startswith("?<"))
+            return Look(len(self.lookarounds) - 1)
         return body
 
     def modified(self) -> Node:
@@ -264,12 +304,13 @@ class _Parser:
         if flags is None:
             raise Unanalysable(f"unknown group syntax at {self.i - 1}")
         self.i = flags.end()
-        saved = self.ignore_case, self.dot_all
+        saved = self.ignore_case, self.dot_all, self.multiline
         on, off = flags[1], flags[2] or ""
         self.ignore_case = "i" in on or (self.ignore_case and "i" not in off)
         self.dot_all = "s" in on or (self.dot_all and "s" not in off)
+        self.multiline = "m" in on or (self.multiline and "m" not in off)
         body = self.disjunction()
-        self.ignore_case, self.dot_all = saved
+        self.ignore_case, self.dot_all, self.multiline = saved
         if not self.take(")"):
             raise Unanalysable("unterminated group")
         return body
@@ -294,10 +335,10 @@ class _Parser:
             if end < 0:
                 raise Unanalysable("unterminated group name")
             self.i = end + 1
-            return Repeat(Chars(ANY), 0, None)
+            return Backref()
         if ch.isdigit() and ch != "0":
             self.digits()
-            return Repeat(Chars(ANY), 0, None)  # a backreference: the text of a group
+            return Backref()  # the text of a group
         return self.chars(self.class_escape())
 
     def class_escape(self) -> Ranges:
@@ -390,15 +431,43 @@ class _Parser:
 
 # -- the automaton -------------------------------------------------------------------------------
 
+_NONE: frozenset[int] = frozenset()
+
 
 @dataclass(slots=True)
 class _Fragment:
     """What a subexpression contributes: in how many ways it matches the empty text, and
-    in how many ways each position can be its first or its last (all capped at 2)."""
+    in how many ways each position can be its first or its last (all capped at 2).
+
+    For the polynomial analysis also: the last positions after which it is sure to end,
+    passing nothing that may fail (an assertion, a lookaround or a backreference;
+    ``ends``, and ``empty_ends`` for the empty text), the first positions it can begin
+    with without passing a ``^`` (``starts``; ``empty_starts``), and the lookarounds it
+    runs before reading anything (``looks``)."""
 
     empty: int
     first: dict[int, int]
     last: dict[int, int]
+    ends: frozenset[int] = _NONE
+    empty_ends: bool = False
+    starts: frozenset[int] = _NONE
+    empty_starts: bool = False
+    looks: frozenset[int] = _NONE
+
+
+def _nothing() -> _Fragment:
+    """The empty sequence."""
+    return _Fragment(1, {}, {}, empty_ends=True, empty_starts=True)
+
+
+def _skippable(f: _Fragment) -> _Fragment:
+    """``f`` or nothing: the rounds of a repetition beyond its minimum."""
+    return _Fragment(1, f.first, f.last, f.ends, True, f.starts, True, f.looks)
+
+
+def _nonempty(f: _Fragment) -> _Fragment:
+    """``f`` reading at least one character, as an optional round must."""
+    return _Fragment(0, f.first, f.last, f.ends, False, f.starts, False, f.looks)
 
 
 def _cap(n: int) -> int:
@@ -417,33 +486,61 @@ def _added(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
 
 
 class _Automaton:
-    """Position automaton whose transitions count the ways the regex takes them."""
+    """Position automaton whose transitions count the ways the regex takes them.
 
-    def __init__(self) -> None:
+    ``counted`` builds the optional part of a bounded repetition ``{n,m}`` as a loop that
+    reads at most so many characters (``width``), where the loop is no more ambiguous
+    than the copies (``_countable``): its paths take in the copies', and the width keeps
+    the count of a loop that stops (``[a-z]{0,90}[a-z]{0,90}`` splits a text in up to 91
+    places, not n) while a long run of copies no longer hides it among positions."""
+
+    def __init__(self, counted: bool = False) -> None:
+        self.counted = counted
         self.sets: list[Ranges] = []
         self.follow: list[dict[int, int]] = []
+        self.width: list[float] = []
+        """Of each position: the characters the outermost loop holding it reads (0: in none)."""
+        self.look_after: dict[int, set[int]] = {}
+        """The positions after which each lookaround runs."""
 
     def build(self, node: Node) -> _Fragment:
         if isinstance(node, Chars):
             self.sets.append(node.ranges)
             self.follow.append({})
+            self.width.append(0)
             p = len(self.sets) - 1
-            return _Fragment(0, {p: 1}, {p: 1})
+            return _Fragment(0, {p: 1}, {p: 1}, frozenset({p}), False, frozenset({p}), False)
         if isinstance(node, Seq):
-            out = _Fragment(1, {}, {})
+            out = _nothing()
             for item in node.items:
                 out = self.then(out, self.build(item))
             return out
         if isinstance(node, Alt):
             return self.either([self.build(b) for b in node.branches])
+        if isinstance(node, Assertion):
+            return _Fragment(1, {}, {}, empty_starts=node.kind != "^")
+        if isinstance(node, Look):
+            self.look_after.setdefault(node.index, set())
+            return _Fragment(1, {}, {}, empty_starts=True, looks=frozenset({node.index}))
+        if isinstance(node, Backref):
+            read = self.repeat(Repeat(Chars(ANY), 0, None))
+            return _Fragment(read.empty, read.first, read.last, _NONE, False, read.starts,
+                             read.empty_starts, read.looks)  # fmt: skip
         return self.repeat(node)
 
     def then(self, a: _Fragment, b: _Fragment) -> _Fragment:
         self.link(a.last, b.first)
+        for k in b.looks:
+            self.look_after[k].update(a.last)
         return _Fragment(
             _cap(a.empty * b.empty),
             _added(a.first, _scaled(b.first, a.empty)),
             _added(b.last, _scaled(a.last, b.empty)),
+            b.ends | a.ends if b.empty_ends else b.ends,
+            a.empty_ends and b.empty_ends,
+            a.starts | b.starts if a.empty_starts else a.starts,
+            a.empty_starts and b.empty_starts,
+            a.looks | b.looks if a.empty else a.looks,
         )
 
     @staticmethod
@@ -451,7 +548,14 @@ class _Automaton:
         out = _Fragment(0, {}, {})
         for f in fragments:
             out = _Fragment(
-                _cap(out.empty + f.empty), _added(out.first, f.first), _added(out.last, f.last)
+                _cap(out.empty + f.empty),
+                _added(out.first, f.first),
+                _added(out.last, f.last),
+                out.ends | f.ends,
+                out.empty_ends or f.empty_ends,
+                out.starts | f.starts,
+                out.empty_starts or f.empty_starts,
+                out.looks | f.looks,
             )
         return out
 
@@ -463,18 +567,27 @@ class _Automaton:
 
     def repeat(self, node: Repeat) -> _Fragment:
         low, high = _bounds(node)
-        out = _Fragment(1, {}, {})
+        width = math.inf
+        counted = self.counted and node.high is not None and node.high > node.low
+        if counted and node.high is not None and _countable(node.body):
+            if node.low * _size(node.body) <= EXPANSION_LIMIT:
+                low = node.low  # else fewer required copies: only more ways to read a text
+            high, width = None, (node.high - low) * _longest(node.body)
+        out = _nothing()
         for _ in range(low):
             out = self.then(out, self.build(node.body))
         if high is None:
+            start = len(self.sets)
             body = self.build(node.body)
             self.link(body.last, body.first)  # the loop: each iteration reads something
-            return self.then(out, _Fragment(1, body.first, body.last))
-        optional = _Fragment(1, {}, {})
+            for k in body.looks:
+                self.look_after[k].update(body.last)
+            self.width[start:] = [width] * (len(self.sets) - start)
+            return self.then(out, _skippable(_nonempty(body)))
+        optional = _nothing()
         for _ in range(high - low):  # (e(e(e)?)?)?, each e reading something
             body = self.build(node.body)
-            inner = self.then(_Fragment(0, body.first, body.last), optional)
-            optional = _Fragment(1, inner.first, inner.last)
+            optional = _skippable(self.then(_nonempty(body), optional))
         return self.then(out, optional)
 
 
@@ -496,6 +609,10 @@ def _size(node: Node) -> int:
     """Positions ``node`` builds."""
     if isinstance(node, Chars):
         return 1
+    if isinstance(node, Assertion | Look):
+        return 0
+    if isinstance(node, Backref):
+        return 1
     if isinstance(node, Seq):
         return sum(_size(n) for n in node.items)
     if isinstance(node, Alt):
@@ -504,9 +621,52 @@ def _size(node: Node) -> int:
     return _size(node.body) * max(high if high is not None else low + 1, 1)
 
 
+def _longest(node: Node) -> float:
+    """The most characters ``node`` reads."""
+    if isinstance(node, Chars):
+        return 1
+    if isinstance(node, Assertion | Look):
+        return 0
+    if isinstance(node, Backref):
+        return math.inf
+    if isinstance(node, Seq):
+        return sum(_longest(n) for n in node.items)
+    if isinstance(node, Alt):
+        return max(_longest(n) for n in node.branches)
+    return math.inf if node.high is None else node.high * _longest(node.body)
+
+
+def _nullable(node: Node) -> bool:
+    if isinstance(node, Chars):
+        return False
+    if isinstance(node, Assertion | Look | Backref):
+        return True
+    if isinstance(node, Seq):
+        return all(_nullable(n) for n in node.items)
+    if isinstance(node, Alt):
+        return any(_nullable(n) for n in node.branches)
+    return node.low == 0 or _nullable(node.body)
+
+
+@lru_cache(maxsize=4096)
+def _countable(body: Node) -> bool:
+    """Whether copies of ``body`` can be read as a loop without more ways to read a text:
+    the body reads something (an empty required copy is a choice a loop has not), and
+    repeated it has no exponential ambiguity (``(?:\\d{1,9}){1,9}`` has, in 9^9 ways)."""
+    if isinstance(body, Chars):
+        return True
+    if _nullable(body):
+        return False
+    automaton = _Automaton()
+    automaton.build(Repeat(body, 1, None))
+    return _ambiguous_word(automaton) is None
+
+
 def _loops(node: Node) -> bool:
     """Whether ``node`` holds an unbounded repetition."""
-    if isinstance(node, Chars):
+    if isinstance(node, Backref):
+        return True
+    if isinstance(node, Chars | Assertion | Look):
         return False
     if isinstance(node, Seq):
         return any(_loops(n) for n in node.items)
@@ -662,9 +822,7 @@ class _Product:
         return out[::-1]
 
 
-def _ambiguous_word(node: Node) -> str | None:
-    automaton = _Automaton()
-    automaton.build(node)
+def _ambiguous_word(automaton: _Automaton) -> str | None:
     n = len(automaton.sets)
     edges = [list(f) for f in automaton.follow]
     comp = _components(n, edges)
@@ -680,19 +838,470 @@ def _ambiguous_word(node: Node) -> str | None:
     return None
 
 
+# -- polynomial growth ---------------------------------------------------------------------------
+
+STEP_BUDGET = 1_000_000
+"""The most steps (``steps``) a pattern may take on the longest text a contract lets reach
+it. regress takes 0.3 to 20 ns a step on this reckoning (measured on quadratic, cubic,
+quartic and counted patterns at the length this budget allows them, on a loaded
+machine), so one search stays within about 20 ms: the order of the whole validation of
+a call, not the seconds of a stalled partition."""
+
+LONGEST_TEXT = 65_536
+"""The longest text where no maxLength bounds it: the parse gate refuses arguments larger
+than this (``max_arguments_bytes``' default). A pattern within the budget at this
+length needs no bound; a linear one is, unless its repetitions multiply a lot."""
+
+
+def _difference(a: Ranges, b: Ranges) -> Ranges:
+    return _intersection(a, _complement(b)) if b else a
+
+
+def _union(sets: Iterator[Ranges]) -> Ranges:
+    return _normalise([r for s in sets for r in s])
+
+
+Edges = list[list[tuple[int, Ranges]]]
+
+
+class _Search:
+    """The paths a backtracking search of one text explores, as an automaton over states
+    that each read one character set, and how their number grows with the text's length.
+
+    A search that is not anchored with ``^`` tries the pattern at each position in turn:
+    a state ANY, reading any character, stands for moving on to the next (the lazy
+    ``[^]*?`` in front). A path that reaches the end of the pattern without passing a
+    ``$`` succeeds there, and the search stops: a *final* state. Where a state could read
+    the next character into a final state, the search is bound to succeed beneath that
+    node of its tree, so such nodes (*stops*) lie on one path from the root. Every node
+    explored is then either on paths free of stops from the root, or on such paths
+    hanging off one of the stops: two copies of the automaton model that. The R copy
+    takes only steps that cannot be stops (a state reads nothing its ``stop`` set holds);
+    the U copy takes any step, and passes into R after a stop. The number of nodes at a
+    state of R grows as n^(D+1) past a loop, where D is the most links in a chain of
+    pairs of loops that read a common word both round the loop and from the one to the
+    other (Weber and Seidl's IDA); a U loop adds a factor n (the stops along one path),
+    never more, so a pair of U loops is no link. A loop standing for counted copies
+    reads at most ``width`` characters: a link of it splits a run in at most width + 1
+    places, not n, and only its width adds to the length of a path. Moving on to the
+    next position is the last thing a search tries, so ANY is not left for the next
+    position where the pattern would succeed at this one.
+
+    A lookaround runs at each node at the states it follows, and its cost multiplies:
+    its body is decided as a search anchored where it stands."""
+
+    def __init__(self, automaton: _Automaton, top: _Fragment, *, anywhere: bool, stops: bool):
+        n = len(automaton.sets)
+        self.init, self.any = n, n + 1
+        self.size = m = n + 2
+        sets = [*automaton.sets, (), ANY]
+        succ = [sorted(f) for f in automaton.follow] + [sorted(top.first), []]
+        if anywhere:
+            succ[self.init].append(self.any)
+            succ[self.any] = [self.any, *sorted(top.starts)]
+        finals = ({*top.ends, *([self.init] if top.empty_ends else [])}) if stops else set()
+        stop = [
+            ANY if s in finals else _union(sets[y] for y in succ[s] if y in finals)
+            for s in range(m)
+        ]
+        edges: Edges = [[] for _ in range(2 * m)]
+        for s in range(m):
+            for y in succ[s]:
+                chars = _difference(sets[y], stop[s])
+                if chars:
+                    edges[m + s].append((m + y, chars))
+        roots = [m + self.init]
+        if any(stop):
+            roots.append(self.init)
+            for s in range(m):
+                for y in succ[s]:
+                    chars = _difference(sets[y], stop[s]) if y == self.any else sets[y]
+                    if chars:
+                        edges[s].append((y, chars))
+                    chars = _intersection(sets[y], stop[s]) if y != self.any else ()
+                    if chars:
+                        edges[s].append((m + y, chars))
+        self.edges = edges
+        self.nodes = self._reached(roots)
+        index = {v: i for i, v in enumerate(self.nodes)}
+        adjacency = [[index[w] for w, _ in edges[v]] for v in self.nodes]
+        comp_of = _components(len(self.nodes), adjacency)
+        self.comp = {v: comp_of[i] for i, v in enumerate(self.nodes)}
+        self.count = max(comp_of, default=-1) + 1
+        self.members: list[list[int]] = [[] for _ in range(self.count)]
+        for v in self.nodes:
+            self.members[self.comp[v]].append(v)
+        self.loop_chars: list[Ranges] = [()] * self.count
+        self.successors: list[set[int]] = [set() for _ in range(self.count)]
+        for v in self.nodes:
+            c = self.comp[v]
+            inside = [chars for w, chars in edges[v] if self.comp[w] == c]
+            if inside:
+                self.loop_chars[c] = _union(iter([self.loop_chars[c], *inside]))
+            self.successors[c].update(self.comp[w] for w, _ in edges[v] if self.comp[w] != c)
+        widths = [*automaton.width, 0, math.inf]
+        self.wide = [
+            max(widths[v % m] for v in self.members[c]) if self.loop_chars[c] else 0
+            for c in range(self.count)
+        ]
+        self.links = self._links()
+        self.depth = [0.0] * self.count
+        """Of each component: the most characters read on a path to it (inf: unbounded)."""
+        self.degree_of = [0] * self.count
+        """Of each component: the exponent of n in the nodes explored at its states."""
+        chain = [0] * self.count
+        for c in range(self.count - 1, -1, -1):  # sources first
+            self.depth[c] += self.wide[c] if self.loop_chars[c] else 1
+            for d in self.successors[c]:
+                self.depth[d] = max(self.depth[d], self.depth[c])
+                chain[d] = max(chain[d], chain[c])
+            for d, _, factor in self.links[c]:
+                chain[d] = max(chain[d], chain[c] + (factor == math.inf))
+            self.degree_of[c] = chain[c] + (self.depth[c] == math.inf)
+
+    def _reached(self, roots: list[int]) -> list[int]:
+        seen = set(roots)
+        stack = list(roots)
+        while stack:
+            for w, _ in self.edges[stack.pop()]:
+                if w not in seen:
+                    seen.add(w)
+                    stack.append(w)
+        return sorted(seen)
+
+    def _links(self) -> list[list[tuple[int, str, float]]]:
+        """Of each component: the later ones its loop is linked to, by a word both loops
+        and the way between read (``_link``), and the most places a run of it can be
+        split at between them (one more than the characters either loop reads)."""
+        reach = [0] * self.count
+        for c in range(self.count):  # Tarjan numbers a component after all it reaches
+            reach[c] = 1 << c
+            for d in self.successors[c]:
+                reach[c] |= reach[d]
+        links: list[list[tuple[int, str, float]]] = [[] for _ in range(self.count)]
+        for c1 in range(self.count):
+            if not self.loop_chars[c1]:
+                continue
+            for c2 in range(self.count):
+                if (
+                    c2 != c1
+                    and self.loop_chars[c2]
+                    and self.members[c2][0] >= self.size  # a U loop adds one factor n, no more
+                    and reach[c1] >> c2 & 1
+                    and _intersection(self.loop_chars[c1], self.loop_chars[c2])
+                ):
+                    pump = self._link(c1, c2)
+                    if pump is not None:
+                        links[c1].append((c2, pump, min(self.wide[c1], self.wide[c2]) + 1))
+        return links
+
+    def steps(self, n: int) -> tuple[list[float], list[str]]:
+        """Of each component, on a text of ``n`` characters: at most how many nodes are
+        explored at its states (the splits of the chain of links to it that splits most,
+        times the positions where it can be), and the word that chain repeats."""
+        chain = [1.0] * self.count
+        word = [_witness_char(chars) if chars else "" for chars in self.loop_chars]
+        for c in range(self.count - 1, -1, -1):  # sources first
+            for d in self.successors[c]:
+                if chain[c] > chain[d] or (chain[c] == chain[d] and not word[d]):
+                    chain[d], word[d] = chain[c], word[c]
+            for d, pump, factor in self.links[c]:
+                if chain[c] * min(n, factor) > chain[d]:
+                    chain[d], word[d] = chain[c] * min(n, factor), pump
+        return [chain[c] * min(n, self.depth[c]) for c in range(self.count)], word
+
+    def _link(self, c1: int, c2: int) -> str | None:
+        """A word v read round a loop of ``c1`` from p, round a loop of ``c2`` from q, and
+        from p to q; None if there is none. Pairs (x, z) of states of the two components
+        reading the same text form a product; in one of its strongly connected components
+        K, a path of triples (x, y, z) from some (p, p, q) to some (p', q', q') followed by
+        the way back from (p', q') to (p, q) within K reads such a v."""
+        comp, edges = self.comp, self.edges
+        one, two = self.members[c1], self.members[c2]
+        pairs = [(x, z) for x in one for z in two]
+        number = {pair: i for i, pair in enumerate(pairs)}
+        moves: list[list[tuple[int, Ranges]]] = []
+        for x, z in pairs:
+            out = []
+            for x2, a in edges[x]:
+                if comp[x2] != c1:
+                    continue
+                for z2, b in edges[z]:
+                    if comp[z2] == c2:
+                        ab = _intersection(a, b)
+                        if ab:
+                            out.append((number[(x2, z2)], ab))
+            moves.append(out)
+        within = _components(len(pairs), [[j for j, _ in out] for out in moves])
+        between = self._between(c1, c2)
+        for k in set(within):
+            sources = [i for i in range(len(pairs)) if within[i] == k]
+            if not any(within[j] == k for i in sources for j, _ in moves[i]):
+                continue  # no loop: the two components share no word round it
+            found = self._triples(pairs, moves, within, k, sources, between)
+            if found is not None:
+                return found
+        return None
+
+    def _between(self, c1: int, c2: int) -> set[int]:
+        """The states on paths from ``c1`` to ``c2``."""
+        after = set(self.members[c1])
+        stack = list(after)
+        while stack:
+            for w, _ in self.edges[stack.pop()]:
+                if w not in after:
+                    after.add(w)
+                    stack.append(w)
+        before = set(self.members[c2])
+        back: dict[int, list[int]] = {}
+        for v in after:
+            for w, _ in self.edges[v]:
+                back.setdefault(w, []).append(v)
+        stack = list(before)
+        while stack:
+            for v in back.get(stack.pop(), ()):
+                if v not in before:
+                    before.add(v)
+                    stack.append(v)
+        return after & before
+
+    def _triples(
+        self,
+        pairs: list[tuple[int, int]],
+        moves: list[list[tuple[int, Ranges]]],
+        within: list[int],
+        k: int,
+        sources: list[int],
+        between: set[int],
+    ) -> str | None:
+        Triple = tuple[int, int]  # (the pair (x, z), y)
+        parent: dict[Triple, tuple[Triple, str] | None] = {}
+        frontier: list[Triple] = []
+        for i in sources:
+            parent[(i, pairs[i][0])] = None
+            frontier.append((i, pairs[i][0]))
+        while frontier:
+            reached: list[Triple] = []
+            for node in frontier:
+                i, y = node
+                for j, ab in moves[i]:
+                    if within[j] != k:
+                        continue
+                    for y2, c in self.edges[y]:
+                        if y2 not in between or (j, y2) in parent:
+                            continue
+                        abc = _intersection(ab, c)
+                        if not abc:
+                            continue
+                        parent[(j, y2)] = (node, _witness_char(abc))
+                        if y2 == pairs[j][1]:
+                            word, origin = _path(parent, (j, y2))
+                            return word + _back(moves, within, k, j, origin[0])
+                        reached.append((j, y2))
+            frontier = reached
+        return None
+
+    def at(self, states: list[int]) -> list[int]:
+        """The components of ``states``, in either copy, that a search reaches."""
+        found = (self.comp.get(v) for s in states for v in (s, self.size + s))
+        return sorted({c for c in found if c is not None})
+
+
+def _path(parent: dict[tuple[int, int], Any], node: tuple[int, int]) -> tuple[str, Any]:
+    """The word from the search's source to ``node``, and that source."""
+    out = []
+    while (step := parent[node]) is not None:
+        node, ch = step
+        out.append(ch)
+    return "".join(reversed(out)), node
+
+
+def _back(
+    moves: list[list[tuple[int, Ranges]]], within: list[int], k: int, src: int, dst: int
+) -> str:
+    """The word of a shortest path from pair ``src`` to pair ``dst`` within K."""
+    parent: dict[int, tuple[int, str] | None] = {src: None}
+    frontier = [src]
+    while dst not in parent:
+        reached = []
+        for i in frontier:
+            for j, chars in moves[i]:
+                if within[j] == k and j not in parent:
+                    parent[j] = (i, _witness_char(chars))
+                    reached.append(j)
+        frontier = reached
+    out = []
+    node = dst
+    while (step := parent[node]) is not None:
+        node, ch = step
+        out.append(ch)
+    return "".join(reversed(out))
+
+
+@dataclass(frozen=True, slots=True)
+class Growth:
+    """How the work of searching a text that almost matches grows with its length n."""
+
+    degree: int
+    """The work grows as n^degree."""
+    word: str
+    """A word whose repetition makes it so."""
+
+
+def _loop_count(automaton: _Automaton) -> int:
+    """The strongly connected components of the automaton that hold a loop."""
+    follow = automaton.follow
+    if not any(q <= p for p, f in enumerate(follow) for q in f):
+        return 0  # positions are numbered in order: only a loop leads back
+    comp = _components(len(follow), [list(f) for f in follow])
+    return len({comp[p] for p, f in enumerate(follow) for q in f if comp[q] == comp[p]})
+
+
+Built = tuple[_Automaton, _Fragment]
+
+
+class _Work:
+    """The steps searching a text takes, as the length of the text grows: of the pattern
+    (``parts[0]``) or of the body of lookaround k (``parts[k + 1]``), with the
+    lookarounds it runs."""
+
+    def __init__(self, k: int, parts: list[Built], behind: list[bool], *, anywhere: bool,
+                 stops: bool) -> None:  # fmt: skip
+        automaton, top = parts[k]
+        anchored = not top.starts and not top.empty_starts  # every way through passes a ^
+        anywhere = anywhere and not anchored
+        self.search: _Search | None = None
+        self.looks: list[tuple[list[int], _Work]] = []
+        loops = _loop_count(automaton) + anywhere
+        self.degree = min(loops, 1)
+        if not automaton.look_after and (
+            loops == 0 or (loops == 1 and not (stops and (top.ends or top.empty_ends)))
+        ):
+            return  # at most one loop, every node on one path through it
+        self.search = search = _Search(automaton, top, anywhere=anywhere, stops=stops)
+        self.degree = max(search.degree_of, default=0)
+        for look, after in automaton.look_after.items():
+            points = [*after, *((search.init, search.any) if look in top.looks else ())]
+            body = _Work(look + 1, parts, behind, anywhere=False, stops=not behind[look])
+            runs = search.at(points)
+            if runs:
+                self.looks.append((runs, body))
+                self.degree = max(self.degree, max(search.degree_of[c] for c in runs) + body.degree)
+
+    def steps(self, n: int) -> tuple[float, str]:
+        """At most how many steps a text of ``n`` characters takes, and a word whose
+        repetition makes it take them."""
+        if self.search is None:
+            return float(n if self.degree else 1), ""
+        at, words = self.search.steps(n)
+        c = max(range(len(at)), key=at.__getitem__)
+        best, word = at[c], words[c]
+        for runs, body in self.looks:
+            inner, inner_word = body.steps(n)
+            c = max(runs, key=at.__getitem__)
+            if at[c] * inner > best:
+                best, word = at[c] * inner, inner_word or words[c]
+        return best, word
+
+
+@dataclass(frozen=True, slots=True)
+class _Analysis:
+    exponential: str | None
+    work: _Work | None
+
+
 @lru_cache(maxsize=4096)
+def _analyse(pattern: str) -> _Analysis:
+    parser = _Parser(pattern)
+    tree = parser.parse()
+    nodes = (tree, *parser.lookarounds)
+    for node in nodes:
+        automaton = _Automaton()
+        automaton.build(node)
+        word = _ambiguous_word(automaton)
+        if word is not None:
+            return _Analysis(word, None)
+    parts: list[Built] = []
+    for node in nodes:
+        automaton = _Automaton(counted=True)
+        parts.append((automaton, automaton.build(node)))
+    if any(_ambiguous_word(automaton) is not None for automaton, _ in parts):
+        parts = []  # loops in place of copies read some text in more ways: the copies, then
+        for node in nodes:
+            automaton = _Automaton()
+            parts.append((automaton, automaton.build(node)))
+    return _Analysis(None, _Work(0, parts, parser.behind, anywhere=True, stops=True))
+
+
+def steps(pattern: str, n: int) -> float:
+    """At most how many steps searching a text of ``n`` characters that almost matches
+    takes; for a pattern ``exponential_word`` passes (raises ``Unanalysable`` as it does).
+
+    Lookbehinds are decided as if they read forwards and ran to the end of their body;
+    a ``$`` under the ``m`` flag as the end of the text alone, and a ``^`` under it as
+    no anchor (each can only add to the work)."""
+    work = _analyse(pattern).work
+    return 0.0 if work is None else work.steps(n)[0]
+
+
+def growth(pattern: str) -> Growth | None:
+    """How searching a text grows with its length, past linear; None when it is at most
+    linear, or exponential (``exponential_word``). Raises ``Unanalysable`` as that does."""
+    work = _analyse(pattern).work
+    if work is None or work.degree < 2:
+        return None
+    return Growth(work.degree, work.steps(LONGEST_TEXT)[1])
+
+
+@lru_cache(maxsize=4096)
+def longest_text(pattern: str) -> int | None:
+    """The longest text ``pattern`` may be searched in within ``STEP_BUDGET``; None when
+    any text may be, and for a pattern no contract can carry (exponential, or not
+    analysable)."""
+    try:
+        work = _analyse(pattern).work
+    except Unanalysable:
+        return None
+    if work is None or work.steps(LONGEST_TEXT)[0] <= STEP_BUDGET:
+        return None
+    low, high = 0, LONGEST_TEXT  # steps grow with n: low is within the budget, high is not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if work.steps(middle)[0] <= STEP_BUDGET:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def explain_length(pattern: str, longest: int | None, bound: str) -> str | None:
+    """Why ``pattern`` may not be searched in texts of up to ``longest`` characters (None:
+    of any length), which ``bound`` limits, or None. For a pattern ``explain`` passes."""
+    limit = longest_text(pattern)
+    work = _analyse(pattern).work
+    if work is None or limit is None or (longest is not None and longest <= limit):
+        return None
+    n = LONGEST_TEXT if longest is None else min(longest, LONGEST_TEXT)
+    most, word = work.steps(n)
+    why = (
+        f"{word!r} repeated; the work grows as n^{work.degree}"
+        if work.degree > 1
+        else f"repetitions that each read {word!r} split a run of it in many ways"
+    )
+    has = f"it has {longest}" if longest is not None else "it has none"
+    return (
+        f"can take {most:.1e} steps on a text of {n:,} characters that almost matches "
+        f"({why}), and a search may take {STEP_BUDGET:,}: give it a {bound} of at most "
+        f"{limit} ({has})"
+    )
+
+
 def exponential_word(pattern: str) -> str | None:
     """A word that the pattern can read, looping, in two ways (so n repetitions of it in
     2^n ways), or None when the pattern's ambiguity is at most polynomial.
 
     Raises ``Unanalysable`` on syntax outside ECMA-262's unicode mode."""
-    parser = _Parser(pattern)
-    tree = parser.parse()
-    for part in (tree, *parser.lookarounds):
-        word = _ambiguous_word(part)
-        if word is not None:
-            return word
-    return None
+    return _analyse(pattern).exponential
 
 
 def explain(pattern: str) -> str | None:

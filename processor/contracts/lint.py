@@ -25,9 +25,8 @@ import orjson
 from jsonschema import Draft202012Validator
 
 from processor.codec.avro import SCHEMAS_DIR
-from processor.contracts import backtracking
 from processor.contracts.registry import contract_files, read_contract_file
-from processor.contracts.validation import FORMAT_CHECKER
+from processor.contracts.validation import FORMAT_CHECKER, slow_pattern
 
 Severity = Literal["error", "warning"]
 Document = tuple[str, Any]
@@ -446,19 +445,20 @@ def unknown_tool_named(doc: dict[str, Any], tools: tuple[str, ...]) -> Iterator[
 
 def backtracking_pattern(doc: dict[str, Any], _tools: tuple[str, ...]) -> Iterator[Issue]:
     """A pattern a model's text can make the processor spend seconds on blocks the
-    partition behind it: a pattern with exponential ambiguity is an error (the registry
-    refuses it too, with the same analysis)."""
+    partition behind it: a pattern with exponential ambiguity, or one whose polynomial
+    time the schema does not bound with a small enough maxLength, is an error (the
+    registry refuses it too, with the same analysis)."""
     for where, schema in walk_schemas(_get(doc, *INPUT_SCHEMA)):
         found = []
         if isinstance(schema.get("pattern"), str):
-            found.append((pointer(*where, "pattern"), schema["pattern"]))
+            found.append(("pattern", schema["pattern"]))
         props = schema.get("patternProperties")
         for key in props if isinstance(props, dict) else ():
-            found.append((pointer(*where, "patternProperties"), str(key)))
-        for at, pattern in found:
-            why = backtracking.explain(pattern)
+            found.append(("patternProperties", str(key)))
+        for keyword, pattern in found:
+            why = slow_pattern(schema, keyword, pattern)
             if why is not None:
-                yield Issue("error", at, f"{pattern} {why}")
+                yield Issue("error", pointer(*where, keyword), f"{pattern} {why}")
 
 
 RULES: dict[str, Rule] = {

@@ -61,6 +61,14 @@ def ecma_regex(pattern: str) -> Any:
 
 
 def ecma_search(pattern: str, text: str) -> bool:
+    """Whether ``pattern`` is found in ``text``. A text longer than the pattern may be
+    searched in within the step budget (``backtracking.longest_text``) is taken as found,
+    unsearched: a contract that carries the pattern bounds every text that reaches it
+    below that length (``check_schema``), so the schema holding it fails on the length
+    whatever the answer, and the length is what is reported."""
+    longest = backtracking.longest_text(pattern)
+    if longest is not None and len(text) > longest:
+        return True
     return ecma_regex(pattern).find(text) is not None
 
 
@@ -387,8 +395,8 @@ def _metaschema_fast() -> Check:
 
 def check_schema(schema: Mapping[str, Any]) -> None:
     """Raise ``jsonschema.SchemaError`` if ``schema`` is not a valid 2020-12 schema,
-    or ``ValueError`` if a pattern is not an ECMA-262 regex or can take exponential
-    time on a text that almost matches."""
+    or ``ValueError`` if a pattern is not an ECMA-262 regex or can take too long on a
+    text that almost matches (``slow_pattern``)."""
     # No format assertion against the metaschema: its ``format: regex`` would be
     # checked with Python's ``re``, which refuses ECMA-262 (``\\p{Lu}``, ``(?<name>…)``).
     # Patterns are checked as ECMA-262 regexes below instead.
@@ -397,18 +405,18 @@ def check_schema(schema: Mapping[str, Any]) -> None:
         if error is not None:
             raise SchemaError.create_from(error)
     found = list(_walk(schema, "#"))
-    for where, key, value in found:
-        if key == "pattern":
+    for where, key, value, holder in found:
+        if key in ("pattern", "patternProperties"):
             try:
                 ecma_regex(value)
             except Exception as exc:
                 raise ValueError(f"{where}: {value!r} is not an ECMA-262 regex: {exc}") from exc
-            slow = backtracking.explain(value)
+            slow = slow_pattern(holder, key, value)
             if slow is not None:  # the engine has no step limit: one near-miss stalls a partition
                 raise ValueError(f"{where}: {value!r} {slow}")
-    nested = any(key == "$id" for where, key, _ in found if where != "#/$id")
+    nested = any(key == "$id" for where, key, _, _ in found if where != "#/$id")
     if nested or any(key == "$dynamicRef" or not _pointer_ref(value)
-                     for _, key, value in found if key in ("$ref", "$dynamicRef")):  # fmt: skip
+                     for _, key, value, _ in found if key in ("$ref", "$dynamicRef")):  # fmt: skip
         root = jsonschema_specifications.REGISTRY.resolver_with_root(
             DRAFT202012.create_resource(schema)
         )
@@ -419,7 +427,7 @@ def check_schema(schema: Mapping[str, Any]) -> None:
             )
     if nested:
         return  # a nested resource: its refs resolve against it, which the reference does
-    for where, key, value in found:
+    for where, key, value, _ in found:
         if key == "$ref" and not _resolves(schema, value):
             raise ValueError(f"{where}: {value!r} does not resolve to a schema here")
     cycle = _ref_cycle(schema)
@@ -430,20 +438,41 @@ def check_schema(schema: Mapping[str, Any]) -> None:
         )
 
 
+def slow_pattern(schema: Mapping[str, Any], keyword: str, pattern: str) -> str | None:
+    """Why ``pattern``, the ``pattern`` of this schema object or a key of its
+    ``patternProperties``, can take too long on a text that almost matches, or None.
+    regress has no step limit, so a pattern may not take exponential time, nor more than
+    ``backtracking.STEP_BUDGET`` steps on the longest text this schema object lets reach
+    it: its ``maxLength``, or for property names that of its ``propertyNames``."""
+    why = backtracking.explain(pattern)
+    if why is not None:
+        return why
+    if keyword == "pattern":
+        longest, bound = schema.get("maxLength"), "maxLength"
+    else:
+        names = schema.get("propertyNames")
+        longest = names.get("maxLength") if isinstance(names, dict) else None
+        bound = "propertyNames maxLength"
+    if isinstance(longest, float) and longest.is_integer():
+        longest = int(longest)  # 2020-12 counts 5.0 an integer
+    return backtracking.explain_length(pattern, longest if type(longest) is int else None, bound)
+
+
 _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})
 """Keywords whose value maps names to schemas: a property may be called "default"."""
 
 
-def _walk(node: Any, where: str) -> Iterator[tuple[str, str, Any]]:
-    """(where, keyword, value) of every pattern, $ref, $dynamicRef and $id in a schema: a pattern
-    property's regex too, and nothing inside enum, const, examples or default values."""
+def _walk(node: Any, where: str) -> Iterator[tuple[str, str, Any, Any]]:
+    """(where, keyword, value, the schema object holding it) of every pattern, $ref,
+    $dynamicRef and $id in a schema: a pattern property's regex too (as the keyword
+    ``patternProperties``), and nothing inside enum, const, examples or default values."""
     if isinstance(node, dict):
         for key, value in node.items():
             if key in ("pattern", "$ref", "$dynamicRef", "$id") and isinstance(value, str):
-                yield f"{where}/{key}", key, value
+                yield f"{where}/{key}", key, value, node
             elif key == "patternProperties" and isinstance(value, dict):
                 for p, sub in value.items():
-                    yield f"{where}/patternProperties", "pattern", p
+                    yield f"{where}/patternProperties", "patternProperties", p, node
                     yield from _walk(sub, f"{where}/patternProperties/{p}")
             elif key in _SCHEMA_MAPS and isinstance(value, dict):
                 for name, sub in value.items():
@@ -702,7 +731,13 @@ class _FastCompiler:
             checks.append(lambda x: type(x) is const_type and x == c)
         if "pattern" in schema:
             rx = ecma_regex(schema["pattern"])
-            checks.append(lambda x: type(x) is not str or rx.find(x) is not None)
+            longest = backtracking.longest_text(schema["pattern"])  # as in ecma_search
+            if longest is None:
+                checks.append(lambda x: type(x) is not str or rx.find(x) is not None)
+            else:
+                checks.append(
+                    lambda x: type(x) is not str or len(x) > longest or rx.find(x) is not None
+                )
         fmt_name = schema.get("format")
         if self.assert_formats and fmt_name in ASSERTED_FORMATS:
             fmt = FORMAT_CHECKER.checkers[fmt_name][0]
@@ -945,9 +980,16 @@ class _ErrorCompiler:
 
     def pattern(self, patrn: str, schema: Any) -> Errors:
         rx = ecma_regex(patrn)
+        longest = backtracking.longest_text(patrn)  # as in ecma_search
+        if longest is None:
+            return lambda x: (
+                [_error(f"{x!r} does not match {patrn!r}")]
+                if type(x) is str and rx.find(x) is None
+                else []
+            )
         return lambda x: (
             [_error(f"{x!r} does not match {patrn!r}")]
-            if type(x) is str and rx.find(x) is None
+            if type(x) is str and len(x) <= longest and rx.find(x) is None
             else []
         )
 

@@ -352,7 +352,8 @@ def test_hints_lookups_and_compensations_must_name_tools_of_the_set() -> None:
         ("^(a|a?)+$", True),
         ("^(.*a){12}$", True),
         ("^WO(?:-[0-9]+)*$", False),
-        ("^\\d+\\d+$", False),  # polynomial, not exponential
+        ("^\\d+\\d+$", True),  # quadratic, and no maxLength bounds the text
+        ("^\\d+-\\d+$", False),  # the dash keeps the loops apart: linear
     ],
 )
 def test_a_pattern_with_nested_quantifiers_is_an_error(pattern: str, flagged: bool) -> None:
@@ -364,3 +365,30 @@ def test_a_pattern_with_nested_quantifiers_is_an_error(pattern: str, flagged: bo
 
     expected = [("error", "/affordance/input_schema/properties/order_id/pattern")]
     assert only(findings_for(mutate), "backtracking-pattern") == (expected if flagged else [])
+
+
+def test_a_polynomial_pattern_needs_a_small_enough_max_length() -> None:
+    """The registry refuses the same: a near-miss of 64 KB would take seconds."""
+
+    def mutate(length: int | None, names: int | None) -> Callable[[dict[str, Any]], None]:
+        def change(doc: dict[str, Any]) -> None:
+            order_id = props(doc)["order_id"]
+            order_id["pattern"] = "^\\d+\\d+$"
+            if length is not None:
+                order_id["maxLength"] = length
+            doc["affordance"]["input_schema"]["patternProperties"] = {"\\s*,\\s*$": {}}
+            if names is not None:
+                doc["affordance"]["input_schema"]["propertyNames"] = {"maxLength": names}
+
+        return change
+
+    where = "/affordance/input_schema"
+    flagged = [
+        ("error", f"{where}/patternProperties"),
+        ("error", f"{where}/properties/order_id/pattern"),
+    ]
+    assert sorted(only(findings_for(mutate(None, None)), "backtracking-pattern")) == flagged
+    assert sorted(only(findings_for(mutate(5000, 5000)), "backtracking-pattern")) == flagged
+    assert only(findings_for(mutate(1000, 64)), "backtracking-pattern") == []
+    (finding,) = [f for f in findings_for(mutate(20, None)) if f.rule == "backtracking-pattern"]
+    assert "propertyNames maxLength of at most 1000 (it has none" in finding.message

@@ -201,6 +201,38 @@ def test_a_pattern_with_exponential_backtracking_is_refused(tmp_path: Path) -> N
     assert "exponentially many ways" in p.reason
 
 
+def test_a_pattern_with_polynomial_backtracking_needs_a_small_enough_max_length(
+    tmp_path: Path,
+) -> None:
+    """'\\s*,\\s*$' takes 1.5 s on 16,000 spaces and an x: the search retries at each
+    start. Arguments may be 64 KB, so the contract must say how long the text can be."""
+
+    def unbounded(doc: dict[str, Any]) -> None:
+        doc["affordance"]["input_schema"]["properties"]["order_id"]["pattern"] = r"\s*,\s*$"
+
+    for name in ("none", "long", "short"):
+        (tmp_path / name).mkdir()
+    p = only(refused(folder_with(tmp_path / "none", unbounded)))
+    assert (p.file, p.path) == ("bad.yaml", "/affordance/input_schema")
+    assert p.reason.startswith("#/properties/order_id/pattern: '\\\\s*,\\\\s*$' can take")
+    assert "n^2" in p.reason and "maxLength of at most 1000 (it has none" in p.reason
+
+    def too_long(doc: dict[str, Any]) -> None:
+        unbounded(doc)
+        doc["affordance"]["input_schema"]["properties"]["order_id"]["maxLength"] = 4096
+
+    p = only(refused(folder_with(tmp_path / "long", too_long)))
+    assert "maxLength of at most 1000 (it has 4096)" in p.reason
+
+    def bounded(doc: dict[str, Any]) -> None:
+        unbounded(doc)
+        doc["affordance"]["input_schema"]["properties"]["order_id"]["maxLength"] = 64
+        doc["affordance"]["examples"][0]["arguments"]["order_id"] = "WO-12345-A ,"
+
+    cs = load_contracts(folder_with(tmp_path / "short", bounded))
+    assert "cancel_order" in cs.names
+
+
 def test_an_input_schema_that_loops_is_refused_not_a_crash(tmp_path: Path) -> None:
     """Before, load_contracts checked the examples against it and died of RecursionError."""
 

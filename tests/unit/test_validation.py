@@ -619,9 +619,93 @@ def test_check_schema_refuses_a_pattern_property_with_exponential_backtracking()
         check_schema(schema)
 
 
-def test_check_schema_accepts_polynomial_ambiguity() -> None:
-    check_schema({"type": "string", "pattern": r"^\d+\d+$"})
-    check_schema({"type": "string", "pattern": ".*a.*a.*$"})
+@pytest.mark.parametrize(
+    ("schema", "where", "expected"),
+    [
+        ({"type": "string", "pattern": r"^\d+\d+$"}, "#/pattern", "n^2"),
+        ({"type": "string", "pattern": r"^\d+\d+$", "maxLength": 65536}, "#/pattern", "n^2"),
+        ({"type": "string", "pattern": r"\s*,\s*$", "maxLength": 1001}, "#/pattern", "n^2"),
+        ({"type": "string", "pattern": ".*a.*a.*$", "maxLength": 64}, "#/pattern", "n^4"),
+        (
+            {"type": "object", "patternProperties": {r"^\d+\d+$": {}}},
+            "#/patternProperties",
+            "propertyNames maxLength of at most 1000 (it has none",
+        ),
+        (
+            {"type": "object", "propertyNames": {"pattern": r"\d+\d+!"}},
+            "#/propertyNames/pattern",
+            "maxLength of at most 100 (it has none",
+        ),
+        (  # a maxLength elsewhere does not bound the text this pattern is searched in
+            {"type": "string", "maxLength": 10, "allOf": [{"pattern": r"^\d+\d+$"}]},
+            "#/allOf/0/pattern",
+            "n^2",
+        ),
+    ],
+)
+def test_check_schema_refuses_a_polynomial_pattern_its_schema_does_not_bound(
+    schema: dict[str, Any], where: str, expected: str
+) -> None:
+    """^\\d+\\d+$ takes 0.9 s on 16,000 digits and a "!", and arguments may be 64 KB."""
+    with pytest.raises(ValueError) as info:
+        check_schema(schema)
+    message = str(info.value)
+    assert message.startswith(f"{where}: ")
+    assert "steps on a text of" in message and expected in message
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "pattern": r"^\d+\d+$", "maxLength": 1000},
+        {"type": "string", "pattern": r"\s*,\s*$", "maxLength": 200},
+        {"type": "string", "pattern": ".*a.*a.*$", "maxLength": 31},
+        {"type": "string", "pattern": r"^[a-z]+(-[a-z]+)*$"},  # linear: any length
+        {
+            "type": "object",
+            "propertyNames": {"pattern": r"\d+\d+!", "maxLength": 64},
+            "patternProperties": {r"^\d+\d+$": {}},
+        },
+    ],
+)
+def test_check_schema_accepts_a_polynomial_pattern_its_schema_bounds(
+    schema: dict[str, Any],
+) -> None:
+    check_schema(schema)
+
+
+def test_a_text_longer_than_its_pattern_may_be_searched_in_is_not_searched() -> None:
+    """A contract bounds the text below what the pattern may be searched in, so only the
+    length is wrong: all three validators report that, and none runs the quadratic search
+    (which on 64 KB would take about 15 s)."""
+    schema = {"type": "string", "pattern": r"^\d+\d+$", "maxLength": 1000}
+    check_schema(schema)
+    near_miss = "1" * 60_000 + "!"
+    validator = ArgumentValidator(schema)
+    assert validator.fast is not None and validator.is_valid(near_miss) is False
+    assert [e.message for e in validator.errors(near_miss)] == [f"{near_miss!r} is too long"]
+    reference = [e.message for e in validator.reference.iter_errors(near_miss)]
+    assert reference == [f"{near_miss!r} is too long"]
+    # Up to the limit the pattern is searched; past it the text counts as found.
+    assert ecma_search(r"^\d+\d+$", "x" * 1000) is False
+    assert ecma_search(r"^\d+\d+$", "x" * 1001) is True
+    assert compile_fast({"pattern": r"^\d+\d+$"})("x" * 1001) is True
+    assert compile_errors({"pattern": r"^\d+\d+$"})("x" * 1001) == []
+
+
+def test_a_key_longer_than_its_pattern_may_be_searched_in_is_not_searched() -> None:
+    schema = {
+        "type": "object",
+        "propertyNames": {"maxLength": 64},
+        "patternProperties": {r"^\d+\d+$": {"type": "integer"}},
+        "additionalProperties": False,
+    }
+    check_schema(schema)
+    validator = ArgumentValidator(schema)
+    assert validator.is_valid({"12": 1}) and not validator.is_valid({"1a": 1})
+    key = "1" * 60_000 + "!"
+    assert validator.is_valid({key: 1}) is False
+    assert [e.message for e in validator.errors({key: 1})] == [f"{key!r} is too long"]
 
 
 def test_check_schema_accepts_ecma_patterns() -> None:
