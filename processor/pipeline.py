@@ -46,6 +46,7 @@ from processor.gates.semantic import (
     check_state,
     reference_keys,
     resolve_references,
+    uncarriable,
 )
 from processor.identity import DEVELOPMENT_WARNING, Verifier
 from processor.model import (
@@ -141,6 +142,16 @@ def _route(
         ),
         deadline_ms=now_ms + contract.timeout_ms,
     )
+
+
+def _routable(
+    p: Proposal, contract: Contract, now_ms: int, principal: Principal | None
+) -> ApprovedCall | Rejection:
+    """The call, or the refusal of arguments it could not carry (``uncarriable``)."""
+    try:
+        return _route(p, contract, now_ms, principal)
+    except orjson.JSONEncodeError:
+        return uncarriable(p.arguments)
 
 
 def _lifecycle_warnings(c: Contract) -> tuple[str, ...]:
@@ -290,11 +301,14 @@ def _finish(pending: Pending, gates: Gates, answers: RefAnswers, now_ms: int) ->
         # (the order it cancelled is cancelled): its key is kept, so admission can answer
         # from the call's record instead.
         d = _rejected(src, p, refusal, warnings, now_ms, contract, principal)
-        would_be = _route(p, contract, now_ms, principal)
-        d.idempotency = (would_be.idempotency_key, would_be.payload_hash)
+        would_be = _routable(p, contract, now_ms, principal)
+        if isinstance(would_be, ApprovedCall):
+            d.idempotency = (would_be.idempotency_key, would_be.payload_hash)
         return d
 
-    call = _route(p, contract, now_ms, principal)
+    call = _routable(p, contract, now_ms, principal)
+    if not isinstance(call, ApprovedCall):
+        return _rejected(src, p, call, warnings, now_ms, contract, principal)
     confirmation = check_confirmation(
         p,
         contract,

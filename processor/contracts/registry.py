@@ -23,7 +23,7 @@ import yaml_rs
 from jsonschema import SchemaError
 
 from processor.codec.avro import SCHEMAS_DIR
-from processor.contracts import cel_engine
+from processor.contracts import cel_engine, cel_syntax
 from processor.contracts.validation import ArgumentValidator, SchemaRecursion, check_schema
 from processor.model import Lifecycle, SideEffectClass
 
@@ -62,6 +62,9 @@ class SemanticRule:
     cost_exponent: int = 1
     """The evaluation cost is at most the context's size to this power (see
     ``cost_exponent``): 1 for a rule without comprehensions."""
+    reads: tuple[cel_syntax.Path, ...] = ((),)
+    """The parts of the context the rule can read, each whole (see ``cel_syntax.reads``);
+    the empty path, the default, is all of it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,13 +314,18 @@ def _semantics(
         except ValueError as exc:
             problems.append(Problem(rel, where, f"CEL does not compile: {exc}"))
             continue
-        reason = _unusable_rule(program, expression, examples)
+        try:
+            tree = cel_syntax.parse(expression)
+        except cel_syntax.Unanalysable as exc:
+            reason: str | None = f"the registry cannot analyse this expression: {exc}"
+        else:
+            reason = _unusable_rule(program, tree, examples)
         if reason is not None:
             problems.append(Problem(rel, where, f"rule {rule['id']!r}: {reason}"))
             continue
         rules.append(
             SemanticRule(rule["id"], program, rule["message"], rule["next_action"],
-                         cost_exponent(expression))
+                         cost_exponent(expression), cel_syntax.reads(tree, _RULE_VARIABLES))
         )  # fmt: skip
     arguments = doc["affordance"]["input_schema"].get("properties", {})
     references: list[Reference] = []
@@ -346,19 +354,14 @@ def _semantics(
     return tuple(rules), tuple(references)
 
 
-def _unusable_rule(program: Any, expression: str, examples: list[Any]) -> str | None:
+def _unusable_rule(program: Any, tree: cel_syntax.Node, examples: list[Any]) -> str | None:
     """Why a compiled rule would misbehave on live calls, or None.
 
     Each of these would otherwise compile, load, and then refuse every call naming the
-    rule, as if the model's arguments broke it."""
-    # Comprehension variables show up too; only top-level names can be unknown, and the
-    # type denotations (``int`` in ``type(x) == int``) are listed though the engine
-    # resolves them itself.
-    unknown = {v for v in program.variables() if "." not in v} - _RULE_VARIABLES
-    unknown -= _comprehension_variables(expression)
-    unknown = {v for v in unknown if not cel_engine.names_itself(v)}
-    if unknown:
-        return f"unknown variables {sorted(unknown)}; use args, principal, refs"
+    rule, as if the model's arguments broke it, or check something else than it says."""
+    reason = _unbound_names(program, cel_syntax.names(tree))
+    if reason is not None:
+        return reason
     functions = [f for f in program.functions() if not cel_engine.is_operator(f)]
     missing = [f for f in functions if not cel_engine.has_function(f)]
     if missing:
@@ -377,6 +380,37 @@ def _unusable_rule(program: Any, expression: str, examples: list[Any]) -> str | 
     return None
 
 
+def _unbound_names(program: Any, names: cel_syntax.Names) -> str | None:
+    """A name the rule uses that nothing defines where it is used, or a macro variable that
+    hides another name.
+
+    The engine resolves a name outside the macro binding it as a variable of the context,
+    which is never there: the rule fails on every call, or, as ``all(...) || i == 1``,
+    passes whenever the other side is true. A macro variable called ``args`` makes the
+    body compare each element where the author meant the arguments, and one reusing an
+    enclosing macro's variable hides that variable from the body. The type denotations
+    (``int`` in ``type(x) == int``) are free names the engine resolves itself."""
+    variables = {v for v, _ in names.bindings}
+    for variable, around in names.bindings:
+        if variable in _RULE_VARIABLES or cel_engine.names_itself(variable):
+            return f"the macro variable {variable!r} hides {variable}; give it another name"
+        if variable in around:
+            return (
+                f"the macro variable {variable!r} hides the variable of an enclosing macro; "
+                "give it another name"
+            )
+    outside = sorted(names.free & variables)
+    if outside:
+        return f"macro variables {outside} used outside the macro that binds them"
+    unknown = sorted(v for v in names.free - _RULE_VARIABLES if not cel_engine.names_itself(v))
+    if unknown:
+        return f"unknown variables {unknown}; use args, principal, refs"
+    unseen = set(program.variables()) - names.free - variables
+    if unseen:  # the engine reads a name this parse did not: its analysis cannot be trusted
+        return f"the registry cannot analyse this expression: the engine reads {sorted(unseen)}"
+    return None
+
+
 _NEGATION = "-_"
 
 _MACRO = re.compile(
@@ -388,10 +422,6 @@ _MACRO_WEIGHT = {"map": 2, "filter": 2}
 """The engine builds the list a ``map`` or ``filter`` returns by copying it once per
 element, so those cost the square of their range by themselves; the other macros stop
 or go on per element and cost their range."""
-
-
-def _comprehension_variables(expression: str) -> set[str]:
-    return {name for _, name in _MACRO.findall(expression)}
 
 
 def cost_exponent(expression: str) -> int:

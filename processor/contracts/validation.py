@@ -321,6 +321,35 @@ ReferenceValidator = validators.extend(
     Draft202012Validator,
     validators={"pattern": _pattern, "multipleOf": _multiple_of},
 )
+_library_descend = ReferenceValidator.descend
+
+
+def _descend_with_paths(
+    self: Any,
+    instance: Any,
+    schema: Any,
+    path: Any = None,
+    schema_path: Any = None,
+    resolver: Any = None,
+) -> Iterator[ValidationError]:
+    """python-jsonschema's ``descend``, except that a false subschema's error gets the path
+    of the value it refuses, as every other error does: the library yields that error
+    before adding the path, so ``{"properties": {"legacy": false}}`` refused ``legacy``
+    at the arguments' own path, and a forbidden field inside ``meta`` at ``meta``."""
+    errors = _library_descend(self, instance, schema, path, schema_path, resolver)
+    if schema is not False:
+        yield from errors
+        return
+    for error in errors:
+        if not error.path and not error.schema_path:  # (a later release may add them itself)
+            if path is not None:
+                error.path.appendleft(path)
+            if schema_path is not None:
+                error.schema_path.appendleft(schema_path)
+        yield error
+
+
+ReferenceValidator.descend = _descend_with_paths
 
 
 _OFFLINE: Registry[Any] = Registry()
@@ -901,8 +930,6 @@ def _descend(
     errors: Errors, x: Any, path: Any = None, schema_path: Any = None
 ) -> list[ValidationError]:
     found = errors(x)
-    if errors is _false_schema:
-        return found  # the reference returns a boolean schema's error before adding paths
     for e in found:
         if path is not None:
             e.path.appendleft(path)

@@ -205,10 +205,7 @@ def _describe(e: ValidationError, contract: Contract) -> list[tuple[TaxonomyClas
             )
         return out
     if kw == "false":
-        # (a false subschema's error carries no path, in the library as here)
-        what = where or "a field the contract forbids"
-        message, hint = f"{what} is not allowed", f"remove {what}"
-        return [(cls, FieldError(where, message, "forbidden_field", None, None, hint))]
+        return [(cls, _forbidden(e, where))]
     if kw == "propertyNames":
         field = _child(where, e.instance)
         hint = f"{field} is not an allowed field name: remove or rename it"
@@ -356,12 +353,30 @@ def _describe(e: ValidationError, contract: Contract) -> list[tuple[TaxonomyClas
                 ),
             )
         ]
+    if kw == "items" and e.validator_value is False:
+        most = len(schema.get("prefixItems", []))
+        rule = f"at most {most} items"
+        hint = f"{name} must have {rule}" if most else f"{name} must be an empty list"
+        return [(cls, FieldError(where, hint, "too_many_items", rule, _short(e.instance), hint))]
     if kw == "uniqueItems":
         hint = f"{name} must not repeat items"
         return [(cls, FieldError(where, hint, "duplicate_items", None, None, hint))]
     return [
         (cls, FieldError(where, e.message[:300], kw, None, None, f"fix {name}: {e.message[:120]}"))
     ]
+
+
+def _forbidden(e: ValidationError, where: str | None) -> FieldError:
+    """A value a false subschema refuses: a property or item at its own path (the
+    validators give it one), a property whose presence ``dependentSchemas`` forbids, or
+    the arguments as a whole (an ``allOf``, ``then`` or ``else`` branch that is false)."""
+    keyword = list(e.relative_schema_path)[-2:]
+    if keyword[:1] == ["dependentSchemas"]:
+        where = _child(where, keyword[1])
+    if where is None:
+        hint = "the contract's schema refuses these arguments as a whole: compare them with it"
+        return FieldError(None, "the arguments are not allowed", "forbidden_field", hint=hint)
+    return FieldError(where, f"{where} is not allowed", "forbidden_field", hint=f"remove {where}")
 
 
 def json_type_of(schema: Any) -> str | None:

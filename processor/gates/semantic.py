@@ -11,7 +11,7 @@ Outcomes, in order:
 - an id that exists nowhere: ``SEMANTIC_INVALIDITY``, and ``next_action``
   names the lookup tool: the model invented or misremembered it;
 - an argument too large for the rules to be checked within ``RULE_COST_LIMIT``, or an
-  integer outside the 64 bits CEL computes with: ``OUT_OF_BOUNDS``;
+  integer outside the 64 bits CEL computes with where a rule can read it: ``OUT_OF_BOUNDS``;
 - a rule of the contract is false: ``SEMANTIC_INVALIDITY`` naming the rule;
 - an id of another tenant: ``PERMISSION_DENIED``;
 - an entity in a state the action does not allow: ``STALE_STATE``.
@@ -117,10 +117,17 @@ def check_semantics(
             for ref, _, entry in resolved
             if entry is not None and entry is not FOREIGN
         }
-        context = {"args": p.arguments, "principal": principal.as_cel(), "refs": refs}
-        refusal = _beyond_the_engine(contract.rules, context)
+        context: dict[str, Any] = {
+            "args": p.arguments,
+            "principal": principal.as_cel(),
+            "refs": refs,
+        }
+        size, beyond, unread = context_size(context, contract.rules)
+        refusal = _beyond_the_engine(contract.rules, size, beyond)
         if refusal is not None:
             return refusal
+        if unread:
+            context = _emptied(context, unread)
         failed: list[tuple[str, str, str]] = []
         for rule in contract.rules:
             try:
@@ -179,15 +186,22 @@ _INT64 = (-(2**63), 2**63 - 1)
 _Link = tuple[Any, "_Link"] | None
 """A path as (last key, the parent's path)."""
 
+ContextPath = tuple[Any, ...]
+"""Keys from the context down to one value: ``("args", "items", 0)``."""
 
-def context_size(value: Any) -> tuple[int, tuple[Any, ...] | None]:
+
+def context_size(
+    value: Any, rules: tuple[SemanticRule, ...] | None = None
+) -> tuple[int, ContextPath | None, list[ContextPath]]:
     """The size of what a rule may read: one per value (a list, a map, each element and
-    each entry included), plus one per ``_STRING_UNIT`` characters; and the path of the
-    first integer outside int64, which the engine would turn into a uint or a rounded
-    double instead of failing with an overflow. Iterative, and each value's path is a
-    link to its parent's, so that deep nesting costs neither recursion nor copies."""
+    each entry included), plus one per ``_STRING_UNIT`` characters; the path of the first
+    integer outside int64 that ``rules`` can read (any, without rules), which the engine
+    would turn into a uint or a rounded double instead of failing with an overflow; and
+    the paths of those no rule reads. Iterative, and each value's path is a link to its
+    parent's, so that deep nesting costs neither recursion nor copies."""
     size = 0
-    beyond: tuple[_Link] | None = None
+    beyond: ContextPath | None = None
+    unread: list[ContextPath] = []
     stack: list[tuple[Any, _Link]] = [(value, None)]
     while stack:
         node, where = stack.pop()
@@ -199,11 +213,15 @@ def context_size(value: Any) -> tuple[int, tuple[Any, ...] | None]:
         elif isinstance(node, str | bytes):
             size += len(node) // _STRING_UNIT
         elif type(node) is int and beyond is None and not _INT64[0] <= node <= _INT64[1]:
-            beyond = (where,)
-    return size, None if beyond is None else _unlink(beyond[0])
+            path = _unlink(where)
+            if rules is None or _read(rules, path):
+                beyond = path
+            else:
+                unread.append(path)
+    return size, beyond, unread
 
 
-def _unlink(link: _Link) -> tuple[Any, ...]:
+def _unlink(link: _Link) -> ContextPath:
     parts: list[Any] = []
     while link is not None:
         parts.append(link[0])
@@ -211,13 +229,80 @@ def _unlink(link: _Link) -> tuple[Any, ...]:
     return tuple(reversed(parts))
 
 
+def _read(rules: tuple[SemanticRule, ...], path: ContextPath) -> bool:
+    """Whether a rule can read the value at ``path``: it reads that value, a value holding
+    it (all of which it may read), or a value inside it (which it reaches through it)."""
+    for rule in rules:
+        for read in rule.reads:
+            n = min(len(read), len(path))
+            if read[:n] == path[:n]:
+                return True
+    return False
+
+
+def _emptied(context: dict[str, Any], paths: list[ContextPath]) -> dict[str, Any]:
+    """``context`` with null at each of ``paths``, copying only the maps and lists on the
+    way. An integer beyond the double range fails the engine's conversion of the whole
+    context, so one that no rule reads must not reach it; null cannot change a verdict
+    that does not read it."""
+    out = dict(context)
+    copied = {id(out)}
+    for path in paths:
+        node: Any = out
+        for key in path[:-1]:
+            child = node[key]
+            if id(child) not in copied:
+                child = dict(child) if isinstance(child, dict) else list(child)
+                copied.add(id(child))
+                node[key] = child
+            node = child
+        node[path[-1]] = None
+    return out
+
+
+CARRIED = (-(2**63), 2**64 - 1)
+"""The integers a call's canonical arguments can hold (what its payload hash, its Avro
+record and its executors' JSON readers take)."""
+
+
+def uncarriable(arguments: Any) -> Rejection:
+    """The refusal of arguments holding an integer beyond ``CARRIED``, which a schema without
+    a ``maximum`` (or ``minimum``) lets through: the call could not be hashed nor routed,
+    and its decision would fail as an internal error."""
+    where: tuple[Any, ...] = ()
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(arguments, ())]
+    while stack:
+        node, path = stack.pop()
+        if type(node) is dict:
+            stack.extend((v, (*path, k)) for k, v in node.items())
+        elif type(node) is list:
+            stack.extend((v, (*path, i)) for i, v in enumerate(node))
+        elif type(node) is int and not CARRIED[0] <= node <= CARRIED[1]:
+            where = path
+            break
+    field = field_path(where) if where else None
+    return Rejection(
+        TaxonomyClass.OUT_OF_BOUNDS,
+        Gate.SEMANTIC,
+        (
+            FieldError(
+                field,
+                f"{field or 'the arguments'}: integer outside the 64-bit range a call can carry",
+                "integer_overflow",
+                expected=f"{CARRIED[0]}..{CARRIED[1]}",
+            ),
+        ),
+        "Send the number within the 64-bit range; a value this large cannot be passed to the tool.",
+    )
+
+
 def _beyond_the_engine(
-    rules: tuple[SemanticRule, ...], context: dict[str, Any]
+    rules: tuple[SemanticRule, ...], size: int, beyond: ContextPath | None
 ) -> Rejection | None:
     """Refuse, before any rule runs, a context the rules cannot be evaluated over faithfully
-    (an integer beyond int64) or within ``RULE_COST_LIMIT``. Both refusals fail closed and
-    say the arguments are too large, not that they break a rule."""
-    size, beyond = context_size(context)
+    (an integer beyond int64 that a rule reads) or within ``RULE_COST_LIMIT``. Both
+    refusals fail closed and say the arguments are too large, not that they break a
+    rule."""
     if beyond is not None:
         field = field_path(beyond[1:]) if beyond[:1] == ("args",) else None
         return Rejection(

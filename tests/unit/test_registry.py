@@ -487,6 +487,26 @@ def _rule(expression: str) -> dict[str, Any]:
         ("-size(args.order_id) < 0", "unary minus on a computed value"),
         ("type(order) == int", "unknown variables ['order']"),
         ("args.order_id.all(Item, Item != 'x') && Other", "unknown variables ['Other']"),
+        # A macro's variable used outside it: before, this loaded and failed every call,
+        # or, under ||, passed every call whose other side was true.
+        ("[args.order_id].all(i, i != 'x') && i == 'y'",
+         "macro variables ['i'] used outside the macro that binds them"),
+        ("[args.order_id].all(i, i != 'x') || i == 'y'",
+         "macro variables ['i'] used outside the macro that binds them"),
+        ("i.all(i, i != 'x')", "macro variables ['i'] used outside"),
+        # A macro's variable hiding another name: before, each loaded and checked something
+        # else than it says.
+        ("[args.order_id].exists(args, args.order_id == 'WO-12345-A')",
+         "the macro variable 'args' hides args"),
+        ("[args.order_id].all(principal, principal != '')", "the macro variable 'principal'"),
+        ("[args.order_id].all(int, type(int) == int)", "the macro variable 'int' hides int"),
+        ("[[args.order_id]].all(x, x.all(x, x != ''))",
+         "the macro variable 'x' hides the variable of an enclosing macro"),
+        ("[args.order_id].all(x, [1].map(y, [x].exists(x, x == y)).size() > 0)",
+         "the macro variable 'x' hides the variable of an enclosing macro"),
+        # Before, a macro's text inside a string literal was taken for a binding of zz.
+        ("'.all(zz,' != args.order_id && zz == 1", "unknown variables ['zz']"),
+        ("google.protobuf.Int64Value{value: 1} != null", "cannot analyse this expression"),
     ],
 )  # fmt: skip
 def test_rules_that_would_misbehave_on_every_call_are_refused_at_load(
@@ -506,6 +526,11 @@ def test_rules_that_would_misbehave_on_every_call_are_refused_at_load(
         "[args.reason_code].exists( Code , Code.startsWith('customer'))",
         "timestamp('2024-01-01T00:00:00Z').getFullYear() == 2024",
         "size(args.order_id) > -1 && 0 - size(args.order_id) < 0",
+        # One name for the variables of two macros side by side, or of the filter and the
+        # body of one map, is no reuse.
+        "[args.order_id].all(x, x != '') && [args.reason_code].exists(x, x != '')",
+        "[args.order_id].map(x, x != '', x + '!').all(y, y.endsWith('!'))",
+        "[args.order_id].all(x, [x].all(y, y == x)) && !args.order_id.startsWith('https://')",
     ],
 )
 def test_valid_cel_loads(expression: str, tmp_path: Path) -> None:

@@ -505,8 +505,9 @@ def test_a_forbidden_field_and_a_bad_field_name_are_structural(tmp_path: Path) -
         "type": "object", "properties": {"query": {"type": "string"}, "admin": False},
     })  # fmt: skip
     got = check_arguments({"query": "q", "admin": True}, forbidden)
-    assert _fields(got) == [(None, "forbidden_field")]  # the library's error has no path
+    assert _fields(got) == [("admin", "forbidden_field")]
     assert got is not None and got.taxonomy is TaxonomyClass.STRUCTURAL_VIOLATION
+    assert got.next_action == "remove admin; then call search_kb again."
     named = _with_schema(tmp_path, {
         "type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
     })  # fmt: skip
@@ -572,3 +573,56 @@ def test_a_hint_quotes_back_at_most_a_little_of_the_arguments(tmp_path: Path) ->
     assert got is not None and "accepted fields: n, query, s" in got.next_action
     short = check_arguments({"query": "q", "n": "12"}, contract)
     assert short is not None and short.errors[0].hint == 'n must be a number: emit 12 not "12"'
+
+
+@pytest.mark.parametrize(
+    ("properties", "arguments", "field", "compiled"),
+    [
+        ({"legacy_field": False}, {"legacy_field": 1}, "legacy_field", True),
+        ({"meta": {"type": "object", "properties": {"x": False}}}, {"meta": {"x": 1, "y": 2}},
+         "meta/x", True),
+        ({"m": {"type": "object", "additionalProperties": {"properties": {"k": False}}}},
+         {"m": {"a/b": {"k": 1}}}, "m/a~1b/k", True),
+        ({"pair": {"type": "array", "prefixItems": [{}, False]}}, {"pair": [1, 2]}, "pair/1",
+         False),
+        ({"m": {"type": "object", "patternProperties": {"^x_": False}}}, {"m": {"x_a": 1}},
+         "m/x_a", False),
+        ({"m": {"type": "object", "dependentSchemas": {"old": False}}}, {"m": {"old": 1}}, "m/old",
+         False),
+    ],
+)  # fmt: skip
+def test_a_value_a_false_schema_forbids_is_named_by_its_path(
+    properties: dict[str, Any],
+    arguments: dict[str, Any],
+    field: str,
+    compiled: bool,
+    tmp_path: Path,
+) -> None:
+    """Before, python-jsonschema's error for a false subschema had no path of its own (and
+    the compiled walk copied it): the forbidden field was named at its parent's path, so the
+    model was told to remove the whole parent (``remove meta``), or at none. Each case runs
+    through the compiled walk where the schema allows it, and through the reference's."""
+    schema: dict[str, Any] = {"type": "object", "properties": {"query": {}, **properties}}
+    walks = [(schema, compiled), ({**schema, "unevaluatedItems": True}, False)]
+    for each, explained in walks:
+        contract = _with_schema(tmp_path, each)
+        assert (contract.validator.explain is not None) is explained
+        got = check_arguments({"query": "q", **arguments}, contract)
+        assert _fields(got) == [(field, "forbidden_field")]
+        assert got is not None and got.taxonomy is TaxonomyClass.STRUCTURAL_VIOLATION
+        assert got.next_action == f"remove {field}; then call search_kb again."
+
+
+def test_items_false_says_how_many_items_are_allowed(tmp_path: Path) -> None:
+    contract = _with_schema(tmp_path, {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": False},
+                       "pair": {"type": "array", "prefixItems": [{}, {}], "items": False}},
+    })  # fmt: skip
+    got = check_arguments({"tags": ["a"], "pair": [1, 2, 3]}, contract)
+    assert sorted(_fields(got)) == [("pair", "too_many_items"), ("tags", "too_many_items")]
+    assert got is not None and got.taxonomy is TaxonomyClass.OUT_OF_BOUNDS
+    assert sorted(e.hint or "" for e in got.errors) == [
+        "pair must have at most 2 items",
+        "tags must be an empty list",
+    ]

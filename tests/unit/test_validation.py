@@ -311,6 +311,21 @@ def test_compiled_errors_are_the_references_errors(group: Group | None) -> None:
         assert error_signature(explain(t["data"])) == expected, t["description"]
 
 
+def test_a_false_subschema_refuses_the_value_at_its_own_path() -> None:
+    """python-jsonschema's own ``descend`` yields a false subschema's error before adding
+    the path and schema path it descended by: ``b`` was refused at ``a``, and the property
+    at the top at no path."""
+    schema = {"properties": {"a": {"properties": {"b": False}}, "c": False}}
+    instance = {"a": {"b": 1}, "c": 2}
+    for errors in (
+        ReferenceValidator(schema).iter_errors(instance),
+        compile_errors(schema)(instance),
+    ):
+        found = [(list(e.absolute_path), list(e.absolute_schema_path)) for e in errors]
+        assert found == [(["a", "b"], ["properties", "a", "properties", "b"]),
+                         (["c"], ["properties", "c"])]  # fmt: skip
+
+
 def test_compiled_errors_cover_what_the_fast_validator_covers() -> None:
     assert GROUPS, MISSING
     for g in GROUPS:
@@ -342,6 +357,8 @@ def test_compiled_errors_cover_what_the_fast_validator_covers() -> None:
         ({"format": "date", "maxLength": 0}, "2026-02-30"),
         (False, {"a": 1}),
         ({"properties": {"a": False}}, {"a": 1}),
+        ({"properties": {"a": {"properties": {"b": False}}}, "items": False}, {"a": {"b": 1}}),
+        ({"items": {"properties": {"b": False}}}, [{}, {"b": 1}]),
     ],
 )
 def test_compiled_errors_on_each_keyword(schema: Any, instance: Any) -> None:
