@@ -177,6 +177,12 @@ class Case:
     def problems(self, v: Verdict, limits: Limits) -> list[str]:
         return [f"{self.kind}: {p}" for p in self.expected(limits).problems(v)]
 
+    def __repr__(self) -> str:
+        """Short: hypothesis prints the case that fails, and a value may be megabytes."""
+        value = "None" if self.value is None else f"<{len(self.value)} bytes> {self.value[:300]!r}"
+        return (f"Case(kind={self.kind!r}, marker={self.marker}, note={self.note!r}, "
+                f"key={self.key!r}, value={value})")  # fmt: skip
+
 
 # -- valid material --------------------------------------------------------------------------
 
@@ -664,6 +670,14 @@ def b_truncated(r: random.Random, m: int, max_bytes: int) -> Case:
                 dlq("truncated", "invalid_json"), m)  # fmt: skip
 
 
+def _is_utf8(text: bytes) -> bool:
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def b_invalid_utf8(r: random.Random, m: int, max_bytes: int) -> Case:
     env = envelope(r, m)
     text = dumps(r, env)
@@ -675,6 +689,11 @@ def b_invalid_utf8(r: random.Random, m: int, max_bytes: int) -> Case:
         else:
             i = r.randrange(len(text) + 1)
         text = text[:i] + bad + text[i:]
+    if _is_utf8(text):
+        # Insertions can complete each other: b"\x80" inserted inside b"\xf0\x9f\x98" makes
+        # U+1F018, or after it U+1F600. The record is then valid UTF-8, and often valid
+        # JSON that rightly passes. A byte UTF-8 never uses keeps it what the case says.
+        text = text[:i] + b"\xff" + text[i:]
     return Case("invalid_utf8", text, run_key(r, env), dlq("invalid_json", "truncated"), m)
 
 

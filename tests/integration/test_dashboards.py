@@ -591,7 +591,15 @@ def test_the_alerting_rules_evaluate_cleanly_and_stay_quiet(scraped: Scraped) ->
     unhealthy = {r["name"]: r.get("lastError") for r in rules if r["health"] != "ok"}
     assert not unhealthy, unhealthy
     alerts = http_json(f"{prometheus.url}/api/v1/alerts")["data"]["alerts"]
-    assert alerts == [], "a healthy processor raised alerts"
+    assert [a for a in alerts if a["state"] == "firing"] == [], "a healthy processor raised alerts"
+
+    # A scrape that caught the waves waiting before the first commit was counted (a slow,
+    # loaded machine) holds ToolsentryStuck pending, never firing (it must hold for 5
+    # minutes): a healthy processor clears it at its next evaluations.
+    def quiet() -> bool:
+        return http_json(f"{prometheus.url}/api/v1/alerts")["data"]["alerts"] == []
+
+    wait_for("no alert pending", quiet, timeout=60)
 
 
 def test_promtool_accepts_the_shipped_configuration_and_the_rules_pass_their_tests() -> None:
