@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -196,10 +196,9 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _refuse_non_finite(doc: Any) -> None:
-    """Raise ``ValueError`` at a YAML ``.nan`` or ``.inf`` (or a number too large for a
-    float). JSON has neither, and nothing downstream expects one: a bound of NaN refuses
-    every number, and a cost of NaN reaches the budget script as null."""
+def leaves(doc: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(path, value) of every value in ``doc`` that is neither a map nor a list, without
+    recursion (the document may be hostile)."""
     stack: list[tuple[Any, tuple[Any, ...]]] = [(doc, ())]
     while stack:
         node, where = stack.pop()
@@ -207,7 +206,16 @@ def _refuse_non_finite(doc: Any) -> None:
             stack.extend((v, (*where, k)) for k, v in node.items())
         elif type(node) is list:
             stack.extend((v, (*where, i)) for i, v in enumerate(node))
-        elif type(node) is float and not math.isfinite(node):
+        else:
+            yield where, node
+
+
+def _refuse_non_finite(doc: Any) -> None:
+    """Raise ``ValueError`` at a YAML ``.nan`` or ``.inf`` (or a number too large for a
+    float). JSON has neither, and nothing downstream expects one: a bound of NaN refuses
+    every number, and a cost of NaN reaches the budget script as null."""
+    for where, node in leaves(doc):
+        if type(node) is float and not math.isfinite(node):
             raise ValueError(f"{_pointer(where)}: {node} is not a JSON number")
 
 

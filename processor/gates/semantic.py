@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from processor.contracts.registry import Contract, Reference, SemanticRule
+from processor.contracts.registry import Contract, Reference, SemanticRule, leaves
 from processor.gates.schema import field_path
 from processor.model import FieldError, Gate, Principal, Proposal, Rejection, TaxonomyClass
 
@@ -269,17 +269,11 @@ def uncarriable(arguments: Any) -> Rejection:
     """The refusal of arguments holding an integer beyond ``CARRIED``, which a schema without
     a ``maximum`` (or ``minimum``) lets through: the call could not be hashed nor routed,
     and its decision would fail as an internal error."""
-    where: tuple[Any, ...] = ()
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(arguments, ())]
-    while stack:
-        node, path = stack.pop()
-        if type(node) is dict:
-            stack.extend((v, (*path, k)) for k, v in node.items())
-        elif type(node) is list:
-            stack.extend((v, (*path, i)) for i, v in enumerate(node))
-        elif type(node) is int and not CARRIED[0] <= node <= CARRIED[1]:
-            where = path
-            break
+    where = next(
+        (path for path, v in leaves(arguments)
+         if type(v) is int and not CARRIED[0] <= v <= CARRIED[1]),
+        (),
+    )  # fmt: skip
     field = field_path(where) if where else None
     return Rejection(
         TaxonomyClass.OUT_OF_BOUNDS,
