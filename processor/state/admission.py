@@ -266,9 +266,12 @@ class AdmissionStore:
         return removed
 
     def _queue_forget(self, pipe: Any, items: list[tuple[str, Item]]) -> int:
-        by_tag: dict[str, list[str]] = defaultdict(list)
+        by_tenant: dict[str, list[str]] = defaultdict(list)
         for tenant, item in items:
-            by_tag[_tag_of(tenant)].append(item["pos"])
+            by_tenant[tenant].append(item["pos"])
+        by_tag: dict[str, list[str]] = defaultdict(list)
+        for tenant, positions in by_tenant.items():  # (a tag once per tenant, not per item)
+            by_tag[_tag_of(tenant)] += positions
         queued = 0
         for tag, positions in by_tag.items():
             pipe.hdel(f"{self.ns}:{tag}:done", *positions)
