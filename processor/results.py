@@ -41,7 +41,7 @@ from processor.gates.budget import (
     is_compensation_key,
     runtime_of,
 )
-from processor.gates.parse import COMPENSATION_PREFIX, _depth, strict_loads
+from processor.gates.parse import COMPENSATION_PREFIX, nests_deeper, strict_loads
 from processor.gates.policy_scan import find_secrets
 from processor.identity import Verifier
 from processor.model import (
@@ -156,7 +156,7 @@ def compensation_arguments(r: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         return None
     deep = COMPENSATION_ARGUMENTS_MAX_DEPTH
-    if raw.count("{") + raw.count("[") > deep and _depth(value) > deep:
+    if nests_deeper(value, deep, raw.count("{") + raw.count("[")):
         return None
     return value
 

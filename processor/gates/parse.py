@@ -114,6 +114,12 @@ def _depth(node: Any) -> int:
     return depth
 
 
+def nests_deeper(value: Any, limit: int, brackets: int) -> bool:
+    """Whether ``value`` nests more than ``limit`` levels (see ``_depth``); ``brackets``,
+    how many its text holds, bounds the depth, so the walk runs only past the limit."""
+    return brackets > limit and _depth(value) > limit
+
+
 def _json_size(value: Any) -> int:
     """Bytes of ``value`` as compact JSON. orjson writes no integer beyond 64 bits, which
     the exact parser keeps whole: a value holding one is measured by the standard library."""
@@ -427,7 +433,7 @@ def parse_proposal(
                 )
             )
             arguments = None
-        elif brackets > limits.max_depth and _depth(arguments) > limits.max_depth:
+        elif nests_deeper(arguments, limits.max_depth, brackets):
             errors.append(
                 _err(
                     "arguments",
